@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Builds the local control plane's binaries from upstream Go modules into a cache outside
+# the repository, keyed by version; a binary already in the cache is not rebuilt.
+#   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl  (k8s.io/kubernetes)
+#   etcd                                                              (go.etcd.io/etcd/server/v3)
+#   kwok, kwokctl                                                     (sigs.k8s.io/kwok)
+# Prints the folder holding them all. Versions live in e2e/versions.env.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=../versions.env
+source "$here/../versions.env"
+cache=${RINGMASTER_CACHE:-$HOME/.cache/ringmaster}
+bin="$cache/bin/k8s-$KUBERNETES_VERSION-etcd-$ETCD_VERSION-kwok-$KWOK_VERSION"
+mkdir -p "$bin"
+export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
+
+log() { printf '[build] %s\n' "$*" >&2; }
+
+k8s_cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+missing=()
+for c in "${k8s_cmds[@]}"; do [ -x "$bin/$c" ] || missing+=("k8s.io/kubernetes/cmd/$c"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  log "building Kubernetes $KUBERNETES_VERSION: ${missing[*]##*/} (first time: about 5-15 minutes on 2 cores)"
+  minor=${KUBERNETES_VERSION#v1.}; minor=${minor%%.*}
+  work=$(mktemp -d); cp "$here/kubernetes/go.mod" "$here/kubernetes/tools.go" "$work/"
+  [ -f "$here/kubernetes/go.sum" ] && cp "$here/kubernetes/go.sum" "$work/"
+  (cd "$work" && go build -trimpath -tags selinux,notest \
+    -ldflags "-s -w -X k8s.io/component-base/version.gitVersion=$KUBERNETES_VERSION -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean" \
+    -o "$bin/" "${missing[@]}")
+  rm -rf "$work"
+fi
+
+if [ ! -x "$bin/etcd" ]; then
+  log "building etcd $ETCD_VERSION"
+  work=$(mktemp -d); cp "$here/etcd/go.mod" "$here/etcd/tools.go" "$work/"
+  [ -f "$here/etcd/go.sum" ] && cp "$here/etcd/go.sum" "$work/"
+  (cd "$work" && go build -trimpath -ldflags "-s -w" -o "$bin/etcd" go.etcd.io/etcd/server/v3)
+  rm -rf "$work"
+fi
+
+if [ ! -x "$bin/kwok" ] || [ ! -x "$bin/kwokctl" ]; then
+  log "building KWOK $KWOK_VERSION"
+  GOBIN="$bin" GOFLAGS= go install -trimpath -ldflags "-s -w" \
+    "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION" "sigs.k8s.io/kwok/cmd/kwokctl@$KWOK_VERSION"
+fi
+echo "$bin"

@@ -1,0 +1,4 @@
+//go:build tools
+
+// Package tools pins the upstream commands this module builds; nothing here is compiled.
+package tools

@@ -1,0 +1,45 @@
+//! Types shared by both resources.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// A key of a Secret in the resource's own namespace.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SecretKeyRef {
+    /// Name of the Secret, in the same namespace as the resource.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Key inside the Secret whose value is used.
+    #[schemars(length(min = 1, max = 253))]
+    pub key: String,
+}
+
+/// The conditions list every status carries: kstatus-compatible (`type`, `status`,
+/// `reason`, `message`, `lastTransitionTime`, `observedGeneration`).
+pub type Conditions = Vec<Condition>;
+
+/// Condition types shared by both kinds.
+pub mod condition_types {
+    /// `True` when the resource has done its work (a DataStage's data is ready, a
+    /// TrainingJob is running or has succeeded); `kubectl wait --for=condition=Ready` uses it.
+    pub const READY: &str = "Ready";
+    /// `False` when the spec breaks a rule the schema could not check; the message names the field.
+    pub const SPEC_VALID: &str = "SpecValid";
+    /// `True` while the operator is working towards the desired state (kstatus "Reconciling").
+    pub const RECONCILING: &str = "Reconciling";
+    /// `True` when the resource cannot make progress without a change (kstatus "Stalled").
+    pub const STALLED: &str = "Stalled";
+}
+
+/// Condition reasons shared by both kinds.
+pub mod condition_reasons {
+    /// The spec passed validation.
+    pub const VALID: &str = "Valid";
+    /// The spec breaks a rule; the message names the field.
+    pub const INVALID_SPEC: &str = "InvalidSpec";
+    /// The spec is valid but this version of the operator does not carry the step that acts
+    /// on it yet; nothing is created.
+    pub const NOT_IMPLEMENTED: &str = "NotImplemented";
+}

@@ -1,0 +1,698 @@
+//! `TrainingJob`: train a model on N GPU machines with MPI.
+
+// The repeated `printcolumn(...)` arguments of the kube derive look like duplicated attributes to clippy.
+#![allow(clippy::duplicated_attributes)]
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements, Toleration, Volume, VolumeMount};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::core::Rule;
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::common::Conditions;
+use super::vm_sizes;
+
+/// A CEL rule over the spec that refuses any change of one field after creation.
+/// Written with `has()` on both sides so adding or removing an optional field counts too.
+fn immutable(field: &str) -> Rule {
+    Rule::new(format!(
+        "has(self.{field}) == has(oldSelf.{field}) && (!has(self.{field}) || self.{field} == oldSelf.{field})"
+    ))
+    .message(kube::core::cel::Message::Message(format!(
+        "spec.{field} is immutable: delete and re-create the TrainingJob to change it"
+    )))
+    .field_path(format!(".{field}"))
+}
+
+/// Runs a distributed data-parallel training job: MPI worker pods on GPU nodes (optionally a
+/// node pool created for the job), a launcher pod running `mpirun`, and the Ringmaster trainer
+/// (or your own command) in them. Status follows the pods.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "ringmaster.dev",
+    version = "v1alpha1",
+    kind = "TrainingJob",
+    namespaced,
+    cel,
+    shortname = "tj",
+    category = "ringmaster",
+    status = "TrainingJobStatus",
+    doc = "A distributed data-parallel training job: MPI workers on GPU nodes, a launcher running mpirun, and the trainer in them.",
+    printcolumn(
+        name = "Phase",
+        type_ = "string",
+        json_path = ".status.phase",
+        description = "Where the job is in its life"
+    ),
+    printcolumn(
+        name = "Workers",
+        type_ = "integer",
+        json_path = ".spec.workers",
+        description = "Worker pods asked for"
+    ),
+    printcolumn(
+        name = "Ready",
+        type_ = "integer",
+        json_path = ".status.workers.ready",
+        description = "Worker pods ready (reachable over ssh)"
+    ),
+    printcolumn(
+        name = "GPUs",
+        type_ = "integer",
+        json_path = ".spec.gpusPerWorker",
+        description = "GPUs per worker",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Restarts",
+        type_ = "integer",
+        json_path = ".status.restarts",
+        description = "Times the worker gang was restarted"
+    ),
+    printcolumn(
+        name = "Images/s",
+        type_ = "number",
+        json_path = ".status.result.imagesPerSecond",
+        description = "Throughput reported by the trainer",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new(vm_sizes::gpus_fit_vm_size_rule())
+        .message("gpusPerWorker is more than the GPUs of nodePool.vmSize")
+        .field_path(".gpusPerWorker"),
+    validation = Rule::new(vm_sizes::infiniband_fits_vm_size_rule())
+        .message("infiniband is enabled but nodePool.vmSize has no InfiniBand NIC (use an ND or NC*r size, or set infiniband.enabled: false)")
+        .field_path(".infiniband.enabled"),
+    validation = Rule::new("self.gpusPerWorker == 0 || !has(self.slotsPerWorker) || self.slotsPerWorker <= self.gpusPerWorker")
+        .message("slotsPerWorker must not exceed gpusPerWorker: each rank drives one GPU")
+        .field_path(".slotsPerWorker"),
+    validation = Rule::new("!(has(self.command) && has(self.trainer))")
+        .message("set either command (your own program) or trainer (the Ringmaster trainer's settings), not both")
+        .field_path(".command"),
+    validation = Rule::new("!has(self.trainer) || !has(self.trainer.data) || self.trainer.data != 'imageFolder' || has(self.dataStageRef)")
+        .message("trainer.data imageFolder reads the dataset of a DataStage: set dataStageRef")
+        .field_path(".trainer.data"),
+    validation = Rule::new("!has(self.infiniband) || !self.infiniband.enabled || self.gpusPerWorker > 0")
+        .message("infiniband needs GPUs (NCCL over RDMA): set gpusPerWorker, or infiniband.enabled: false")
+        .field_path(".infiniband.enabled"),
+    validation = immutable("workers"),
+    validation = immutable("gpusPerWorker"),
+    validation = immutable("slotsPerWorker"),
+    validation = immutable("image"),
+    validation = immutable("command"),
+    validation = immutable("trainer"),
+    validation = immutable("dataStageRef"),
+    validation = immutable("nodePool"),
+    validation = immutable("mpi"),
+    validation = immutable("infiniband"),
+)]
+pub struct TrainingJobSpec {
+    /// Number of worker pods. Each runs on a node of its own and hosts `slotsPerWorker` MPI
+    /// ranks. With `nodePool.provisioner: aks` it is also the node count of the pool.
+    #[schemars(range(min = 1, max = 1024))]
+    pub workers: i32,
+
+    /// NVIDIA GPUs per worker (the pods' `nvidia.com/gpu` limit). 0 runs a CPU job, whose
+    /// ranks all-reduce over a TCP ring instead of NCCL.
+    #[serde(default)]
+    #[schemars(range(min = 0, max = 16))]
+    pub gpus_per_worker: i32,
+
+    /// MPI ranks per worker. Defaults to `gpusPerWorker` (one rank per GPU), or 1 for a CPU job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 256))]
+    pub slots_per_worker: Option<i32>,
+
+    /// Container image of the launcher and the workers. It needs sshd, the MPI named in `mpi`,
+    /// and the trainer (or your command). The `trainer` target of Ringmaster's Dockerfile
+    /// builds one.
+    #[schemars(length(min = 1, max = 512))]
+    pub image: String,
+
+    /// Your own program, run by `mpirun` on every rank instead of the Ringmaster trainer.
+    /// Leave unset to run `ringmaster-trainer train` with the `trainer` settings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 256))]
+    pub command: Option<Vec<String>>,
+
+    /// Settings of the Ringmaster trainer, used when `command` is unset. Defaults train
+    /// ResNet-50 on synthetic data, the benchmark mode of Azure's reference architecture.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trainer: Option<TrainerSpec>,
+
+    /// A DataStage in this namespace whose dataset the job reads. The job waits until it is
+    /// Ready, then mounts its claim read-only in every worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_stage_ref: Option<DataStageRef>,
+
+    /// Where logs, checkpoints and the final model are written: a PersistentVolumeClaim or an
+    /// Azure Files share, mounted read-write in the launcher and the workers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<OutputSpec>,
+
+    /// InfiniBand (RDMA) for NCCL between nodes. Needs a VM size with an InfiniBand NIC and
+    /// the RDMA device plugin on the nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub infiniband: Option<InfinibandSpec>,
+
+    /// The nodes the workers run on: an AKS agent pool created for this job, or existing
+    /// nodes picked by labels. Unset: any node the scheduler finds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_pool: Option<NodePoolSpec>,
+
+    /// The MPI implementation in the image and how the launcher reaches the workers.
+    #[serde(default)]
+    pub mpi: MpiSpec,
+
+    /// Additions to the launcher pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub launcher: Option<PodOverrides>,
+
+    /// Additions to every worker pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker: Option<PodOverrides>,
+
+    /// Restarts, deadlines, clean-up and suspension.
+    #[serde(default)]
+    pub run_policy: RunPolicy,
+}
+
+/// Settings of `ringmaster-trainer train`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!(has(self.steps) && has(self.epochs))")
+    .message("set either trainer.steps or trainer.epochs, not both")
+    .field_path(".steps"))]
+pub struct TrainerSpec {
+    /// The network to train. Default: resnet50.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<Model>,
+    /// Where images come from. Default: synthetic.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<DataSource>,
+    /// Folder inside the DataStage's mount that holds the ImageNet-style `train/` tree.
+    /// Default: the mount's root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024), regex(pattern = r"^[^/].*$"))]
+    pub data_path: Option<String>,
+    /// Images per rank per step. Default: 64.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 4096))]
+    pub batch_size: Option<i32>,
+    /// Side of the square input images in pixels. Default: 224.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 32, max = 1024))]
+    pub image_size: Option<i32>,
+    /// Steps to train. Exclusive with `epochs`; default 1000 steps when neither is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub steps: Option<i64>,
+    /// Passes over the dataset. Exclusive with `steps`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100000))]
+    pub epochs: Option<i32>,
+    /// Peak learning rate of SGD with momentum, for the global batch. Default: 0.1 × global batch / 256.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0, max = 100.0))]
+    pub learning_rate: Option<f64>,
+    /// Arithmetic on the GPU. Default: bf16 on GPUs, fp32 on CPUs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<Precision>,
+    /// Further flags passed to `ringmaster-trainer train` as they are.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    pub extra_args: Vec<String>,
+}
+
+/// A model the trainer knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Model {
+    /// ResNet-18, 11.7 M parameters.
+    Resnet18,
+    /// ResNet-34, 21.8 M parameters.
+    Resnet34,
+    /// ResNet-50, 25.6 M parameters.
+    Resnet50,
+    /// ResNet-101, 44.5 M parameters.
+    Resnet101,
+    /// ResNet-152, 60.2 M parameters.
+    Resnet152,
+}
+
+/// Where the trainer's images come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum DataSource {
+    /// Random images generated on the GPU: measures compute and all-reduce, not I/O.
+    Synthetic,
+    /// An ImageNet-style tree of JPEG folders, one folder a class, from `dataStageRef`.
+    ImageFolder,
+}
+
+/// Arithmetic precision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// 32-bit floats throughout.
+    Fp32,
+    /// bfloat16 activations and weights with fp32 accumulation and master weights.
+    Bf16,
+}
+
+/// A DataStage to read the dataset from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DataStageRef {
+    /// Name of a DataStage in the job's namespace.
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    )]
+    pub name: String,
+    /// Where the dataset is mounted (read-only) in the workers. Default: /data.
+    #[serde(default = "default_data_mount")]
+    #[schemars(length(max = 1024), regex(pattern = r"^/.*$"))]
+    pub mount_path: String,
+}
+
+fn default_data_mount() -> String {
+    "/data".into()
+}
+
+/// Where results go: exactly one of `persistentVolumeClaim` and `azureFile`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("has(self.persistentVolumeClaim) != has(self.azureFile)")
+    .message("output needs exactly one of persistentVolumeClaim and azureFile"))]
+pub struct OutputSpec {
+    /// An existing claim in the job's namespace (ReadWriteMany when workers write to it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persistent_volume_claim: Option<ClaimRef>,
+    /// An Azure Files share, mounted through the `file.csi.azure.com` driver.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub azure_file: Option<AzureFileOutput>,
+    /// Where the output is mounted in the launcher and the workers. Default: /output.
+    #[serde(default = "default_output_mount")]
+    #[schemars(length(max = 1024), regex(pattern = r"^/.*$"))]
+    pub mount_path: String,
+}
+
+fn default_output_mount() -> String {
+    "/output".into()
+}
+
+/// A PersistentVolumeClaim by name.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimRef {
+    /// Name of the claim, in the same namespace.
+    #[schemars(length(min = 1, max = 253))]
+    pub claim_name: String,
+}
+
+/// An Azure Files (SMB) share for logs, checkpoints and models.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AzureFileOutput {
+    /// Name of the file share.
+    #[schemars(length(min = 3, max = 63), regex(pattern = r"^[a-z0-9](-?[a-z0-9])*$"))]
+    pub share_name: String,
+    /// Secret with `azurestorageaccountname` and `azurestorageaccountkey`, as the Azure Files
+    /// CSI driver expects.
+    #[schemars(length(min = 1, max = 253))]
+    pub secret_name: String,
+}
+
+/// InfiniBand settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct InfinibandSpec {
+    /// Use InfiniBand: request the RDMA resource, add IPC_LOCK, mount /dev/shm in memory and
+    /// point NCCL at the IB devices. Default: true.
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// The extended resource the RDMA device plugin advertises. Default: rdma/shared_ib (the
+    /// RDMA shared device plugin AKS documents).
+    #[serde(default = "default_rdma_resource")]
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = r"^[a-z0-9.-]+/[A-Za-z0-9_.-]+$")
+    )]
+    pub rdma_resource: String,
+    /// How many of the RDMA resource each worker asks for. Default: 1.
+    #[serde(default = "default_one")]
+    #[schemars(range(min = 1, max = 64))]
+    pub rdma_resource_count: i32,
+    /// Size of the in-memory /dev/shm of each worker (NCCL's shared-memory transport and the
+    /// data loader use it). Default: 64Gi.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shm_size: Option<Quantity>,
+    /// Extra environment for NCCL and UCX (names starting with `NCCL_` or `UCX_`); they
+    /// override Ringmaster's defaults.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(length(max = 64))]
+    #[x_kube(validation = Rule::new("self.all(k, k.startsWith('NCCL_') || k.startsWith('UCX_'))")
+        .message("infiniband.env takes only NCCL_* and UCX_* variables; put others in worker.env"))]
+    pub env: BTreeMap<String, String>,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_one() -> i32 {
+    1
+}
+
+fn default_rdma_resource() -> String {
+    "rdma/shared_ib".into()
+}
+
+/// The nodes that run the workers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("self.provisioner != 'aks' || has(self.vmSize)")
+        .message("nodePool.vmSize is required with provisioner aks")
+        .field_path(".vmSize"),
+    validation = Rule::new("self.provisioner != 'existing' || (has(self.nodeSelector) && size(self.nodeSelector) > 0)")
+        .message("nodePool.nodeSelector is required with provisioner existing: it picks the nodes")
+        .field_path(".nodeSelector"),
+    validation = Rule::new("self.provisioner == 'aks' || !has(self.poolName)")
+        .message("nodePool.poolName is only used with provisioner aks")
+        .field_path(".poolName"),
+)]
+pub struct NodePoolSpec {
+    /// `aks`: create an AKS agent pool for this job and delete it afterwards. `existing`: use
+    /// nodes that are there, picked by `nodeSelector`.
+    pub provisioner: Provisioner,
+    /// Azure VM size of the pool's nodes, e.g. Standard_ND96asr_v4 (8 × A100, InfiniBand) or
+    /// Standard_ND96isr_H100_v5 (8 × H100, InfiniBand).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 64), regex(pattern = r"^Standard_[A-Za-z0-9_]+$"))]
+    pub vm_size: Option<String>,
+    /// Name of the AKS agent pool (lowercase letters and digits, starting with a letter, at
+    /// most 12). Default: derived from the job's name and UID.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[a-z][a-z0-9]{0,11}$"))]
+    pub pool_name: Option<String>,
+    /// Use Spot VMs (cheaper, can be evicted; the job restarts its workers when they are).
+    #[serde(default)]
+    pub spot: bool,
+    /// Delete the agent pool when the job has finished or is deleted. Default: true.
+    #[serde(default = "default_true")]
+    pub delete_after_completion: bool,
+    /// Node labels that pick the nodes with provisioner `existing`; added to the workers'
+    /// node selector.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 32))]
+    pub node_selector: Option<BTreeMap<String, String>>,
+    /// Whether AKS installs the NVIDIA driver on the pool's nodes (`Install`), or the GPU
+    /// Operator does (`None`). Default: Install.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_driver: Option<GpuDriver>,
+}
+
+/// How the job's nodes are found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Provisioner {
+    /// An AKS agent pool created for the job.
+    Aks,
+    /// Nodes that already exist.
+    Existing,
+}
+
+/// The AKS GPU driver setting of a pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum GpuDriver {
+    /// AKS installs the NVIDIA driver.
+    Install,
+    /// No driver from AKS (the NVIDIA GPU Operator installs it).
+    None,
+}
+
+/// MPI settings.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MpiSpec {
+    /// The MPI in the image; it decides the hostfile format and the launcher's command.
+    /// Default: OpenMPI.
+    #[serde(default)]
+    pub implementation: MpiImplementation,
+    /// Port the workers' sshd listens on (not 22, so sshd runs without root). Default: 2222.
+    #[serde(default = "default_ssh_port")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub ssh_port: i32,
+    /// Further arguments for mpirun (or mpiexec), placed before the program. The process
+    /// count and the hosts are Ringmaster's to set.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    #[x_kube(validation = Rule::new(
+        "self.all(a, !(a in ['-n', '-np', '--np', '-c', '-hostfile', '--hostfile', '-machinefile', '--machinefile', '-H', '--host', '-f']))"
+    ).message("mpi.extraArgs must not set the process count or the hosts: Ringmaster sets them from workers and slotsPerWorker"))]
+    pub extra_args: Vec<String>,
+}
+
+impl Default for MpiSpec {
+    fn default() -> Self {
+        Self {
+            implementation: MpiImplementation::default(),
+            ssh_port: default_ssh_port(),
+            extra_args: Vec::new(),
+        }
+    }
+}
+
+fn default_ssh_port() -> i32 {
+    2222
+}
+
+/// An MPI implementation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum MpiImplementation {
+    /// Open MPI: `mpirun`, hostfile lines `host slots=N`.
+    #[default]
+    OpenMPI,
+    /// Intel MPI: `mpirun` (Hydra), hostfile lines `host:N`.
+    IntelMPI,
+    /// MPICH: `mpiexec` (Hydra), hostfile lines `host:N`.
+    MPICH,
+}
+
+/// Additions to a pod that Ringmaster builds.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PodOverrides {
+    /// Environment variables added to the main container (after Ringmaster's own).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 256))]
+    pub env: Vec<EnvVar>,
+    /// Resource requests and limits of the main container; GPU and RDMA limits are set by
+    /// Ringmaster from the spec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+    /// Node labels the pod must match (merged with the node pool's).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(length(max = 32))]
+    pub node_selector: BTreeMap<String, String>,
+    /// Tolerations added to the pod.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub tolerations: Vec<Toleration>,
+    /// Labels added to the pod (not under `ringmaster.dev/`, which Ringmaster's own selectors use).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(length(max = 64))]
+    #[x_kube(validation = Rule::new("self.all(k, !k.startsWith('ringmaster.dev/'))")
+        .message("labels under ringmaster.dev/ are Ringmaster's own and cannot be set"))]
+    pub labels: BTreeMap<String, String>,
+    /// Annotations added to the pod.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(length(max = 64))]
+    pub annotations: BTreeMap<String, String>,
+    /// Volumes added to the pod.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub volumes: Vec<Volume>,
+    /// Mounts added to the main container.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub volume_mounts: Vec<VolumeMount>,
+    /// PriorityClass of the pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    pub priority_class_name: Option<String>,
+}
+
+/// Restarts, deadlines, clean-up and suspension.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RunPolicy {
+    /// How many times the whole gang (launcher and workers) is restarted after a retryable
+    /// failure (a worker failed, was evicted or deleted; the launcher failed with a
+    /// retryable exit code) before the job is Failed. Default: 3.
+    #[serde(default = "default_backoff_limit")]
+    #[schemars(range(min = 0, max = 100))]
+    pub backoff_limit: i32,
+    /// Seconds the job may run, counted from its start, before it is Failed with reason
+    /// DeadlineExceeded and its pods are stopped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub active_deadline_seconds: Option<i64>,
+    /// Seconds after the job finished (Succeeded or Failed) until it is deleted with its
+    /// children. Unset: kept until you delete it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub ttl_seconds_after_finished: Option<i32>,
+    /// Which pods are deleted when the job finishes: `Running` (those still running),
+    /// `All`, or `None`. Default: Running.
+    #[serde(default)]
+    pub clean_pod_policy: CleanPodPolicy,
+    /// Stop the job's pods and keep the job; set back to false to start it again.
+    #[serde(default)]
+    pub suspend: bool,
+}
+
+impl Default for RunPolicy {
+    fn default() -> Self {
+        Self {
+            backoff_limit: default_backoff_limit(),
+            active_deadline_seconds: None,
+            ttl_seconds_after_finished: None,
+            clean_pod_policy: CleanPodPolicy::default(),
+            suspend: false,
+        }
+    }
+}
+
+fn default_backoff_limit() -> i32 {
+    3
+}
+
+/// Which pods are deleted when a job finishes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum CleanPodPolicy {
+    /// Pods still running are deleted; finished ones stay for their logs.
+    #[default]
+    Running,
+    /// Every pod is deleted.
+    All,
+    /// No pod is deleted.
+    None,
+}
+
+/// Where a TrainingJob is in its life.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum TrainingJobPhase {
+    /// Accepted, nothing started yet (or the spec is invalid: see the conditions).
+    #[default]
+    Pending,
+    /// Waiting for the DataStage in dataStageRef to be Ready.
+    WaitingForData,
+    /// Waiting for the node pool and its nodes.
+    ProvisioningNodes,
+    /// Workers are starting; the launcher starts once all are ready.
+    Starting,
+    /// The launcher is running mpirun.
+    Running,
+    /// A retryable failure happened; the gang is being replaced.
+    Restarting,
+    /// Suspended by runPolicy.suspend: no pods.
+    Suspended,
+    /// The launcher exited 0.
+    Succeeded,
+    /// The job failed for good; the Failed condition says why.
+    Failed,
+}
+
+/// Observed state of a TrainingJob.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TrainingJobStatus {
+    /// Where the job is in its life.
+    #[serde(default)]
+    pub phase: TrainingJobPhase,
+    /// The generation of the spec this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Ready, SpecValid, Reconciling, Stalled and the job's own conditions.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Conditions,
+    /// Counts of worker pods by state.
+    #[serde(default)]
+    pub workers: WorkerCounts,
+    /// State of the launcher pod: absent until it exists.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub launcher: Option<String>,
+    /// How many times the gang was restarted.
+    #[serde(default)]
+    pub restarts: i32,
+    /// When the launcher started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_time: Option<Time>,
+    /// When the job finished.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_time: Option<Time>,
+    /// The job's node pool, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_pool: Option<NodePoolStatus>,
+    /// What the trainer reported at the end.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<TrainingResult>,
+}
+
+/// Worker pods by state.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerCounts {
+    /// Worker pods that exist.
+    #[serde(default)]
+    pub active: i32,
+    /// Worker pods ready (sshd reachable).
+    #[serde(default)]
+    pub ready: i32,
+    /// Worker pods that failed.
+    #[serde(default)]
+    pub failed: i32,
+}
+
+/// State of a job's node pool.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodePoolStatus {
+    /// Name of the agent pool (or of the node selector's pool for `existing`).
+    pub name: String,
+    /// The pool's provisioning state as Azure reports it (Creating, Succeeded, Failed, Deleting).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provisioning_state: Option<String>,
+    /// Nodes of the pool that are Ready with their GPUs allocatable.
+    #[serde(default)]
+    pub ready_nodes: i32,
+}
+
+/// The trainer's summary, read from the launcher's termination message.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TrainingResult {
+    /// Training throughput over all ranks, images per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub images_per_second: Option<f64>,
+    /// Steps completed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steps: Option<i64>,
+    /// Loss at the last step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_loss: Option<f64>,
+}

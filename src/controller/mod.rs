@@ -1,0 +1,284 @@
+//! The controllers: one kube-runtime `Controller` per kind, sharing a [`Context`].
+//!
+//! Each kind's module follows the same steps — validate → build → apply → status — one
+//! submodule each. Objects are watched through `DeserializeGuard`, so one object that does
+//! not deserialize is reported on its own status instead of stalling the watch.
+
+pub mod conditions;
+pub mod data_stage;
+pub mod training_job;
+
+use std::collections::HashMap;
+use std::fmt::Debug;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams};
+use kube::core::error_boundary::DeserializeGuard;
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::{Controller, watcher};
+use kube::{Api, Client, Resource, ResourceExt};
+use serde::de::DeserializeOwned;
+use tokio_util::sync::CancellationToken;
+
+use crate::api::{DataStage, TrainingJob, condition_reasons, condition_types};
+use crate::metrics::Metrics;
+use crate::validation::FieldErrors;
+use conditions::DesiredCondition;
+
+/// The field manager of every server-side apply, and the Events' reporting controller.
+pub const FIELD_MANAGER: &str = "ringmaster";
+
+/// Errors of a reconciliation, wrapping each step's error with the object it concerns.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Writing the status subresource failed.
+    #[error("writing the status of {kind} {namespace}/{name}: {source}")]
+    WriteStatus {
+        kind: &'static str,
+        namespace: String,
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
+}
+
+impl Error {
+    /// A short, fixed label for metrics and logs.
+    pub fn category(&self) -> &'static str {
+        match self {
+            Error::WriteStatus { .. } => "write_status",
+        }
+    }
+
+    /// The kind of the object the error concerns.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::WriteStatus { kind, .. } => kind,
+        }
+    }
+}
+
+/// What every reconciliation shares.
+pub struct Context {
+    /// The API client.
+    pub client: Client,
+    /// The operator's metrics.
+    pub metrics: Metrics,
+    /// Publishes Events as `ringmaster`.
+    pub recorder: Recorder,
+    /// Consecutive failures per object, for exponential backoff.
+    failures: Mutex<HashMap<String, u32>>,
+}
+
+impl Context {
+    /// A context for `client`, reporting Events as `instance` (the pod name, when known).
+    pub fn new(client: Client, metrics: Metrics, instance: Option<String>) -> Self {
+        let reporter = Reporter {
+            controller: FIELD_MANAGER.into(),
+            instance,
+        };
+        Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            metrics,
+            failures: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Forgets the failures of an object that reconciled cleanly.
+    fn succeeded(&self, key: &str) {
+        self.failures
+            .lock()
+            .expect("backoff map poisoned")
+            .remove(key);
+    }
+
+    /// Counts a failure and returns how long to wait before the next try: 1 s doubling up
+    /// to 5 minutes.
+    fn failed(&self, key: &str) -> Duration {
+        let mut failures = self.failures.lock().expect("backoff map poisoned");
+        let count = failures.entry(key.to_string()).or_insert(0);
+        *count = count.saturating_add(1);
+        Duration::from_secs(1u64 << (*count - 1).min(8)).min(Duration::from_secs(300))
+    }
+
+    /// Writes `status` with one server-side apply when it differs from what is there, and
+    /// publishes an Event for each condition that changed. Event failures are logged, not
+    /// returned: an Event is a courtesy, the status is the record.
+    async fn write_status<K>(
+        &self,
+        object: &DeserializeGuard<K>,
+        old_conditions: &[Condition],
+        new_conditions: &[Condition],
+        status: serde_json::Value,
+        warning: impl Fn(&Condition) -> bool,
+    ) -> Result<(), Error>
+    where
+        K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + DeserializeOwned
+            + Debug,
+    {
+        let namespace = object.namespace().unwrap_or_default();
+        let name = object.name_any();
+        let api: Api<DeserializeGuard<K>> = Api::namespaced(self.client.clone(), &namespace);
+        let patch = serde_json::json!({
+            "apiVersion": K::api_version(&()),
+            "kind": K::kind(&()),
+            "status": status,
+        });
+        api.patch_status(
+            &name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+        .map_err(|source| Error::WriteStatus {
+            kind: kind_label::<K>(),
+            namespace: namespace.clone(),
+            name: name.clone(),
+            source,
+        })?;
+        let reference = object.object_ref(&());
+        for event in conditions::transition_events(old_conditions, new_conditions, warning) {
+            if let Err(error) = self.recorder.publish(&event, &reference).await {
+                tracing::warn!(%namespace, %name, reason = %event.reason, %error, "could not publish Event");
+            }
+        }
+        Ok(())
+    }
+}
+
+fn kind_label<K: Resource<DynamicType = ()>>() -> &'static str {
+    match K::kind(&()).as_ref() {
+        "TrainingJob" => training_job::CONTROLLER,
+        "DataStage" => data_stage::CONTROLLER,
+        _ => "unknown",
+    }
+}
+
+/// The current time as a Kubernetes timestamp (the one clock read of a reconciliation).
+fn now() -> Time {
+    Time(Timestamp::now())
+}
+
+/// The conditions that report the validate step's outcome while the later steps of a kind
+/// are not in this version: a valid spec says plainly that nothing is started yet.
+pub(crate) fn validation_conditions(
+    outcome: Result<(), &FieldErrors>,
+    not_started: &str,
+) -> Vec<DesiredCondition> {
+    use condition_reasons::{INVALID_SPEC, NOT_IMPLEMENTED, VALID};
+    use condition_types::{READY, RECONCILING, SPEC_VALID, STALLED};
+    match outcome {
+        Ok(()) => vec![
+            DesiredCondition::new(SPEC_VALID, true, VALID, "the spec passed validation"),
+            DesiredCondition::new(READY, false, NOT_IMPLEMENTED, not_started),
+            DesiredCondition::new(RECONCILING, false, NOT_IMPLEMENTED, not_started),
+            DesiredCondition::new(STALLED, true, NOT_IMPLEMENTED, not_started),
+        ],
+        Err(errors) => {
+            let message = format!("invalid spec: {errors}");
+            vec![
+                DesiredCondition::new(SPEC_VALID, false, INVALID_SPEC, message.clone()),
+                DesiredCondition::new(READY, false, INVALID_SPEC, message.clone()),
+                DesiredCondition::new(RECONCILING, false, INVALID_SPEC, message.clone()),
+                DesiredCondition::new(STALLED, true, INVALID_SPEC, message),
+            ]
+        }
+    }
+}
+
+/// A Warning Event for an invalid spec; Normal for everything else at this stage.
+pub(crate) fn is_warning(condition: &Condition) -> bool {
+    condition.type_ == condition_types::SPEC_VALID && condition.status == "False"
+}
+
+fn object_key<K: Resource>(object: &K) -> String {
+    format!(
+        "{}/{}/{}",
+        object.meta().namespace.as_deref().unwrap_or_default(),
+        object.meta().name.as_deref().unwrap_or_default(),
+        object.meta().uid.as_deref().unwrap_or_default()
+    )
+}
+
+/// Retries a failed reconciliation with per-object exponential backoff.
+fn error_policy<K>(object: Arc<DeserializeGuard<K>>, error: &Error, ctx: Arc<Context>) -> Action
+where
+    K: Resource<DynamicType = ()>,
+{
+    ctx.metrics.reconcile_failed(error.kind(), error.category());
+    let delay = ctx.failed(&object_key(object.as_ref()));
+    tracing::warn!(%error, category = error.category(), retry_in = ?delay, "reconcile failed");
+    Action::requeue(delay)
+}
+
+/// Where the controllers watch.
+#[derive(Clone, Debug, Default)]
+pub struct Scope {
+    /// One namespace, or every namespace when `None`.
+    pub namespace: Option<String>,
+}
+
+impl Scope {
+    fn api<K>(&self, client: &Client) -> Api<K>
+    where
+        K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>,
+    {
+        match &self.namespace {
+            Some(ns) => Api::namespaced(client.clone(), ns),
+            None => Api::all(client.clone()),
+        }
+    }
+}
+
+/// Runs both controllers until `shutdown` is cancelled; sets `ready` once both caches have
+/// synced.
+pub async fn run(
+    ctx: Arc<Context>,
+    scope: Scope,
+    ready: Arc<AtomicBool>,
+    shutdown: CancellationToken,
+) {
+    let watch = watcher::Config::default().any_semantic();
+    let jobs = Controller::new(
+        scope.api::<DeserializeGuard<TrainingJob>>(&ctx.client),
+        watch.clone(),
+    )
+    .graceful_shutdown_on(shutdown.clone().cancelled_owned());
+    let stages = Controller::new(scope.api::<DeserializeGuard<DataStage>>(&ctx.client), watch)
+        .graceful_shutdown_on(shutdown.clone().cancelled_owned());
+
+    let (job_store, stage_store) = (jobs.store(), stages.store());
+    tokio::spawn(async move {
+        if job_store.wait_until_ready().await.is_ok()
+            && stage_store.wait_until_ready().await.is_ok()
+        {
+            ready.store(true, Ordering::Release);
+            tracing::info!("caches synced; ready");
+        }
+    });
+
+    let jobs = jobs
+        .run(training_job::reconcile, error_policy, ctx.clone())
+        .for_each(|result| async move { log_result(training_job::CONTROLLER, result) });
+    let stages = stages
+        .run(data_stage::reconcile, error_policy, ctx.clone())
+        .for_each(|result| async move { log_result(data_stage::CONTROLLER, result) });
+    futures::future::join(jobs, stages).await;
+    tracing::info!("controllers stopped");
+}
+
+fn log_result<T: Debug, E: std::error::Error>(controller: &str, result: Result<T, E>) {
+    match result {
+        Ok(object) => tracing::debug!(controller, ?object, "reconciled"),
+        Err(error) => tracing::debug!(controller, %error, "reconcile did not complete"),
+    }
+}

@@ -1,0 +1,317 @@
+//! Validate step of the TrainingJob controller: the raw object in, a [`ValidatedTrainingJob`]
+//! out — schema and CEL rules checked, defaults merged, names derived. No client.
+
+use std::cell::OnceCell;
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::{CustomResourceExt, ResourceExt};
+
+use crate::api::{
+    DataSource, DataStageRef, GpuDriver, Model, MpiSpec, OutputSpec, PodOverrides, Precision,
+    Provisioner, RunPolicy, TrainingJob,
+};
+use crate::validation::{FieldErrors, SchemaChecker};
+
+/// Default size of an InfiniBand worker's in-memory /dev/shm.
+pub const DEFAULT_SHM_SIZE: &str = "64Gi";
+/// Steps trained when neither steps nor epochs is set.
+pub const DEFAULT_STEPS: i64 = 1000;
+
+/// A TrainingJob whose spec passed every rule, with every default filled in.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValidatedTrainingJob {
+    /// The job's name.
+    pub name: String,
+    /// The job's namespace.
+    pub namespace: String,
+    /// The job's UID (owner references, derived names).
+    pub uid: String,
+    /// Worker pods.
+    pub workers: u32,
+    /// GPUs per worker; 0 for a CPU job.
+    pub gpus_per_worker: u32,
+    /// MPI ranks per worker.
+    pub slots_per_worker: u32,
+    /// Image of launcher and workers.
+    pub image: String,
+    /// What every rank runs.
+    pub program: Program,
+    /// The DataStage to wait for and mount.
+    pub data: Option<DataStageRef>,
+    /// Where results go.
+    pub output: Option<OutputSpec>,
+    /// InfiniBand settings, when enabled.
+    pub infiniband: Option<InfinibandSettings>,
+    /// The nodes to run on, when the spec names a pool.
+    pub node_pool: Option<NodePoolPlan>,
+    /// MPI settings.
+    pub mpi: MpiSpec,
+    /// Additions to the launcher.
+    pub launcher: PodOverrides,
+    /// Additions to the workers.
+    pub worker: PodOverrides,
+    /// Restarts, deadlines, clean-up, suspension.
+    pub run_policy: RunPolicy,
+}
+
+impl ValidatedTrainingJob {
+    /// Total MPI ranks.
+    pub fn world_size(&self) -> u32 {
+        self.workers * self.slots_per_worker
+    }
+}
+
+/// What `mpirun` starts on every rank.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Program {
+    /// The Ringmaster trainer with these settings.
+    Trainer(TrainerSettings),
+    /// The user's own command.
+    Command(Vec<String>),
+}
+
+/// The trainer's settings with defaults filled in.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainerSettings {
+    /// The network.
+    pub model: Model,
+    /// Where images come from.
+    pub data: DataSource,
+    /// Folder under the data mount (empty: its root).
+    pub data_path: String,
+    /// Images per rank per step.
+    pub batch_size: u32,
+    /// Input side in pixels.
+    pub image_size: u32,
+    /// How long to train.
+    pub length: TrainingLength,
+    /// Peak learning rate for the global batch.
+    pub learning_rate: f64,
+    /// Arithmetic.
+    pub precision: Precision,
+    /// Flags passed through.
+    pub extra_args: Vec<String>,
+}
+
+/// How long to train.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TrainingLength {
+    /// A number of optimizer steps.
+    Steps(u64),
+    /// Passes over the dataset.
+    Epochs(u32),
+}
+
+/// InfiniBand settings with defaults filled in.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InfinibandSettings {
+    /// The RDMA extended resource.
+    pub rdma_resource: String,
+    /// How many per worker.
+    pub rdma_resource_count: u32,
+    /// Size of /dev/shm.
+    pub shm_size: Quantity,
+    /// Extra NCCL/UCX environment.
+    pub env: BTreeMap<String, String>,
+}
+
+/// The nodes a job runs on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodePoolPlan {
+    /// Who provides the nodes.
+    pub provisioner: Provisioner,
+    /// VM size, when given.
+    pub vm_size: Option<String>,
+    /// The AKS agent pool's name (given or derived); `None` for existing nodes.
+    pub pool_name: Option<String>,
+    /// Spot VMs.
+    pub spot: bool,
+    /// Delete the pool after the job.
+    pub delete_after_completion: bool,
+    /// Labels that pick the nodes.
+    pub node_selector: BTreeMap<String, String>,
+    /// AKS GPU driver setting.
+    pub gpu_driver: GpuDriver,
+}
+
+thread_local! {
+    static CHECKER: OnceCell<SchemaChecker> = const { OnceCell::new() };
+}
+
+/// Runs `f` with the TrainingJob schema checker of this thread, compiled on first use.
+pub fn with_checker<T>(f: impl FnOnce(&SchemaChecker) -> T) -> T {
+    CHECKER.with(|cell| f(cell.get_or_init(|| SchemaChecker::for_crd(&TrainingJob::crd()))))
+}
+
+/// Checks `job` against every rule and fills in defaults.
+pub fn validate(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors> {
+    let value = serde_json::to_value(job)
+        .map_err(|e| FieldErrors::one("", format!("does not serialize: {e}")))?;
+    with_checker(|checker| checker.check(&value, None))?;
+    with_defaults(job)
+}
+
+/// Checks a raw object as a user wrote it (and, for an update, against the `old` one), then
+/// validates it like [`validate`]. Used by the fixture tests and by tools that lint YAML.
+pub fn validate_value(
+    value: &serde_json::Value,
+    old: Option<&serde_json::Value>,
+) -> Result<ValidatedTrainingJob, FieldErrors> {
+    let job: TrainingJob = with_checker(|checker| checker.parse(value, old))?;
+    with_defaults(&job)
+}
+
+/// The defaults and derived values of an object that passed the schema.
+fn with_defaults(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors> {
+    let spec = &job.spec;
+    // The schema guarantees the ranges below, so the conversions cannot fail.
+    let as_u32 = |v: i32| u32::try_from(v).unwrap_or(0);
+    let gpus_per_worker = as_u32(spec.gpus_per_worker);
+    let slots_per_worker = spec
+        .slots_per_worker
+        .map(as_u32)
+        .unwrap_or(if gpus_per_worker > 0 {
+            gpus_per_worker
+        } else {
+            1
+        });
+
+    let program = match &spec.command {
+        Some(command) => Program::Command(command.clone()),
+        None => {
+            let t = spec.trainer.clone().unwrap_or_default();
+            let batch_size = t.batch_size.map(as_u32).unwrap_or(64);
+            let global_batch = batch_size as f64 * (as_u32(spec.workers) * slots_per_worker) as f64;
+            Program::Trainer(TrainerSettings {
+                model: t.model.unwrap_or(Model::Resnet50),
+                data: t.data.unwrap_or(DataSource::Synthetic),
+                data_path: t.data_path.unwrap_or_default(),
+                batch_size,
+                image_size: t.image_size.map(as_u32).unwrap_or(224),
+                length: match (t.steps, t.epochs) {
+                    (_, Some(epochs)) => TrainingLength::Epochs(as_u32(epochs)),
+                    (Some(steps), None) => TrainingLength::Steps(u64::try_from(steps).unwrap_or(1)),
+                    (None, None) => TrainingLength::Steps(DEFAULT_STEPS as u64),
+                },
+                // Goyal et al.'s linear scaling rule: 0.1 per 256 images.
+                learning_rate: t.learning_rate.unwrap_or(0.1 * global_batch / 256.0),
+                precision: t.precision.unwrap_or(if gpus_per_worker > 0 {
+                    Precision::Bf16
+                } else {
+                    Precision::Fp32
+                }),
+                extra_args: t.extra_args,
+            })
+        }
+    };
+
+    let infiniband =
+        spec.infiniband
+            .as_ref()
+            .filter(|ib| ib.enabled)
+            .map(|ib| InfinibandSettings {
+                rdma_resource: ib.rdma_resource.clone(),
+                rdma_resource_count: as_u32(ib.rdma_resource_count),
+                shm_size: ib
+                    .shm_size
+                    .clone()
+                    .unwrap_or_else(|| Quantity(DEFAULT_SHM_SIZE.into())),
+                env: ib.env.clone(),
+            });
+
+    let uid = job.uid().unwrap_or_default();
+    let node_pool = spec.node_pool.as_ref().map(|pool| NodePoolPlan {
+        provisioner: pool.provisioner,
+        vm_size: pool.vm_size.clone(),
+        pool_name: match pool.provisioner {
+            Provisioner::Aks => Some(
+                pool.pool_name
+                    .clone()
+                    .unwrap_or_else(|| derive_pool_name(&job.name_any(), &uid)),
+            ),
+            Provisioner::Existing => None,
+        },
+        spot: pool.spot,
+        delete_after_completion: pool.delete_after_completion,
+        node_selector: pool.node_selector.clone().unwrap_or_default(),
+        gpu_driver: pool.gpu_driver.unwrap_or(GpuDriver::Install),
+    });
+
+    Ok(ValidatedTrainingJob {
+        name: job.name_any(),
+        namespace: job.namespace().unwrap_or_default(),
+        uid,
+        workers: as_u32(spec.workers),
+        gpus_per_worker,
+        slots_per_worker,
+        image: spec.image.clone(),
+        program,
+        data: spec.data_stage_ref.clone(),
+        output: spec.output.clone(),
+        infiniband,
+        node_pool,
+        mpi: spec.mpi.clone(),
+        launcher: spec.launcher.clone().unwrap_or_default(),
+        worker: spec.worker.clone().unwrap_or_default(),
+        run_policy: spec.run_policy.clone(),
+    })
+}
+
+/// An AKS agent pool name for a job: up to 8 letters and digits of its name, then 4 of its
+/// UID, so two jobs of the same name get different pools and a restarted operator derives
+/// the same name again. AKS allows `^[a-z][a-z0-9]{0,11}$`.
+pub fn derive_pool_name(job_name: &str, uid: &str) -> String {
+    let mut name: String = job_name
+        .chars()
+        .filter(char::is_ascii_alphanumeric)
+        .map(|c| c.to_ascii_lowercase())
+        .skip_while(|c| c.is_ascii_digit())
+        .take(8)
+        .collect();
+    if name.is_empty() {
+        name.push_str("tj");
+    }
+    name.extend(
+        uid.chars()
+            .filter(char::is_ascii_hexdigit)
+            .map(|c| c.to_ascii_lowercase())
+            .take(4),
+    );
+    name
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn derived_pool_names_are_valid_for_aks() {
+        let valid = |s: &str| {
+            s.len() <= 12
+                && s.chars().next().is_some_and(|c| c.is_ascii_lowercase())
+                && s.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+        };
+        for (name, uid) in [
+            ("resnet50-ib", "3f2a9c4e-0000-4000-8000-000000000000"),
+            ("123-numbers-first", "ABCDEF12-3456"),
+            ("---", ""),
+            ("a", "0"),
+            ("a-very-long-training-job-name", "deadbeef"),
+        ] {
+            let pool = derive_pool_name(name, uid);
+            assert!(valid(&pool), "{name} → {pool}");
+        }
+        assert_eq!(derive_pool_name("resnet50-ib", "3f2a9c4e"), "resnet503f2a");
+        assert_ne!(
+            derive_pool_name("job", "aaaa1111"),
+            derive_pool_name("job", "bbbb1111")
+        );
+    }
+
+    #[test]
+    fn the_schema_rules_compile() {
+        assert_eq!(with_checker(|c| c.compile_errors()), Vec::<String>::new());
+    }
+}

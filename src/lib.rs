@@ -1,0 +1,14 @@
+//! Ringmaster: a Kubernetes operator for distributed deep-learning training on AKS.
+//!
+//! `api` holds the custom resources; `controller` the reconcilers (one module per kind,
+//! split into validate → build → apply → status steps); `validation` the schema and CEL
+//! checks the validate steps share; `crdgen` prints the CRDs; `metrics`, `server` and
+//! `telemetry` are the operator's plumbing.
+
+pub mod api;
+pub mod controller;
+pub mod crdgen;
+pub mod metrics;
+pub mod server;
+pub mod telemetry;
+pub mod validation;

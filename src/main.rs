@@ -1,0 +1,140 @@
+//! `ringmaster`: the operator (`run`) and its tools (`crd`).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+
+use ringmaster::controller::{self, Context, Scope};
+use ringmaster::crdgen;
+use ringmaster::metrics::Metrics;
+use ringmaster::server::{self, ServerState};
+use ringmaster::telemetry::{self, LogFormat};
+
+/// Ringmaster runs distributed deep-learning training on Kubernetes: DataStages copy
+/// datasets from Azure Blob Storage onto NFS, TrainingJobs run MPI training on GPU nodes.
+#[derive(Parser, Debug)]
+#[command(name = "ringmaster", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the operator: the TrainingJob and DataStage controllers, with metrics and health
+    /// endpoints. Connects with the in-cluster ServiceAccount, or $KUBECONFIG / ~/.kube/config.
+    Run(RunArgs),
+    /// Print the CustomResourceDefinitions as YAML (or write one file each with --output-dir).
+    Crd {
+        /// Write `<name>.yaml` per CRD into this folder instead of printing.
+        #[arg(long, value_name = "DIR")]
+        output_dir: Option<PathBuf>,
+    },
+}
+
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    /// Address for /metrics, /healthz and /readyz. In a pod, use 0.0.0.0:8080.
+    #[arg(
+        long,
+        env = "RINGMASTER_METRICS_BIND_ADDRESS",
+        default_value = "127.0.0.1:8080"
+    )]
+    metrics_bind_address: SocketAddr,
+    /// Log format.
+    #[arg(long, env = "RINGMASTER_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    /// Watch one namespace only (default: all namespaces).
+    #[arg(long, env = "RINGMASTER_NAMESPACE")]
+    namespace: Option<String>,
+    /// Name of this replica in Events (the pod name in a Deployment).
+    #[arg(long, env = "POD_NAME")]
+    instance: Option<String>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Crd { output_dir } => print_crds(output_dir),
+        Command::Run(args) => {
+            telemetry::init(args.log_format);
+            let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
+            match runtime.block_on(run(args)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(message) => {
+                    tracing::error!("{message}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}
+
+fn print_crds(output_dir: Option<PathBuf>) -> ExitCode {
+    let result = match output_dir {
+        Some(dir) => crdgen::write_dir(&dir).map(|paths| {
+            for path in paths {
+                eprintln!("wrote {path}");
+            }
+        }),
+        None => crdgen::all_to_yaml().map(|yaml| print!("{yaml}")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("ringmaster crd: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: RunArgs) -> Result<(), String> {
+    let client = kube::Client::try_default().await.map_err(|e| {
+        format!("connecting to Kubernetes (in-cluster config, $KUBECONFIG or ~/.kube/config): {e}")
+    })?;
+    let metrics = Metrics::new();
+    let ready = Arc::new(AtomicBool::new(false));
+    let shutdown = CancellationToken::new();
+    tokio::spawn(stop_on_signal(shutdown.clone()));
+
+    let state = ServerState {
+        metrics: metrics.clone(),
+        ready: ready.clone(),
+    };
+    let server = tokio::spawn(server::serve(
+        args.metrics_bind_address,
+        state,
+        shutdown.clone(),
+    ));
+    let ctx = Arc::new(Context::new(client, metrics, args.instance));
+    let scope = Scope {
+        namespace: args.namespace,
+    };
+    tracing::info!(version = env!("CARGO_PKG_VERSION"), namespace = ?scope.namespace, "starting controllers");
+    tokio::select! {
+        () = controller::run(ctx, scope, ready, shutdown.clone()) => {}
+        served = server => {
+            // The server only ends early when it cannot bind: stop the controllers too.
+            shutdown.cancel();
+            served.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
+        }
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Cancels `shutdown` on SIGTERM (Kubernetes stopping the pod) or SIGINT (Ctrl-C).
+async fn stop_on_signal(shutdown: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+    }
+    shutdown.cancel();
+}

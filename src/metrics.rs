@@ -1,0 +1,118 @@
+//! Prometheus metrics of the operator, served on `/metrics`.
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramTimer, HistogramVec, IntCounterVec, Opts, Registry,
+    TextEncoder,
+};
+
+/// The operator's metrics, in a registry of their own.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Registry,
+    reconciles: IntCounterVec,
+    failures: IntCounterVec,
+    duration: HistogramVec,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let reconciles = IntCounterVec::new(
+            Opts::new(
+                "ringmaster_reconcile_total",
+                "Reconciliations run, by controller",
+            ),
+            &["controller"],
+        )
+        .expect("valid metric");
+        let failures = IntCounterVec::new(
+            Opts::new(
+                "ringmaster_reconcile_errors_total",
+                "Reconciliations that failed, by controller and error category",
+            ),
+            &["controller", "category"],
+        )
+        .expect("valid metric");
+        let duration = HistogramVec::new(
+            HistogramOpts::new(
+                "ringmaster_reconcile_duration_seconds",
+                "Time one reconciliation took",
+            )
+            .buckets(vec![
+                0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+            ]),
+            &["controller"],
+        )
+        .expect("valid metric");
+        for collector in [
+            Box::new(reconciles.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(failures.clone()),
+            Box::new(duration.clone()),
+        ] {
+            registry
+                .register(collector)
+                .expect("metric registered once");
+        }
+        Self {
+            registry,
+            reconciles,
+            failures,
+            duration,
+        }
+    }
+
+    /// Counts a reconciliation and times it until the returned timer is dropped.
+    pub fn reconcile_started(&self, controller: &str) -> HistogramTimer {
+        self.reconciles.with_label_values(&[controller]).inc();
+        self.duration.with_label_values(&[controller]).start_timer()
+    }
+
+    /// Counts a failed reconciliation under its error category.
+    pub fn reconcile_failed(&self, controller: &str, category: &str) {
+        self.failures
+            .with_label_values(&[controller, category])
+            .inc();
+    }
+
+    /// The metrics in Prometheus' text format.
+    pub fn render(&self) -> String {
+        let mut buffer = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buffer)
+            .expect("text encoding of gathered metrics cannot fail");
+        String::from_utf8(buffer).expect("Prometheus text format is UTF-8")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counts_by_label() {
+        let metrics = Metrics::new();
+        drop(metrics.reconcile_started("trainingjob"));
+        metrics.reconcile_failed("trainingjob", "kube");
+        let text = metrics.render();
+        assert!(
+            text.contains(r#"ringmaster_reconcile_total{controller="trainingjob"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                r#"ringmaster_reconcile_errors_total{category="kube",controller="trainingjob"} 1"#
+            ),
+            "{text}"
+        );
+        assert!(text.contains(
+            r#"ringmaster_reconcile_duration_seconds_count{controller="trainingjob"} 1"#
+        ));
+    }
+}

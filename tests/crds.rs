@@ -1,0 +1,92 @@
+//! `crds/` must be what `ringmaster crd` prints today: run `make crds` after changing `src/api`.
+
+#[path = "common/mod.rs"]
+mod fixtures;
+
+use ringmaster::crdgen;
+
+#[test]
+fn crds_folder_is_current() {
+    let dir = fixtures::root().join("crds");
+    let mut stale = Vec::new();
+    for crd in crdgen::all() {
+        let path = dir.join(crdgen::file_name(&crd));
+        let want = crdgen::to_yaml(&crd).expect("CRD serializes");
+        match std::fs::read_to_string(&path) {
+            Ok(have) if have == want => {}
+            Ok(_) => stale.push(format!("{} differs", path.display())),
+            Err(e) => stale.push(format!("{}: {e}", path.display())),
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "crds/ is stale; run `make crds`:\n{}",
+        stale.join("\n")
+    );
+}
+
+#[test]
+fn crds_have_short_names_and_status() {
+    for crd in crdgen::all() {
+        let names = &crd.spec.names;
+        let short = names.short_names.clone().unwrap_or_default();
+        assert!(!short.is_empty(), "{} has no short name", names.kind);
+        assert!(
+            !short.contains(&"ds".to_string()),
+            "ds is kubectl's DaemonSet"
+        );
+        let version = &crd.spec.versions[0];
+        assert!(
+            version
+                .subresources
+                .as_ref()
+                .and_then(|s| s.status.as_ref())
+                .is_some()
+        );
+        assert!(
+            version
+                .additional_printer_columns
+                .as_ref()
+                .is_some_and(|c| c.len() >= 3)
+        );
+    }
+}
+
+#[test]
+fn every_spec_field_has_a_description() {
+    // What `kubectl explain` shows: a field without a doc comment shows nothing.
+    fn walk(path: &str, schema: &serde_json::Value, missing: &mut Vec<String>) {
+        if let Some(props) = schema.get("properties").and_then(|p| p.as_object()) {
+            for (name, child) in props {
+                let child_path = format!("{path}.{name}");
+                if child.get("description").is_none() {
+                    missing.push(child_path.clone());
+                }
+                walk(&child_path, child, missing);
+            }
+        }
+        if let Some(items) = schema.get("items") {
+            walk(&format!("{path}[]"), items, missing);
+        }
+    }
+    let mut missing = Vec::new();
+    for crd in crdgen::all() {
+        let schema = serde_json::to_value(&crd.spec.versions[0].schema).unwrap();
+        let root = &schema["openAPIV3Schema"]["properties"];
+        walk(
+            &format!("{}.spec", crd.spec.names.kind),
+            &root["spec"],
+            &mut missing,
+        );
+        walk(
+            &format!("{}.status", crd.spec.names.kind),
+            &root["status"],
+            &mut missing,
+        );
+    }
+    assert!(
+        missing.is_empty(),
+        "fields without a description:\n{}",
+        missing.join("\n")
+    );
+}
