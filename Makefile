@@ -13,10 +13,10 @@ TEST_THREADS ?= 2
 
 .PHONY: help
 help: ## List the targets
-	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
+	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
 .PHONY: test
-test: lint unit ## Everything CI runs: format and lint checks, unit and fixture tests
+test: lint unit e2e ## Everything CI runs: lint, unit and fixture tests, end-to-end tests on the local cluster
 
 .PHONY: lint
 lint: ## cargo fmt --check and clippy with warnings denied
@@ -25,7 +25,28 @@ lint: ## cargo fmt --check and clippy with warnings denied
 
 .PHONY: unit
 unit: ## Unit tests, validate-step fixture tests, CRD freshness
-	$(CARGO) test --locked -- --test-threads=$(TEST_THREADS)
+	$(CARGO) test --locked -p ringmaster -- --test-threads=$(TEST_THREADS)
+	$(CARGO) test --locked -p ringmaster-e2e --lib --bins
+
+.PHONY: e2e
+e2e: ## End-to-end tests on the local cluster (started and stopped around them; KEEP_CLUSTER=1 keeps it)
+	TEST_THREADS=$(TEST_THREADS) e2e/test.sh
+
+.PHONY: run
+run: ## The operator on the local cluster, working on a sample (SAMPLE=path to pick another)
+	e2e/run.sh
+
+.PHONY: cluster-up
+cluster-up: ## Start the local control plane (builds it from source the first time)
+	e2e/cluster.sh up
+
+.PHONY: cluster-down
+cluster-down: ## Stop the local control plane and remove its state
+	e2e/cluster.sh down
+
+.PHONY: tools
+tools: ## Build the control plane's binaries into the cache
+	e2e/tools/build.sh
 
 .PHONY: crds
 crds: ## Regenerate crds/ from the Rust types

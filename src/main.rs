@@ -97,6 +97,9 @@ async fn run(args: RunArgs) -> Result<(), String> {
     let client = kube::Client::try_default().await.map_err(|e| {
         format!("connecting to Kubernetes (in-cluster config, $KUBECONFIG or ~/.kube/config): {e}")
     })?;
+    let listener = server::bind(args.metrics_bind_address)
+        .await
+        .map_err(|e| e.to_string())?;
     let metrics = Metrics::new();
     let ready = Arc::new(AtomicBool::new(false));
     let shutdown = CancellationToken::new();
@@ -106,11 +109,7 @@ async fn run(args: RunArgs) -> Result<(), String> {
         metrics: metrics.clone(),
         ready: ready.clone(),
     };
-    let server = tokio::spawn(server::serve(
-        args.metrics_bind_address,
-        state,
-        shutdown.clone(),
-    ));
+    let server = tokio::spawn(server::serve(listener, state, shutdown.clone()));
     let ctx = Arc::new(Context::new(client, metrics, args.instance));
     let scope = Scope {
         namespace: args.namespace,
@@ -119,7 +118,7 @@ async fn run(args: RunArgs) -> Result<(), String> {
     tokio::select! {
         () = controller::run(ctx, scope, ready, shutdown.clone()) => {}
         served = server => {
-            // The server only ends early when it cannot bind: stop the controllers too.
+            // The server only ends early on an I/O error: stop the controllers too.
             shutdown.cancel();
             served.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
         }

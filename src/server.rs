@@ -65,16 +65,22 @@ async fn readyz(State(state): State<ServerState>) -> (StatusCode, &'static str) 
     }
 }
 
-/// Binds `addr` and serves until `shutdown` is cancelled.
+/// Binds `addr` (before the controllers start, so a port in use fails fast).
+pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, ServerError> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServerError::Bind { addr, source })
+}
+
+/// Serves on `listener` until `shutdown` is cancelled.
 pub async fn serve(
-    addr: SocketAddr,
+    listener: tokio::net::TcpListener,
     state: ServerState,
     shutdown: CancellationToken,
 ) -> Result<(), ServerError> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|source| ServerError::Bind { addr, source })?;
-    tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
+    }
     axum::serve(listener, router(state))
         .with_graceful_shutdown(shutdown.cancelled_owned())
         .await

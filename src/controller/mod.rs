@@ -258,9 +258,7 @@ pub async fn run(
 
     let (job_store, stage_store) = (jobs.store(), stages.store());
     tokio::spawn(async move {
-        if job_store.wait_until_ready().await.is_ok()
-            && stage_store.wait_until_ready().await.is_ok()
-        {
+        if wait_until_ready(&job_store).await && wait_until_ready(&stage_store).await {
             ready.store(true, Ordering::Release);
             tracing::info!("caches synced; ready");
         }
@@ -274,6 +272,24 @@ pub async fn run(
         .for_each(|result| async move { log_result(data_stage::CONTROLLER, result) });
     futures::future::join(jobs, stages).await;
     tracing::info!("controllers stopped");
+}
+
+/// Waits until a controller's cache has its first full list; false if it never will.
+///
+/// The store's readiness is a oneshot channel that wakes only its most recent poller, and
+/// the controller itself polls it too; re-polling on a timer keeps this waiter from being
+/// forgotten.
+async fn wait_until_ready<K>(store: &kube::runtime::reflector::Store<K>) -> bool
+where
+    K: kube::runtime::reflector::Lookup + Clone + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    loop {
+        match tokio::time::timeout(Duration::from_millis(250), store.wait_until_ready()).await {
+            Ok(result) => return result.is_ok(),
+            Err(_elapsed) => continue,
+        }
+    }
 }
 
 fn log_result<T: Debug, E: std::error::Error>(controller: &str, result: Result<T, E>) {

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Ringmaster's local Kubernetes control plane: upstream etcd, kube-apiserver,
+# kube-controller-manager and kube-scheduler built from source (tools/build.sh), run by
+# `kwokctl --runtime binary`, with KWOK playing AKS-shaped nodes (kwok/stages.yaml).
+# Everything listens on 127.0.0.1 only.
+#
+#   e2e/cluster.sh up       start it (a no-op when it is up); writes e2e/.state/kubeconfig
+#   e2e/cluster.sh down     stop every process it started and remove its state
+#   e2e/cluster.sh status   say whether it is up
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(dirname "$here")
+state="$here/.state"
+name=ringmaster
+kubeconfig="$state/kubeconfig"
+export KWOK_WORKDIR="$state/kwok"
+# Ports: RINGMASTER_PORT_BASE+43 is the API server (https://127.0.0.1:36443 by default).
+base=${RINGMASTER_PORT_BASE:-36400}
+api_port=$((base + 43)) etcd_port=$((base + 79)) etcd_peer_port=$((base + 80))
+kcm_port=$((base + 57)) sched_port=$((base + 59)) kwok_port=$((base + 47))
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-${RINGMASTER_CACHE:-$HOME/.cache/ringmaster}/target}
+
+log() { printf '[cluster] %s\n' "$*" >&2; }
+
+binaries() { "$here/tools/build.sh"; }
+
+healthy() {
+  [ -f "$kubeconfig" ] || return 1
+  "$bin/kubectl" --kubeconfig "$kubeconfig" get --raw /readyz >/dev/null 2>&1
+}
+
+kwok_nodes() {
+  cargo run --quiet --locked --manifest-path "$root/Cargo.toml" -p ringmaster-e2e --bin kwok-nodes -- "$@"
+}
+
+usage_hint() {
+  cat >&2 <<HINT
+[cluster] up: Kubernetes $("$bin/kubectl" --kubeconfig "$kubeconfig" version -o json 2>/dev/null | sed -n 's/.*"gitVersion": "\(v[^"]*\)".*/\1/p' | tail -1) at https://127.0.0.1:$api_port
+  export KUBECONFIG=$kubeconfig
+  $bin/kubectl get nodes -L kubernetes.azure.com/agentpool,node.kubernetes.io/instance-type
+  logs: $KWOK_WORKDIR/clusters/$name/logs/
+HINT
+}
+
+up() {
+  bin=$(binaries)
+  if healthy; then
+    log "already up"
+    usage_hint
+    return 0
+  fi
+  if [ -d "$KWOK_WORKDIR/clusters/$name" ]; then
+    log "removing a stopped cluster's state"
+    "$bin/kwokctl" delete cluster --name "$name" --kubeconfig "$kubeconfig" >/dev/null 2>&1 || true
+  fi
+  mkdir -p "$state"
+  rm -f "$kubeconfig"
+  log "starting etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok-controller"
+  local start=$SECONDS
+  "$bin/kwokctl" create cluster --name "$name" --runtime binary \
+    --kube-apiserver-binary "$bin/kube-apiserver" \
+    --kube-controller-manager-binary "$bin/kube-controller-manager" \
+    --kube-scheduler-binary "$bin/kube-scheduler" \
+    --etcd-binary "$bin/etcd" \
+    --kwok-controller-binary "$bin/kwok" \
+    --kubeconfig "$kubeconfig" \
+    -c "$here/kwok/stages.yaml" \
+    --kube-authorization=true \
+    --kube-apiserver-port "$api_port" --etcd-port "$etcd_port" \
+    --kube-controller-manager-port "$kcm_port" --kube-scheduler-port "$sched_port" --controller-port "$kwok_port" \
+    --extra-args "kube-apiserver=bind-address=127.0.0.1" \
+    --extra-args "kube-controller-manager=bind-address=127.0.0.1" \
+    --extra-args "kube-scheduler=bind-address=127.0.0.1" \
+    --extra-args "kwok-controller=server-address=127.0.0.1:$kwok_port" \
+    --extra-args "etcd=listen-client-urls=http://127.0.0.1:$etcd_port" \
+    --extra-args "etcd=advertise-client-urls=http://127.0.0.1:$etcd_port" \
+    --extra-args "etcd=listen-peer-urls=http://127.0.0.1:$etcd_peer_port" \
+    --extra-args "etcd=initial-advertise-peer-urls=http://127.0.0.1:$etcd_peer_port" \
+    --extra-args "etcd=initial-cluster=node0=http://127.0.0.1:$etcd_peer_port" \
+    --wait 120s -v WARN
+  log "control plane ready after $((SECONDS - start)) s; adding simulated AKS nodes"
+  kwok_nodes add --pool system --vm-size Standard_D4s_v5 --count 2 --mode system
+  kwok_nodes add --pool gpu --vm-size Standard_ND96asr_v4 --count 4 --mode user
+  "$bin/kubectl" --kubeconfig "$kubeconfig" wait --for=condition=Ready node --all --timeout=60s >/dev/null
+  # The default ServiceAccount appears once the controller manager's token controller runs.
+  for _ in $(seq 60); do
+    "$bin/kubectl" --kubeconfig "$kubeconfig" get serviceaccount default -n default >/dev/null 2>&1 && break
+    sleep 0.5
+  done
+  log "up in $((SECONDS - start)) s"
+  usage_hint
+}
+
+down() {
+  bin=$(binaries)
+  local dir="$KWOK_WORKDIR/clusters/$name" pids=()
+  if [ -d "$dir" ]; then
+    for f in "$dir"/pids/*.pid; do [ -f "$f" ] && pids+=("$(cat "$f")"); done
+    "$bin/kwokctl" delete cluster --name "$name" --kubeconfig "$kubeconfig" -v WARN || true
+    # kwokctl sends SIGTERM and returns; wait for the processes so the ports are free again.
+    for _ in $(seq 100); do
+      alive=0
+      for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+      [ "$alive" = 0 ] && break
+      sleep 0.2
+    done
+    for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  fi
+  rm -rf "$state"
+  log "down"
+}
+
+status() {
+  bin=$(binaries)
+  if healthy; then usage_hint; else log "not running"; return 1; fi
+}
+
+case "${1:-}" in
+  up) up ;;
+  down) down ;;
+  status) status ;;
+  *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
+esac

@@ -1,0 +1,155 @@
+//! Helpers every end-to-end test shares: a client for the local cluster, the CRDs installed,
+//! a namespace of its own, polling with a deadline, and the repository's YAML.
+#![allow(dead_code)] // each test binary uses a part of these
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
+use kube::{Api, Client, ResourceExt};
+use serde_json::Value;
+
+/// The field manager of objects the tests write.
+pub const MANAGER: &str = "ringmaster-e2e";
+
+/// A client for the cluster `make cluster-up` started; fails the test when it is not up.
+pub async fn client() -> Client {
+    ringmaster_e2e::cluster::client()
+        .await
+        .unwrap_or_else(|e| panic!("the end-to-end tests need the local cluster: {e}"))
+}
+
+/// Installs the CRDs as generated now (server-side apply) and waits until both are Established.
+pub async fn ensure_crds(client: &Client) {
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for crd in ringmaster::crdgen::all() {
+        let name = crd.name_any();
+        let mut body = serde_json::to_value(&crd).unwrap();
+        body["apiVersion"] = "apiextensions.k8s.io/v1".into();
+        body["kind"] = "CustomResourceDefinition".into();
+        api.patch(&name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&body))
+            .await
+            .unwrap_or_else(|e| panic!("applying CRD {name}: {e}"));
+        eventually(Duration::from_secs(30), &format!("CRD {name} Established"), || async {
+            api.get(&name).await.ok().and_then(|crd| crd.status).is_some_and(|s| {
+                s.conditions
+                    .unwrap_or_default()
+                    .iter()
+                    .any(|c| c.type_ == "Established" && c.status == "True")
+            })
+        })
+        .await;
+    }
+}
+
+/// A namespace of the test's own, deleted when dropped (the delete is not awaited: the
+/// namespace controller finishes it in the background).
+pub struct TestNamespace {
+    pub name: String,
+}
+
+impl TestNamespace {
+    /// Creates `e2e-<prefix>-<random>`.
+    pub async fn new(client: &Client, prefix: &str) -> Self {
+        let suffix = format!("{:x}", std::process::id() ^ (Instant::now().elapsed().subsec_nanos()) ^ rand_u32());
+        let name = format!("e2e-{prefix}-{}", &suffix[..suffix.len().min(6)]);
+        let api: Api<Namespace> = Api::all(client.clone());
+        let ns: Namespace = serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).unwrap();
+        api.create(&PostParams::default(), &ns).await.expect("namespace created");
+        Self { name }
+    }
+}
+
+impl Drop for TestNamespace {
+    /// Deletes the namespace (the namespace controller removes its contents afterwards).
+    /// Runs on a thread of its own with a client of its own, since the test's runtime may be
+    /// a single thread blocked on this very drop.
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+            runtime.block_on(async {
+                let client = ringmaster_e2e::cluster::client().await.ok()?;
+                Api::<Namespace>::all(client).delete(&name, &DeleteParams::background()).await.ok()
+            })
+        })
+        .join();
+    }
+}
+
+fn rand_u32() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(0);
+    h.finish() as u32
+}
+
+/// Polls `check` every 200 ms until it is true; panics naming `what` after `timeout`.
+pub async fn eventually<F, Fut>(timeout: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// Every YAML document of a file.
+pub fn documents(path: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    serde_saphyr::from_multiple::<Value>(&text).unwrap_or_else(|e| panic!("parsing {}: {e}", path.display()))
+}
+
+/// The `.yaml` files of a folder under the repository root, sorted.
+pub fn yaml_files(dir: &str) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(repo_root().join(dir))
+        .unwrap_or_else(|e| panic!("listing {dir}: {e}"))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    files.sort();
+    files
+}
+
+/// A dynamic API for any object's kind, in `namespace`.
+pub fn dynamic_api(client: &Client, object: &Value, namespace: &str) -> Api<DynamicObject> {
+    let api_version = object["apiVersion"].as_str().expect("apiVersion");
+    let kind = object["kind"].as_str().expect("kind");
+    let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
+    let gvk = GroupVersionKind::gvk(group, version, kind);
+    let plural = format!("{}s", kind.to_lowercase());
+    Api::namespaced_with(client.clone(), namespace, &ApiResource::from_gvk_with_plural(&gvk, &plural))
+}
+
+/// Server-side applies a namespaced object (optionally as a dry run).
+pub async fn apply(client: &Client, object: &Value, namespace: &str, dry_run: bool) -> Result<DynamicObject, kube::Error> {
+    let api = dynamic_api(client, object, namespace);
+    let name = object["metadata"]["name"].as_str().expect("metadata.name");
+    let mut params = PatchParams::apply(MANAGER).force();
+    params.dry_run = dry_run;
+    api.patch(name, &params, &Patch::Apply(object)).await
+}
+
+/// The path of a binary the control plane's build made (kubectl, kwokctl, ...).
+pub fn tool(name: &str) -> PathBuf {
+    let out = std::process::Command::new(repo_root().join("e2e/tools/build.sh"))
+        .output()
+        .expect("running e2e/tools/build.sh");
+    assert!(out.status.success(), "build.sh: {}", String::from_utf8_lossy(&out.stderr));
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()).join(name)
+}

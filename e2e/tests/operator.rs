@@ -1,0 +1,232 @@
+//! The operator (run in this process against the local cluster) reports what its validate
+//! step finds on the resources' status and in Events, and serves its metrics.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use common::{TestNamespace, apply, client, ensure_crds, eventually};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{ListParams, Patch, PatchParams};
+use kube::{Api, Client};
+use ringmaster::api::{DataStage, TrainingJob, TrainingJobPhase};
+use ringmaster::controller::{self, Context, Scope};
+use ringmaster::metrics::Metrics;
+use ringmaster::server::{self, ServerState};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+/// The operator's controllers and HTTP endpoints, stopped when dropped.
+struct Operator {
+    shutdown: CancellationToken,
+    http: std::net::SocketAddr,
+}
+
+impl Operator {
+    async fn start(client: &Client, namespace: &str) -> Self {
+        let shutdown = CancellationToken::new();
+        let metrics = Metrics::new();
+        let ready = Arc::new(AtomicBool::new(false));
+        let listener = server::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let http = listener.local_addr().unwrap();
+        let state = ServerState {
+            metrics: metrics.clone(),
+            ready: ready.clone(),
+        };
+        tokio::spawn(server::serve(listener, state, shutdown.clone()));
+        let ctx = Arc::new(Context::new(client.clone(), metrics, Some("e2e".into())));
+        let scope = Scope {
+            namespace: Some(namespace.to_string()),
+        };
+        tokio::spawn(controller::run(ctx, scope, ready.clone(), shutdown.clone()));
+        eventually(Duration::from_secs(30), "operator caches synced", || {
+            let ready = ready.clone();
+            async move { ready.load(Ordering::Acquire) }
+        })
+        .await;
+        Self { shutdown, http }
+    }
+
+    async fn get(&self, path: &str) -> String {
+        let mut stream = tokio::net::TcpStream::connect(self.http).await.unwrap();
+        stream
+            .write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.unwrap();
+        response
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+fn condition<'a>(status: &'a Value, type_: &str) -> Option<&'a Value> {
+    status["conditions"].as_array()?.iter().find(|c| c["type"] == type_)
+}
+
+async fn events_for(client: &Client, namespace: &str, name: &str) -> Vec<Event> {
+    let api: Api<Event> = Api::namespaced(client.clone(), namespace);
+    api.list(&ListParams::default().fields(&format!("regarding.name={name}")))
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
+}
+
+fn sample(file: &str, kind: &str) -> Value {
+    common::documents(&common::repo_root().join("config/samples").join(file))
+        .into_iter()
+        .find(|d| d["kind"] == kind)
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valid_resources_are_marked_valid_and_say_nothing_starts_yet() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "op-valid").await;
+    let operator = Operator::start(&client, &ns.name).await;
+
+    let job = sample("trainingjob-cpu-small.yaml", "TrainingJob");
+    apply(&client, &job, &ns.name, false).await.unwrap();
+    let stage = sample("datastage-azurite.yaml", "DataStage");
+    apply(&client, &stage, &ns.name, false).await.unwrap();
+
+    let jobs: Api<TrainingJob> = Api::namespaced(client.clone(), &ns.name);
+    eventually(Duration::from_secs(30), "TrainingJob status written", || async {
+        jobs.get("resnet18-cpu").await.unwrap().status.is_some()
+    })
+    .await;
+    let status = serde_json::to_value(jobs.get("resnet18-cpu").await.unwrap().status).unwrap();
+    assert_eq!(status["phase"], "Pending");
+    assert_eq!(status["observedGeneration"], 1);
+    assert_eq!(condition(&status, "SpecValid").unwrap()["status"], "True");
+    let ready = condition(&status, "Ready").unwrap();
+    assert_eq!((ready["status"].as_str(), ready["reason"].as_str()), (Some("False"), Some("NotImplemented")));
+    assert_eq!(condition(&status, "Stalled").unwrap()["status"], "True");
+
+    let stages: Api<DataStage> = Api::namespaced(client.clone(), &ns.name);
+    eventually(Duration::from_secs(30), "DataStage status written", || async {
+        stages.get("tiny-images").await.unwrap().status.is_some()
+    })
+    .await;
+    // Account-key auth is allowed, and warned about in an Event.
+    eventually(Duration::from_secs(30), "the InsecureAuth warning Event", || async {
+        events_for(&client, &ns.name, "tiny-images")
+            .await
+            .iter()
+            .any(|e| e.reason.as_deref() == Some("InsecureAuth") && e.type_.as_deref() == Some("Warning"))
+    })
+    .await;
+    eventually(Duration::from_secs(30), "a Normal Event for the valid spec", || async {
+        events_for(&client, &ns.name, "resnet18-cpu")
+            .await
+            .iter()
+            .any(|e| e.reason.as_deref() == Some("Valid") && e.type_.as_deref() == Some("Normal"))
+    })
+    .await;
+
+    let metrics = operator.get("/metrics").await;
+    assert!(metrics.contains(r#"ringmaster_reconcile_total{controller="trainingjob"}"#), "{metrics}");
+    assert!(operator.get("/readyz").await.starts_with("HTTP/1.0 200"));
+    assert!(operator.get("/healthz").await.starts_with("HTTP/1.0 200"));
+}
+
+/// A CRD without the current rules, as an older install or one applied with validation
+/// off would leave: the API server stores an invalid object, and the operator's validate
+/// step still refuses it on the status and in a Warning Event, then accepts the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_spec_that_got_past_the_api_server_is_reported() {
+    let client = client().await;
+    install_lax_training_job_crd(&client).await;
+    let ns = TestNamespace::new(&client, "op-invalid").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+
+    let mut job = sample("trainingjob-resnet50-nd96asr-v4.yaml", "TrainingJob");
+    job["spec"]["nodePool"]["poolName"] = json!("GPU-pool");
+    job["spec"]["workers"] = json!(0);
+    apply(&client, &job, &ns.name, false)
+        .await
+        .expect("the lax CRD stores the invalid object");
+
+    let jobs: Api<TrainingJob> = Api::namespaced(client.clone(), &ns.name);
+    let name = "resnet50-imagenet";
+    let spec_valid = || async {
+        let status = serde_json::to_value(jobs.get(name).await.unwrap().status).unwrap();
+        (condition(&status, "SpecValid").cloned(), status)
+    };
+    eventually(Duration::from_secs(30), "SpecValid=False on the status", || async {
+        spec_valid().await.0.is_some_and(|c| c["status"] == "False")
+    })
+    .await;
+    let (condition_now, status) = spec_valid().await;
+    let condition_now = condition_now.unwrap();
+    assert_eq!(condition_now["reason"], "InvalidSpec");
+    let message = condition_now["message"].as_str().unwrap();
+    assert!(message.contains("spec.nodePool.poolName"), "{message}");
+    assert!(message.contains("spec.workers"), "{message}");
+    assert_eq!(status["phase"], serde_json::to_value(TrainingJobPhase::Pending).unwrap());
+    assert_eq!(condition(&status, "Ready").unwrap()["status"], "False");
+    eventually(Duration::from_secs(30), "a Warning Event naming the field", || async {
+        events_for(&client, &ns.name, name).await.iter().any(|e| {
+            e.type_.as_deref() == Some("Warning")
+                && e.reason.as_deref() == Some("InvalidSpec")
+                && e.note.as_deref().is_some_and(|n| n.contains("spec.nodePool.poolName"))
+        })
+    })
+    .await;
+
+    // The operator waits for a change; the fix is one.
+    let fix = json!({"spec": {"workers": 2, "nodePool": {"poolName": "gpupool"}}});
+    let api = common::dynamic_api(&client, &job, &ns.name);
+    api.patch(name, &PatchParams::default(), &Patch::Merge(&fix))
+        .await
+        .expect("fix applied");
+    eventually(Duration::from_secs(30), "SpecValid=True after the fix", || async {
+        let (c, status) = spec_valid().await;
+        c.is_some_and(|c| c["status"] == "True") && status["observedGeneration"] == 2
+    })
+    .await;
+    ensure_crds(&client).await;
+}
+
+/// Applies the TrainingJob CRD with every validation rule removed.
+async fn install_lax_training_job_crd(client: &Client) {
+    ensure_crds(client).await;
+    let crd = ringmaster::crdgen::all()
+        .into_iter()
+        .find(|c| c.spec.names.kind == "TrainingJob")
+        .unwrap();
+    let mut body = serde_json::to_value(&crd).unwrap();
+    fn strip(v: &mut Value) {
+        if let Value::Object(map) = v {
+            for key in ["x-kubernetes-validations", "minimum", "maximum", "pattern", "enum", "maxLength", "minLength"] {
+                map.remove(key);
+            }
+            map.values_mut().for_each(strip);
+        } else if let Value::Array(items) = v {
+            items.iter_mut().for_each(strip);
+        }
+    }
+    strip(&mut body["spec"]);
+    body["apiVersion"] = "apiextensions.k8s.io/v1".into();
+    body["kind"] = "CustomResourceDefinition".into();
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    api.patch(
+        "trainingjobs.ringmaster.dev",
+        &PatchParams::apply(common::MANAGER).force(),
+        &Patch::Apply(&body),
+    )
+    .await
+    .expect("lax CRD applied");
+    // The API server reloads the schema asynchronously.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+}
