@@ -21,7 +21,7 @@ test: lint unit e2e ## Everything CI runs: lint, unit and fixture tests, end-to-
 .PHONY: lint
 lint: ## cargo fmt --check and clippy with warnings denied
 	$(CARGO) fmt --all -- --check
-	$(CARGO) clippy --all-targets --locked -- -D warnings
+	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
 .PHONY: unit
 unit: ## Unit tests, validate-step fixture tests, CRD freshness

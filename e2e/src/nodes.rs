@@ -82,11 +82,9 @@ impl PoolShape {
     pub fn node_name(&self, index: u32) -> String {
         // AKS derives the digits from the cluster and pool; a hash of the pool name keeps
         // names stable across runs.
-        let digits = self
-            .pool
-            .bytes()
-            .fold(2166136261u32, |h, b| (h ^ u32::from(b)).wrapping_mul(16777619))
-            % 100_000_000;
+        let digits = self.pool.bytes().fold(2166136261u32, |h, b| {
+            (h ^ u32::from(b)).wrapping_mul(16777619)
+        }) % 100_000_000;
         format!("aks-{}-{digits:08}-vmss{}", self.pool, base36(index, 6))
     }
 
@@ -180,7 +178,11 @@ fn base36(mut n: u32, width: usize) -> String {
 }
 
 /// Creates (or updates) nodes `0..count` of `shape`, status included. Idempotent.
-pub async fn add(client: &Client, shape: &PoolShape, count: u32) -> Result<Vec<String>, NodesError> {
+pub async fn add(
+    client: &Client,
+    shape: &PoolShape,
+    count: u32,
+) -> Result<Vec<String>, NodesError> {
     let api: Api<Node> = Api::all(client.clone());
     let params = PatchParams::apply(FIELD_MANAGER).force();
     let mut names = Vec::new();
@@ -190,7 +192,11 @@ pub async fn add(client: &Client, shape: &PoolShape, count: u32) -> Result<Vec<S
         let status = node.status.take();
         let api_error = |action: &'static str| {
             let node = name.clone();
-            move |source| NodesError::Api { action, node, source }
+            move |source| NodesError::Api {
+                action,
+                node,
+                source,
+            }
         };
         let mut body = serde_json::to_value(&node).expect("node serializes");
         body["apiVersion"] = "v1".into();
@@ -246,10 +252,16 @@ mod tests {
         let shape = PoolShape::new("gpu", "Standard_ND96asr_v4", PoolMode::User).unwrap();
         let node = shape.node(11);
         let name = node.name_any();
-        assert!(name.starts_with("aks-gpu-") && name.ends_with("-vmss00000b"), "{name}");
+        assert!(
+            name.starts_with("aks-gpu-") && name.ends_with("-vmss00000b"),
+            "{name}"
+        );
         let labels = node.labels();
         assert_eq!(labels[AGENT_POOL_LABEL], "gpu");
-        assert_eq!(labels["node.kubernetes.io/instance-type"], "Standard_ND96asr_v4");
+        assert_eq!(
+            labels["node.kubernetes.io/instance-type"],
+            "Standard_ND96asr_v4"
+        );
         let allocatable = node.status.unwrap().allocatable.unwrap();
         assert_eq!(allocatable["nvidia.com/gpu"], Quantity("8".into()));
         assert_eq!(allocatable[RDMA_RESOURCE], Quantity("1000".into()));
@@ -261,7 +273,9 @@ mod tests {
     fn cpu_sizes_have_no_gpus_and_unknown_sizes_are_refused() {
         let shape = PoolShape::new("system", "Standard_D4s_v5", PoolMode::System).unwrap();
         let allocatable = shape.node(0).status.unwrap().allocatable.unwrap();
-        assert!(!allocatable.contains_key("nvidia.com/gpu") && !allocatable.contains_key(RDMA_RESOURCE));
+        assert!(
+            !allocatable.contains_key("nvidia.com/gpu") && !allocatable.contains_key(RDMA_RESOURCE)
+        );
         let err = PoolShape::new("x", "Standard_Nope", PoolMode::User).unwrap_err();
         assert!(err.to_string().contains("Standard_ND96asr_v4"), "{err}");
     }

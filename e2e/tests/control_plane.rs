@@ -57,7 +57,9 @@ async fn every_invalid_fixture_is_refused_with_its_message() {
                 .into_iter()
                 .find(|d| d["kind"] == object["kind"])
                 .unwrap();
-            apply(&client, &old, &ns.name, false).await.expect("old object accepted");
+            apply(&client, &old, &ns.name, false)
+                .await
+                .expect("old object accepted");
         }
         match apply(&client, &object, &ns.name, true).await {
             Ok(_) => failures.push(format!("{}: accepted", path.display())),
@@ -92,7 +94,11 @@ async fn kubectl_explain_shows_the_field_docs() {
             .args(["explain", what])
             .output()
             .expect("kubectl runs");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8(out.stdout).unwrap()
     };
     // Discovery may lag the CRD by a moment.
@@ -109,7 +115,10 @@ async fn kubectl_explain_shows_the_field_docs() {
     let pool = explain("trainingjob.spec.nodePool.vmSize");
     assert!(pool.contains("Standard_ND96asr_v4"), "{pool}");
     let stage = explain("dstage.spec.source.azureBlob.auth");
-    assert!(stage.contains("sasTokenSecretRef") && stage.contains("preferred"), "{stage}");
+    assert!(
+        stage.contains("sasTokenSecretRef") && stage.contains("preferred"),
+        "{stage}"
+    );
 }
 
 fn gpu_pod(name: &str, gpus: u32) -> Pod {
@@ -132,8 +141,12 @@ async fn the_scheduler_places_gpu_pods_by_their_gpus() {
     let client = client().await;
     let ns = TestNamespace::new(&client, "sched").await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
-    pods.create(&PostParams::default(), &gpu_pod("eight", 8)).await.unwrap();
-    pods.create(&PostParams::default(), &gpu_pod("nine", 9)).await.unwrap();
+    pods.create(&PostParams::default(), &gpu_pod("eight", 8))
+        .await
+        .unwrap();
+    pods.create(&PostParams::default(), &gpu_pod("nine", 9))
+        .await
+        .unwrap();
 
     eventually(Duration::from_secs(30), "the 8-GPU pod Ready", || async {
         pods.get("eight").await.ok().is_some_and(|p| {
@@ -149,7 +162,10 @@ async fn the_scheduler_places_gpu_pods_by_their_gpus() {
     let node = eight.spec.unwrap().node_name.expect("scheduled");
     let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
     let node = nodes.get(&node).await.unwrap();
-    assert_eq!(node.labels()["node.kubernetes.io/instance-type"], "Standard_ND96asr_v4");
+    assert_eq!(
+        node.labels()["node.kubernetes.io/instance-type"],
+        "Standard_ND96asr_v4"
+    );
 
     let unschedulable = || async {
         let pod = pods.get("nine").await.unwrap();
@@ -160,11 +176,19 @@ async fn the_scheduler_places_gpu_pods_by_their_gpus() {
             .into_iter()
             .find(|c| c.type_ == "PodScheduled" && c.status == "False")
             .filter(|_| status.phase.as_deref() == Some("Pending"))
-            .map(|c| format!("{}: {}", c.reason.unwrap_or_default(), c.message.unwrap_or_default()))
+            .map(|c| {
+                format!(
+                    "{}: {}",
+                    c.reason.unwrap_or_default(),
+                    c.message.unwrap_or_default()
+                )
+            })
     };
-    eventually(Duration::from_secs(30), "the 9-GPU pod marked Unschedulable", || async {
-        unschedulable().await.is_some()
-    })
+    eventually(
+        Duration::from_secs(30),
+        "the 9-GPU pod marked Unschedulable",
+        || async { unschedulable().await.is_some() },
+    )
     .await;
     let reason = unschedulable().await.unwrap();
     assert!(reason.starts_with("Unschedulable"), "{reason}");
@@ -188,25 +212,35 @@ async fn the_garbage_collector_deletes_dependents() {
         controller: Some(true),
         block_owner_deletion: Some(true),
     };
-    maps.create(&PostParams::default(), &config_map("dependent", Some(reference)))
+    maps.create(
+        &PostParams::default(),
+        &config_map("dependent", Some(reference)),
+    )
+    .await
+    .unwrap();
+    maps.delete("owner", &DeleteParams::background())
         .await
         .unwrap();
-    maps.delete("owner", &DeleteParams::background()).await.unwrap();
-    eventually(Duration::from_secs(60), "the dependent deleted by the garbage collector", || async {
-        matches!(maps.get_opt("dependent").await, Ok(None))
-    })
+    eventually(
+        Duration::from_secs(60),
+        "the dependent deleted by the garbage collector",
+        || async { matches!(maps.get_opt("dependent").await, Ok(None)) },
+    )
     .await;
 }
 
 fn config_map(name: &str, owner: Option<OwnerReference>) -> ConfigMap {
-    let mut cm: ConfigMap = serde_json::from_value(json!({"metadata": {"name": name}, "data": {"k": "v"}})).unwrap();
+    let mut cm: ConfigMap =
+        serde_json::from_value(json!({"metadata": {"name": name}, "data": {"k": "v"}})).unwrap();
     cm.metadata.owner_references = owner.map(|o| vec![o]);
     cm
 }
 
 fn annotated_pod(name: &str, annotations: &[(&str, &str)]) -> Pod {
-    let annotations: BTreeMap<String, String> =
-        annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let annotations: BTreeMap<String, String> = annotations
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
     let mut pod: Pod = serde_json::from_value(json!({
         "metadata": {"name": name},
         "spec": {
@@ -222,7 +256,14 @@ fn annotated_pod(name: &str, annotations: &[(&str, &str)]) -> Pod {
 fn terminated(pod: &Pod) -> Option<(String, Value)> {
     let status = pod.status.as_ref()?;
     let phase = status.phase.clone()?;
-    let state = status.container_statuses.as_ref()?.first()?.state.as_ref()?.terminated.as_ref()?;
+    let state = status
+        .container_statuses
+        .as_ref()?
+        .first()?
+        .state
+        .as_ref()?
+        .terminated
+        .as_ref()?;
     Some((phase, serde_json::to_value(state).unwrap()))
 }
 
@@ -243,7 +284,10 @@ async fn kwok_finishes_pods_as_their_annotations_say() {
         ),
         annotated_pod(
             "oom",
-            &[("kwok.ringmaster.dev/exit-code", "137"), ("kwok.ringmaster.dev/reason", "OOMKilled")],
+            &[
+                ("kwok.ringmaster.dev/exit-code", "137"),
+                ("kwok.ringmaster.dev/reason", "OOMKilled"),
+            ],
         ),
         annotated_pod(
             "evicted",
@@ -258,29 +302,64 @@ async fn kwok_finishes_pods_as_their_annotations_say() {
         pods.create(&PostParams::default(), &pod).await.unwrap();
     }
 
-    eventually(Duration::from_secs(30), "the three annotated pods finished", || async {
-        let mut done = 0;
-        for name in ["succeeds", "oom", "evicted"] {
-            if pods.get(name).await.ok().as_ref().and_then(terminated).is_some() {
-                done += 1;
+    eventually(
+        Duration::from_secs(30),
+        "the three annotated pods finished",
+        || async {
+            let mut done = 0;
+            for name in ["succeeds", "oom", "evicted"] {
+                if pods
+                    .get(name)
+                    .await
+                    .ok()
+                    .as_ref()
+                    .and_then(terminated)
+                    .is_some()
+                {
+                    done += 1;
+                }
             }
-        }
-        done == 3
-    })
+            done == 3
+        },
+    )
     .await;
     let (phase, state) = terminated(&pods.get("succeeds").await.unwrap()).unwrap();
-    assert_eq!((phase.as_str(), state["exitCode"].as_i64()), ("Succeeded", Some(0)));
+    assert_eq!(
+        (phase.as_str(), state["exitCode"].as_i64()),
+        ("Succeeded", Some(0))
+    );
     assert_eq!(state["message"], summary);
-    let started = pods.get("succeeds").await.unwrap().status.unwrap().start_time.unwrap().0;
-    let finished = state["finishedAt"].as_str().unwrap().parse::<k8s_openapi::jiff::Timestamp>().unwrap();
-    assert!(finished.duration_since(started).as_secs_f64() >= 1.5, "exit-after was honoured");
+    let started = pods
+        .get("succeeds")
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .start_time
+        .unwrap()
+        .0;
+    let finished = state["finishedAt"]
+        .as_str()
+        .unwrap()
+        .parse::<k8s_openapi::jiff::Timestamp>()
+        .unwrap();
+    assert!(
+        finished.duration_since(started).as_secs_f64() >= 1.5,
+        "exit-after was honoured"
+    );
 
     let (phase, state) = terminated(&pods.get("oom").await.unwrap()).unwrap();
-    assert_eq!((phase.as_str(), state["exitCode"].as_i64()), ("Failed", Some(137)));
+    assert_eq!(
+        (phase.as_str(), state["exitCode"].as_i64()),
+        ("Failed", Some(137))
+    );
     assert_eq!(state["reason"], "OOMKilled");
 
     let evicted = pods.get("evicted").await.unwrap();
-    assert_eq!(evicted.status.as_ref().unwrap().reason.as_deref(), Some("Evicted"));
+    assert_eq!(
+        evicted.status.as_ref().unwrap().reason.as_deref(),
+        Some("Evicted")
+    );
 
     let runs = pods.get("runs").await.unwrap();
     assert_eq!(runs.status.unwrap().phase.as_deref(), Some("Running"));

@@ -70,7 +70,10 @@ impl Drop for Operator {
 }
 
 fn condition<'a>(status: &'a Value, type_: &str) -> Option<&'a Value> {
-    status["conditions"].as_array()?.iter().find(|c| c["type"] == type_)
+    status["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_)
 }
 
 async fn events_for(client: &Client, namespace: &str, name: &str) -> Vec<Event> {
@@ -101,41 +104,64 @@ async fn valid_resources_are_marked_valid_and_say_nothing_starts_yet() {
     apply(&client, &stage, &ns.name, false).await.unwrap();
 
     let jobs: Api<TrainingJob> = Api::namespaced(client.clone(), &ns.name);
-    eventually(Duration::from_secs(30), "TrainingJob status written", || async {
-        jobs.get("resnet18-cpu").await.unwrap().status.is_some()
-    })
+    eventually(
+        Duration::from_secs(30),
+        "TrainingJob status written",
+        || async { jobs.get("resnet18-cpu").await.unwrap().status.is_some() },
+    )
     .await;
     let status = serde_json::to_value(jobs.get("resnet18-cpu").await.unwrap().status).unwrap();
     assert_eq!(status["phase"], "Pending");
     assert_eq!(status["observedGeneration"], 1);
     assert_eq!(condition(&status, "SpecValid").unwrap()["status"], "True");
     let ready = condition(&status, "Ready").unwrap();
-    assert_eq!((ready["status"].as_str(), ready["reason"].as_str()), (Some("False"), Some("NotImplemented")));
+    assert_eq!(
+        (ready["status"].as_str(), ready["reason"].as_str()),
+        (Some("False"), Some("NotImplemented"))
+    );
     assert_eq!(condition(&status, "Stalled").unwrap()["status"], "True");
 
     let stages: Api<DataStage> = Api::namespaced(client.clone(), &ns.name);
-    eventually(Duration::from_secs(30), "DataStage status written", || async {
-        stages.get("tiny-images").await.unwrap().status.is_some()
-    })
+    eventually(
+        Duration::from_secs(30),
+        "DataStage status written",
+        || async { stages.get("tiny-images").await.unwrap().status.is_some() },
+    )
     .await;
     // Account-key auth is allowed, and warned about in an Event.
-    eventually(Duration::from_secs(30), "the InsecureAuth warning Event", || async {
-        events_for(&client, &ns.name, "tiny-images")
-            .await
-            .iter()
-            .any(|e| e.reason.as_deref() == Some("InsecureAuth") && e.type_.as_deref() == Some("Warning"))
-    })
+    eventually(
+        Duration::from_secs(30),
+        "the InsecureAuth warning Event",
+        || async {
+            events_for(&client, &ns.name, "tiny-images")
+                .await
+                .iter()
+                .any(|e| {
+                    e.reason.as_deref() == Some("InsecureAuth")
+                        && e.type_.as_deref() == Some("Warning")
+                })
+        },
+    )
     .await;
-    eventually(Duration::from_secs(30), "a Normal Event for the valid spec", || async {
-        events_for(&client, &ns.name, "resnet18-cpu")
-            .await
-            .iter()
-            .any(|e| e.reason.as_deref() == Some("Valid") && e.type_.as_deref() == Some("Normal"))
-    })
+    eventually(
+        Duration::from_secs(30),
+        "a Normal Event for the valid spec",
+        || async {
+            events_for(&client, &ns.name, "resnet18-cpu")
+                .await
+                .iter()
+                .any(|e| {
+                    e.reason.as_deref() == Some("Valid") && e.type_.as_deref() == Some("Normal")
+                })
+        },
+    )
     .await;
 
     let metrics = operator.get("/metrics").await;
-    assert!(metrics.contains(r#"ringmaster_reconcile_total{controller="trainingjob"}"#), "{metrics}");
+    assert!(
+        metrics.contains(r#"ringmaster_reconcile_total{controller="trainingjob"}"#),
+        "{metrics}"
+    );
     assert!(operator.get("/readyz").await.starts_with("HTTP/1.0 200"));
     assert!(operator.get("/healthz").await.starts_with("HTTP/1.0 200"));
 }
@@ -163,9 +189,11 @@ async fn an_invalid_spec_that_got_past_the_api_server_is_reported() {
         let status = serde_json::to_value(jobs.get(name).await.unwrap().status).unwrap();
         (condition(&status, "SpecValid").cloned(), status)
     };
-    eventually(Duration::from_secs(30), "SpecValid=False on the status", || async {
-        spec_valid().await.0.is_some_and(|c| c["status"] == "False")
-    })
+    eventually(
+        Duration::from_secs(30),
+        "SpecValid=False on the status",
+        || async { spec_valid().await.0.is_some_and(|c| c["status"] == "False") },
+    )
     .await;
     let (condition_now, status) = spec_valid().await;
     let condition_now = condition_now.unwrap();
@@ -173,15 +201,24 @@ async fn an_invalid_spec_that_got_past_the_api_server_is_reported() {
     let message = condition_now["message"].as_str().unwrap();
     assert!(message.contains("spec.nodePool.poolName"), "{message}");
     assert!(message.contains("spec.workers"), "{message}");
-    assert_eq!(status["phase"], serde_json::to_value(TrainingJobPhase::Pending).unwrap());
+    assert_eq!(
+        status["phase"],
+        serde_json::to_value(TrainingJobPhase::Pending).unwrap()
+    );
     assert_eq!(condition(&status, "Ready").unwrap()["status"], "False");
-    eventually(Duration::from_secs(30), "a Warning Event naming the field", || async {
-        events_for(&client, &ns.name, name).await.iter().any(|e| {
-            e.type_.as_deref() == Some("Warning")
-                && e.reason.as_deref() == Some("InvalidSpec")
-                && e.note.as_deref().is_some_and(|n| n.contains("spec.nodePool.poolName"))
-        })
-    })
+    eventually(
+        Duration::from_secs(30),
+        "a Warning Event naming the field",
+        || async {
+            events_for(&client, &ns.name, name).await.iter().any(|e| {
+                e.type_.as_deref() == Some("Warning")
+                    && e.reason.as_deref() == Some("InvalidSpec")
+                    && e.note
+                        .as_deref()
+                        .is_some_and(|n| n.contains("spec.nodePool.poolName"))
+            })
+        },
+    )
     .await;
 
     // The operator waits for a change; the fix is one.
@@ -190,10 +227,14 @@ async fn an_invalid_spec_that_got_past_the_api_server_is_reported() {
     api.patch(name, &PatchParams::default(), &Patch::Merge(&fix))
         .await
         .expect("fix applied");
-    eventually(Duration::from_secs(30), "SpecValid=True after the fix", || async {
-        let (c, status) = spec_valid().await;
-        c.is_some_and(|c| c["status"] == "True") && status["observedGeneration"] == 2
-    })
+    eventually(
+        Duration::from_secs(30),
+        "SpecValid=True after the fix",
+        || async {
+            let (c, status) = spec_valid().await;
+            c.is_some_and(|c| c["status"] == "True") && status["observedGeneration"] == 2
+        },
+    )
     .await;
     ensure_crds(&client).await;
 }
@@ -208,7 +249,15 @@ async fn install_lax_training_job_crd(client: &Client) {
     let mut body = serde_json::to_value(&crd).unwrap();
     fn strip(v: &mut Value) {
         if let Value::Object(map) = v {
-            for key in ["x-kubernetes-validations", "minimum", "maximum", "pattern", "enum", "maxLength", "minLength"] {
+            for key in [
+                "x-kubernetes-validations",
+                "minimum",
+                "maximum",
+                "pattern",
+                "enum",
+                "maxLength",
+                "minLength",
+            ] {
                 map.remove(key);
             }
             map.values_mut().for_each(strip);

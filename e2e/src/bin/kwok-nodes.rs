@@ -50,7 +50,9 @@ fn parse_taint(text: &str) -> Result<Taint, String> {
     let (key_value, effect) = text.rsplit_once(':').ok_or("expected KEY=VALUE:EFFECT")?;
     let (key, value) = key_value.split_once('=').unwrap_or((key_value, ""));
     if !["NoSchedule", "PreferNoSchedule", "NoExecute"].contains(&effect) {
-        return Err(format!("effect must be NoSchedule, PreferNoSchedule or NoExecute, not {effect}"));
+        return Err(format!(
+            "effect must be NoSchedule, PreferNoSchedule or NoExecute, not {effect}"
+        ));
     }
     Ok(Taint {
         key: key.to_string(),
@@ -76,21 +78,42 @@ async fn run(cli: Cli) -> Result<(), String> {
         Command::Sizes => {
             for s in KNOWN_VM_SIZES {
                 let ib = if s.infiniband { "InfiniBand" } else { "" };
-                println!("{:<30} {:>2} GPUs {:>4} vCPUs {:>5} GiB  {ib}", s.name, s.gpus, s.cpus, s.memory_gib);
+                println!(
+                    "{:<30} {:>2} GPUs {:>4} vCPUs {:>5} GiB  {ib}",
+                    s.name, s.gpus, s.cpus, s.memory_gib
+                );
             }
             Ok(())
         }
-        Command::Add { pool, vm_size, count, mode, taints } => {
+        Command::Add {
+            pool,
+            vm_size,
+            count,
+            mode,
+            taints,
+        } => {
             let mut shape = PoolShape::new(&pool, &vm_size, mode).map_err(|e| e.to_string())?;
             shape.taints = taints;
-            let client = ringmaster_e2e::cluster::client().await.map_err(|e| e.to_string())?;
-            let names = nodes::add(&client, &shape, count).await.map_err(|e| e.to_string())?;
-            println!("pool {pool}: {} × {vm_size}: {}", names.len(), names.join(" "));
+            let client = ringmaster_e2e::cluster::client()
+                .await
+                .map_err(|e| e.to_string())?;
+            let names = nodes::add(&client, &shape, count)
+                .await
+                .map_err(|e| e.to_string())?;
+            println!(
+                "pool {pool}: {} × {vm_size}: {}",
+                names.len(),
+                names.join(" ")
+            );
             Ok(())
         }
         Command::Remove { pool } => {
-            let client = ringmaster_e2e::cluster::client().await.map_err(|e| e.to_string())?;
-            let names = nodes::remove(&client, &pool).await.map_err(|e| e.to_string())?;
+            let client = ringmaster_e2e::cluster::client()
+                .await
+                .map_err(|e| e.to_string())?;
+            let names = nodes::remove(&client, &pool)
+                .await
+                .map_err(|e| e.to_string())?;
             println!("pool {pool}: removed {} nodes", names.len());
             Ok(())
         }

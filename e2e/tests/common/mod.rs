@@ -31,17 +31,29 @@ pub async fn ensure_crds(client: &Client) {
         let mut body = serde_json::to_value(&crd).unwrap();
         body["apiVersion"] = "apiextensions.k8s.io/v1".into();
         body["kind"] = "CustomResourceDefinition".into();
-        api.patch(&name, &PatchParams::apply(MANAGER).force(), &Patch::Apply(&body))
-            .await
-            .unwrap_or_else(|e| panic!("applying CRD {name}: {e}"));
-        eventually(Duration::from_secs(30), &format!("CRD {name} Established"), || async {
-            api.get(&name).await.ok().and_then(|crd| crd.status).is_some_and(|s| {
-                s.conditions
-                    .unwrap_or_default()
-                    .iter()
-                    .any(|c| c.type_ == "Established" && c.status == "True")
-            })
-        })
+        api.patch(
+            &name,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("applying CRD {name}: {e}"));
+        eventually(
+            Duration::from_secs(30),
+            &format!("CRD {name} Established"),
+            || async {
+                api.get(&name)
+                    .await
+                    .ok()
+                    .and_then(|crd| crd.status)
+                    .is_some_and(|s| {
+                        s.conditions
+                            .unwrap_or_default()
+                            .iter()
+                            .any(|c| c.type_ == "Established" && c.status == "True")
+                    })
+            },
+        )
         .await;
     }
 }
@@ -55,11 +67,17 @@ pub struct TestNamespace {
 impl TestNamespace {
     /// Creates `e2e-<prefix>-<random>`.
     pub async fn new(client: &Client, prefix: &str) -> Self {
-        let suffix = format!("{:x}", std::process::id() ^ (Instant::now().elapsed().subsec_nanos()) ^ rand_u32());
+        let suffix = format!(
+            "{:x}",
+            std::process::id() ^ (Instant::now().elapsed().subsec_nanos()) ^ rand_u32()
+        );
         let name = format!("e2e-{prefix}-{}", &suffix[..suffix.len().min(6)]);
         let api: Api<Namespace> = Api::all(client.clone());
-        let ns: Namespace = serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).unwrap();
-        api.create(&PostParams::default(), &ns).await.expect("namespace created");
+        let ns: Namespace =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).unwrap();
+        api.create(&PostParams::default(), &ns)
+            .await
+            .expect("namespace created");
         Self { name }
     }
 }
@@ -71,10 +89,16 @@ impl Drop for TestNamespace {
     fn drop(&mut self) {
         let name = self.name.clone();
         let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
             runtime.block_on(async {
                 let client = ringmaster_e2e::cluster::client().await.ok()?;
-                Api::<Namespace>::all(client).delete(&name, &DeleteParams::background()).await.ok()
+                Api::<Namespace>::all(client)
+                    .delete(&name, &DeleteParams::background())
+                    .await
+                    .ok()
             })
         })
         .join();
@@ -99,20 +123,28 @@ where
         if check().await {
             return;
         }
-        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 /// Every YAML document of a file.
 pub fn documents(path: &Path) -> Vec<Value> {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
-    serde_saphyr::from_multiple::<Value>(&text).unwrap_or_else(|e| panic!("parsing {}: {e}", path.display()))
+    let text =
+        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    serde_saphyr::from_multiple::<Value>(&text)
+        .unwrap_or_else(|e| panic!("parsing {}: {e}", path.display()))
 }
 
 /// The `.yaml` files of a folder under the repository root, sorted.
@@ -133,11 +165,20 @@ pub fn dynamic_api(client: &Client, object: &Value, namespace: &str) -> Api<Dyna
     let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
     let gvk = GroupVersionKind::gvk(group, version, kind);
     let plural = format!("{}s", kind.to_lowercase());
-    Api::namespaced_with(client.clone(), namespace, &ApiResource::from_gvk_with_plural(&gvk, &plural))
+    Api::namespaced_with(
+        client.clone(),
+        namespace,
+        &ApiResource::from_gvk_with_plural(&gvk, &plural),
+    )
 }
 
 /// Server-side applies a namespaced object (optionally as a dry run).
-pub async fn apply(client: &Client, object: &Value, namespace: &str, dry_run: bool) -> Result<DynamicObject, kube::Error> {
+pub async fn apply(
+    client: &Client,
+    object: &Value,
+    namespace: &str,
+    dry_run: bool,
+) -> Result<DynamicObject, kube::Error> {
     let api = dynamic_api(client, object, namespace);
     let name = object["metadata"]["name"].as_str().expect("metadata.name");
     let mut params = PatchParams::apply(MANAGER).force();
@@ -150,6 +191,10 @@ pub fn tool(name: &str) -> PathBuf {
     let out = std::process::Command::new(repo_root().join("e2e/tools/build.sh"))
         .output()
         .expect("running e2e/tools/build.sh");
-    assert!(out.status.success(), "build.sh: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "build.sh: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()).join(name)
 }
