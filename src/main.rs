@@ -9,7 +9,7 @@ use std::sync::atomic::AtomicBool;
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
-use ringmaster::controller::{self, Context, Scope};
+use ringmaster::controller::{self, Context, OperatorConfig, Scope};
 use ringmaster::crdgen;
 use ringmaster::metrics::Metrics;
 use ringmaster::server::{self, ServerState};
@@ -52,6 +52,14 @@ struct RunArgs {
     /// Watch one namespace only (default: all namespaces).
     #[arg(long, env = "RINGMASTER_NAMESPACE")]
     namespace: Option<String>,
+    /// Seconds to wait before starting a failed TrainingJob's gang again; doubles with each
+    /// restart, up to 5 minutes.
+    #[arg(
+        long,
+        env = "RINGMASTER_RESTART_BACKOFF_SECONDS",
+        default_value_t = 10.0
+    )]
+    restart_backoff_seconds: f64,
     /// Name of this replica in Events (the pod name in a Deployment).
     #[arg(long, env = "POD_NAME")]
     instance: Option<String>,
@@ -110,7 +118,16 @@ async fn run(args: RunArgs) -> Result<(), String> {
         ready: ready.clone(),
     };
     let server = tokio::spawn(server::serve(listener, state, shutdown.clone()));
-    let ctx = Arc::new(Context::new(client, metrics, args.instance));
+    let ctx = Arc::new(Context::new(
+        client,
+        metrics,
+        args.instance,
+        OperatorConfig {
+            restart_backoff: std::time::Duration::from_secs_f64(
+                args.restart_backoff_seconds.max(0.0),
+            ),
+        },
+    ));
     let scope = Scope {
         namespace: args.namespace,
     };

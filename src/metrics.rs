@@ -1,9 +1,24 @@
 //! Prometheus metrics of the operator, served on `/metrics`.
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramTimer, HistogramVec, IntCounterVec, Opts, Registry,
-    TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramTimer, HistogramVec, IntCounter, IntCounterVec,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
+
+use crate::api::TrainingJobPhase;
+
+/// Every phase, so the gauge shows zeros rather than missing series.
+const PHASES: [TrainingJobPhase; 9] = [
+    TrainingJobPhase::Pending,
+    TrainingJobPhase::WaitingForData,
+    TrainingJobPhase::ProvisioningNodes,
+    TrainingJobPhase::Starting,
+    TrainingJobPhase::Running,
+    TrainingJobPhase::Restarting,
+    TrainingJobPhase::Suspended,
+    TrainingJobPhase::Succeeded,
+    TrainingJobPhase::Failed,
+];
 
 /// The operator's metrics, in a registry of their own.
 #[derive(Clone)]
@@ -12,6 +27,9 @@ pub struct Metrics {
     reconciles: IntCounterVec,
     failures: IntCounterVec,
     duration: HistogramVec,
+    jobs_by_phase: IntGaugeVec,
+    time_to_running: Histogram,
+    restarts: IntCounter,
 }
 
 impl Default for Metrics {
@@ -51,10 +69,33 @@ impl Metrics {
             &["controller"],
         )
         .expect("valid metric");
+        let jobs_by_phase = IntGaugeVec::new(
+            Opts::new("ringmaster_trainingjobs", "TrainingJobs by phase"),
+            &["phase"],
+        )
+        .expect("valid metric");
+        let time_to_running = Histogram::with_opts(
+            HistogramOpts::new(
+                "ringmaster_trainingjob_time_to_running_seconds",
+                "Time from a TrainingJob's creation until its launcher first runs",
+            )
+            .buckets(vec![
+                1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+            ]),
+        )
+        .expect("valid metric");
+        let restarts = IntCounter::new(
+            "ringmaster_trainingjob_restarts_total",
+            "Gang restarts of TrainingJobs after a retryable failure",
+        )
+        .expect("valid metric");
         for collector in [
             Box::new(reconciles.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(failures.clone()),
             Box::new(duration.clone()),
+            Box::new(jobs_by_phase.clone()),
+            Box::new(time_to_running.clone()),
+            Box::new(restarts.clone()),
         ] {
             registry
                 .register(collector)
@@ -65,7 +106,30 @@ impl Metrics {
             reconciles,
             failures,
             duration,
+            jobs_by_phase,
+            time_to_running,
+            restarts,
         }
+    }
+
+    /// Sets the jobs-by-phase gauge from every job's phase.
+    pub fn set_training_jobs_by_phase(&self, phases: &[TrainingJobPhase]) {
+        for phase in PHASES {
+            let count = phases.iter().filter(|p| **p == phase).count();
+            self.jobs_by_phase
+                .with_label_values(&[&format!("{phase:?}")])
+                .set(i64::try_from(count).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// Records how long a job took from creation to Running.
+    pub fn training_job_running_after(&self, seconds: f64) {
+        self.time_to_running.observe(seconds);
+    }
+
+    /// Counts a gang restart.
+    pub fn training_job_restarted(&self) {
+        self.restarts.inc();
     }
 
     /// Counts a reconciliation and times it until the returned timer is dropped.

@@ -13,7 +13,7 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, Client};
 use ringmaster::api::{DataStage, TrainingJob, TrainingJobPhase};
-use ringmaster::controller::{self, Context, Scope};
+use ringmaster::controller::{self, Context, OperatorConfig, Scope};
 use ringmaster::metrics::Metrics;
 use ringmaster::server::{self, ServerState};
 use serde_json::{Value, json};
@@ -38,7 +38,14 @@ impl Operator {
             ready: ready.clone(),
         };
         tokio::spawn(server::serve(listener, state, shutdown.clone()));
-        let ctx = Arc::new(Context::new(client.clone(), metrics, Some("e2e".into())));
+        let ctx = Arc::new(Context::new(
+            client.clone(),
+            metrics,
+            Some("e2e".into()),
+            OperatorConfig {
+                restart_backoff: Duration::from_millis(500),
+            },
+        ));
         let scope = Scope {
             namespace: Some(namespace.to_string()),
         };

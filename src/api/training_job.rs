@@ -84,7 +84,9 @@ fn immutable(field: &str) -> Rule {
         name = "Age",
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
-    )
+    ),
+    validation = Rule::new("self.metadata.name.size() <= 48 && self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')")
+        .message("metadata.name must be a DNS label of at most 48 characters starting with a letter: the workers' host names (<name>-worker-<i>) are built from it")
 )]
 #[serde(rename_all = "camelCase")]
 #[x_kube(

@@ -15,13 +15,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::core::error_boundary::DeserializeGuard;
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::{Controller, watcher};
+use kube::runtime::reflector::store::Writer;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{Controller, WatchStreamExt, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
@@ -46,6 +49,29 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
+    /// Reading an object the reconcile depends on failed.
+    #[error("reading {kind} {name}: {source}")]
+    Read {
+        kind: &'static str,
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
+    /// Carrying out a TrainingJob's plan failed.
+    #[error("TrainingJob {name}: {source}")]
+    Apply {
+        name: String,
+        #[source]
+        source: training_job::apply::ApplyError,
+    },
+    /// Deleting an object failed.
+    #[error("deleting {kind} {name}: {source}")]
+    Delete {
+        kind: &'static str,
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
 }
 
 impl Error {
@@ -53,13 +79,34 @@ impl Error {
     pub fn category(&self) -> &'static str {
         match self {
             Error::WriteStatus { .. } => "write_status",
+            Error::Read { .. } => "read",
+            Error::Apply { .. } => "apply",
+            Error::Delete { .. } => "delete",
         }
     }
 
-    /// The kind of the object the error concerns.
+    /// The controller the error comes from.
     pub fn kind(&self) -> &'static str {
         match self {
             Error::WriteStatus { kind, .. } => kind,
+            Error::Read { .. } | Error::Apply { .. } | Error::Delete { .. } => {
+                training_job::CONTROLLER
+            }
+        }
+    }
+}
+
+/// Settings of the controllers.
+#[derive(Clone, Debug)]
+pub struct OperatorConfig {
+    /// Wait before a failed gang is started again; doubles with each restart (at most 5 min).
+    pub restart_backoff: Duration,
+}
+
+impl Default for OperatorConfig {
+    fn default() -> Self {
+        Self {
+            restart_backoff: Duration::from_secs(10),
         }
     }
 }
@@ -72,21 +119,36 @@ pub struct Context {
     pub metrics: Metrics,
     /// Publishes Events as `ringmaster`.
     pub recorder: Recorder,
+    /// Settings.
+    pub config: OperatorConfig,
+    /// Every pod Ringmaster made (label ringmaster.dev/job-name), cached by a shared reflector.
+    pub pods: Store<Pod>,
+    /// The writer of `pods`, taken by [`run`].
+    pods_writer: Mutex<Option<Writer<Pod>>>,
     /// Consecutive failures per object, for exponential backoff.
     failures: Mutex<HashMap<String, u32>>,
 }
 
 impl Context {
     /// A context for `client`, reporting Events as `instance` (the pod name, when known).
-    pub fn new(client: Client, metrics: Metrics, instance: Option<String>) -> Self {
+    pub fn new(
+        client: Client,
+        metrics: Metrics,
+        instance: Option<String>,
+        config: OperatorConfig,
+    ) -> Self {
         let reporter = Reporter {
             controller: FIELD_MANAGER.into(),
             instance,
         };
+        let (pods, pods_writer) = reflector::store_shared(1024);
         Self {
             recorder: Recorder::new(client.clone(), reporter),
             client,
             metrics,
+            config,
+            pods,
+            pods_writer: Mutex::new(Some(pods_writer)),
             failures: Mutex::new(HashMap::new()),
         }
     }
@@ -239,7 +301,7 @@ impl Scope {
     }
 }
 
-/// Runs both controllers until `shutdown` is cancelled; sets `ready` once both caches have
+/// Runs both controllers until `shutdown` is cancelled; sets `ready` once their caches have
 /// synced.
 pub async fn run(
     ctx: Arc<Context>,
@@ -248,19 +310,92 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let watch = watcher::Config::default().any_semantic();
+    let pods_writer = ctx
+        .pods_writer
+        .lock()
+        .expect("pods writer lock")
+        .take()
+        .expect("controller::run is called once per Context");
+    let pod_events = pods_writer
+        .subscribe()
+        .expect("a shared store can be subscribed to");
+    let pod_watch = watcher::Config::default()
+        .labels(training_job::names::JOB_NAME_LABEL)
+        .any_semantic();
+    let pod_reflector = watcher(scope.api::<Pod>(&ctx.client), pod_watch)
+        .default_backoff()
+        .reflect_shared(pods_writer)
+        .for_each(|event| async move {
+            if let Err(error) = event {
+                tracing::warn!(%error, "watching pods");
+            }
+        });
+
     let jobs = Controller::new(
         scope.api::<DeserializeGuard<TrainingJob>>(&ctx.client),
         watch.clone(),
-    )
-    .graceful_shutdown_on(shutdown.clone().cancelled_owned());
+    );
+    let job_store = jobs.store();
+    let jobs_by_stage = job_store.clone();
+    let jobs = jobs
+        .owns_shared_stream(pod_events)
+        .watches(
+            scope.api::<DataStage>(&ctx.client),
+            watch.clone(),
+            move |stage: DataStage| {
+                // A DataStage's change wakes the jobs that read it.
+                let namespace = stage.namespace();
+                let name = stage.name_any();
+                jobs_by_stage
+                    .state()
+                    .into_iter()
+                    .filter(|job| {
+                        job.meta().namespace == namespace
+                            && job.0.as_ref().is_ok_and(|j| {
+                                j.spec
+                                    .data_stage_ref
+                                    .as_ref()
+                                    .is_some_and(|r| r.name == name)
+                            })
+                    })
+                    .map(|job| ObjectRef::from_obj(job.as_ref()))
+                    .collect::<Vec<_>>()
+            },
+        )
+        .graceful_shutdown_on(shutdown.clone().cancelled_owned());
     let stages = Controller::new(scope.api::<DeserializeGuard<DataStage>>(&ctx.client), watch)
         .graceful_shutdown_on(shutdown.clone().cancelled_owned());
 
-    let (job_store, stage_store) = (jobs.store(), stages.store());
+    let stage_store = stages.store();
+    let (pod_store, gauge_jobs) = (ctx.pods.clone(), job_store.clone());
     tokio::spawn(async move {
-        if wait_until_ready(&job_store).await && wait_until_ready(&stage_store).await {
+        if wait_until_ready(&job_store).await
+            && wait_until_ready(&stage_store).await
+            && wait_until_ready(&pod_store).await
+        {
             ready.store(true, Ordering::Release);
             tracing::info!("caches synced; ready");
+        }
+    });
+    let metrics = ctx.metrics.clone();
+    let gauge_shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        // Jobs by phase, counted from the cache every few seconds.
+        loop {
+            let phases = gauge_jobs
+                .state()
+                .iter()
+                .filter_map(|j| {
+                    j.0.as_ref()
+                        .ok()
+                        .map(|j| j.status.as_ref().map(|s| s.phase).unwrap_or_default())
+                })
+                .collect::<Vec<_>>();
+            metrics.set_training_jobs_by_phase(&phases);
+            tokio::select! {
+                () = gauge_shutdown.cancelled() => break,
+                () = tokio::time::sleep(Duration::from_secs(5)) => {}
+            }
         }
     });
 
@@ -270,7 +405,10 @@ pub async fn run(
     let stages = stages
         .run(data_stage::reconcile, error_policy, ctx.clone())
         .for_each(|result| async move { log_result(data_stage::CONTROLLER, result) });
-    futures::future::join(jobs, stages).await;
+    tokio::select! {
+        _ = futures::future::join(jobs, stages) => {}
+        () = pod_reflector => tracing::warn!("the pod watch ended"),
+    }
     tracing::info!("controllers stopped");
 }
 

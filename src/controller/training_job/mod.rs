@@ -1,20 +1,32 @@
-//! The TrainingJob controller: validate → build → apply → status.
-//!
-//! This version carries the validate and status steps; building and applying the MPI
-//! launcher and workers is not in it yet, and the status says so.
+//! The TrainingJob controller: validate → (dereference the DataStage) → plan → build/apply →
+//! status. Pods are read from a shared cache, so a reconcile costs no reads of the API.
 
+pub mod apply;
+pub mod build;
+pub mod names;
+pub mod observe;
+pub mod plan;
 pub mod status;
 pub mod validate;
 
 use std::sync::Arc;
 
-use kube::Resource;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::api::DeleteParams;
 use kube::core::error_boundary::DeserializeGuard;
 use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType};
+use kube::{Api, Resource, ResourceExt};
 
 use super::{Context, Error, is_warning, now, object_key};
-use crate::api::TrainingJob;
+use crate::api::{
+    DataStage, DataStagePhase, TrainingJob, TrainingJobPhase, TrainingJobStatus, condition_types,
+};
 use crate::validation::FieldErrors;
+use build::BuildInputs;
+use observe::Observed;
+use plan::{DataState, PlanInputs};
 
 /// The controller's name in metrics and logs.
 pub const CONTROLLER: &str = "trainingjob";
@@ -25,42 +37,240 @@ pub async fn reconcile(
     ctx: Arc<Context>,
 ) -> Result<Action, Error> {
     let _timer = ctx.metrics.reconcile_started(CONTROLLER);
-    let outcome = match &object.0 {
-        Ok(job) => validate::validate(job).map(|_| ()),
-        Err(invalid) => Err(FieldErrors::one(
-            "",
-            format!(
-                "the object does not match the TrainingJob schema: {}",
-                invalid.error
-            ),
-        )),
+    let key = object_key(object.as_ref());
+    let action = match &object.0 {
+        Err(invalid) => {
+            let errors = FieldErrors::one(
+                "",
+                format!(
+                    "the object does not match the TrainingJob schema: {}",
+                    invalid.error
+                ),
+            );
+            report_invalid(&ctx, &object, &errors).await?
+        }
+        Ok(job) if job.meta().deletion_timestamp.is_some() => Action::await_change(),
+        Ok(job) => match validate::validate(job) {
+            Err(errors) => report_invalid(&ctx, &object, &errors).await?,
+            Ok(validated) => run(&ctx, &object, job, &validated).await?,
+        },
     };
-    if let Err(errors) = &outcome {
-        tracing::info!(job = %object_key(object.as_ref()), %errors, "invalid TrainingJob spec");
-    }
+    ctx.succeeded(&key);
+    Ok(action)
+}
+
+async fn report_invalid(
+    ctx: &Context,
+    object: &DeserializeGuard<TrainingJob>,
+    errors: &FieldErrors,
+) -> Result<Action, Error> {
+    tracing::info!(job = %object_key(object), %errors, "invalid TrainingJob spec");
     let old = object
         .0
         .as_ref()
         .ok()
-        .and_then(|job| job.status.clone())
+        .and_then(|j| j.status.clone())
         .unwrap_or_default();
-    let new = status::after_validation(
-        &old,
-        object.meta().generation,
-        outcome.as_ref().map(|_| ()),
-        &now(),
-    );
+    let new = status::invalid(&old, object.meta().generation, errors, &now());
     if new != old {
         let value = serde_json::to_value(&new).expect("status serializes");
-        ctx.write_status(
-            object.as_ref(),
-            &old.conditions,
-            &new.conditions,
-            value,
-            is_warning,
-        )
-        .await?;
+        ctx.write_status(object, &old.conditions, &new.conditions, value, is_warning)
+            .await?;
     }
-    ctx.succeeded(&object_key(object.as_ref()));
     Ok(Action::await_change())
+}
+
+/// The referenced DataStage's state.
+async fn data_state(
+    ctx: &Context,
+    job: &validate::ValidatedTrainingJob,
+) -> Result<DataState, Error> {
+    let Some(reference) = &job.data else {
+        return Ok(DataState::NotNeeded);
+    };
+    let api: Api<DataStage> = Api::namespaced(ctx.client.clone(), &job.namespace);
+    let stage = api
+        .get_opt(&reference.name)
+        .await
+        .map_err(|source| Error::Read {
+            kind: "DataStage",
+            name: format!("{}/{}", job.namespace, reference.name),
+            source,
+        })?;
+    Ok(match stage.and_then(|s| s.status) {
+        Some(status) if status.phase == DataStagePhase::Ready && status.claim_name.is_some() => {
+            DataState::Ready {
+                claim: status.claim_name.unwrap_or_default(),
+            }
+        }
+        Some(status) => DataState::Waiting {
+            message: format!("DataStage {} is {:?}", reference.name, status.phase),
+        },
+        None => DataState::Waiting {
+            message: format!(
+                "DataStage {} does not exist yet (or has no status)",
+                reference.name
+            ),
+        },
+    })
+}
+
+/// The job's pods from the shared cache: same namespace, its name label, owned by this UID.
+fn pods_of(ctx: &Context, job: &TrainingJob) -> Vec<Arc<Pod>> {
+    let namespace = job.namespace();
+    let name = job.name_any();
+    let uid = job.uid();
+    ctx.pods
+        .state()
+        .into_iter()
+        .filter(|pod| {
+            pod.metadata.namespace == namespace
+                && pod.labels().get(names::JOB_NAME_LABEL) == Some(&name)
+                && pod
+                    .owner_references()
+                    .iter()
+                    .any(|o| o.controller == Some(true) && Some(&o.uid) == uid.as_ref())
+        })
+        .collect()
+}
+
+async fn run(
+    ctx: &Context,
+    object: &DeserializeGuard<TrainingJob>,
+    job: &TrainingJob,
+    validated: &validate::ValidatedTrainingJob,
+) -> Result<Action, Error> {
+    let old = job.status.clone().unwrap_or_default();
+    let generation = job.meta().generation;
+    let now = now();
+    let data = data_state(ctx, validated).await?;
+    let pods = pods_of(ctx, job);
+    let pod_refs: Vec<&Pod> = pods.iter().map(AsRef::as_ref).collect();
+    let observed = Observed::sort(&pod_refs, validated.workers, old.restarts);
+    let plan = plan::plan(&PlanInputs {
+        job: validated,
+        generation,
+        status: &old,
+        observed: &observed,
+        data: &data,
+        now: &now,
+        restart_backoff: ctx.config.restart_backoff,
+    });
+    let new = status::from_plan(&old, generation, &plan, &observed, &now);
+    let inputs = BuildInputs {
+        attempt: plan.restarts,
+        data_claim: match &data {
+            DataState::Ready { claim } => Some(claim.clone()),
+            _ => None,
+        },
+    };
+    // A restart is recorded before its pods are deleted, so a crash in between cannot lose
+    // it; everything else is carried out before the status that reports it.
+    let restarting = plan.restarts != old.restarts;
+    if restarting {
+        write_status(ctx, object, &old, &new, &plan.message).await?;
+        ctx.metrics.training_job_restarted();
+    }
+    let refresh = old.observed_generation != generation;
+    apply::execute(&ctx.client, validated, &plan, &inputs, refresh)
+        .await
+        .map_err(|source| Error::Apply {
+            name: format!("{}/{}", validated.namespace, validated.name),
+            source,
+        })?;
+    if !restarting {
+        write_status(ctx, object, &old, &new, &plan.message).await?;
+    }
+    // Time to Running, for first runs only (not restarts or resumes).
+    if new.phase == TrainingJobPhase::Running
+        && old.phase == TrainingJobPhase::Starting
+        && new.restarts == 0
+        && let Some(created) = job.meta().creation_timestamp.as_ref()
+    {
+        ctx.metrics
+            .training_job_running_after(now.0.duration_since(created.0).as_secs_f64());
+    }
+    if plan.delete_job {
+        let api: Api<TrainingJob> = Api::namespaced(ctx.client.clone(), &validated.namespace);
+        match api
+            .delete(&validated.name, &DeleteParams::background())
+            .await
+        {
+            Ok(_) => {
+                tracing::info!(job = %validated.name, "deleted after runPolicy.ttlSecondsAfterFinished")
+            }
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(source) => {
+                return Err(Error::Delete {
+                    kind: "TrainingJob",
+                    name: format!("{}/{}", validated.namespace, validated.name),
+                    source,
+                });
+            }
+        }
+        return Ok(Action::await_change());
+    }
+    Ok(match plan.requeue_after {
+        Some(after) => Action::requeue(after),
+        None => Action::await_change(),
+    })
+}
+
+/// Writes the status when it changed, with an Event for a new phase and for SpecValid's
+/// transitions (the other conditions move with the phase).
+async fn write_status(
+    ctx: &Context,
+    object: &DeserializeGuard<TrainingJob>,
+    old: &TrainingJobStatus,
+    new: &TrainingJobStatus,
+    message: &str,
+) -> Result<(), Error> {
+    if new == old {
+        return Ok(());
+    }
+    let spec_valid = |cs: &[Condition]| -> Vec<Condition> {
+        cs.iter()
+            .filter(|c| c.type_ == condition_types::SPEC_VALID)
+            .cloned()
+            .collect()
+    };
+    let value = serde_json::to_value(new).expect("status serializes");
+    ctx.write_status(
+        object,
+        &spec_valid(&old.conditions),
+        &spec_valid(&new.conditions),
+        value,
+        is_warning,
+    )
+    .await?;
+    publish_phase_event(ctx, object, old.phase, new.phase, message).await;
+    Ok(())
+}
+
+/// One Event per phase change: Warning for Restarting and Failed.
+async fn publish_phase_event(
+    ctx: &Context,
+    object: &DeserializeGuard<TrainingJob>,
+    old: TrainingJobPhase,
+    new: TrainingJobPhase,
+    message: &str,
+) {
+    if old == new {
+        return;
+    }
+    let warning = matches!(new, TrainingJobPhase::Restarting | TrainingJobPhase::Failed);
+    let event = Event {
+        type_: if warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        },
+        reason: format!("{new:?}"),
+        note: Some(message.chars().take(1000).collect()),
+        action: "Reconcile".into(),
+        secondary: None,
+    };
+    if let Err(error) = ctx.recorder.publish(&event, &object.object_ref(&())).await {
+        tracing::warn!(%error, "could not publish Event");
+    }
 }

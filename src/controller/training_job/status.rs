@@ -1,72 +1,82 @@
-//! Status step of the TrainingJob controller: the status to write, computed from what was
-//! observed. Pure: the clock is passed in.
+//! Status step of the TrainingJob controller: the status to write, from the plan and the
+//! observed pods. Pure: the clock is passed in.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-use crate::api::{TrainingJobPhase, TrainingJobStatus};
-use crate::controller::{conditions, validation_conditions};
+use super::observe::{Observed, PodLife};
+use super::plan::Plan;
+use crate::api::{
+    TrainingJobPhase, TrainingJobStatus, WorkerCounts, condition_reasons, condition_types,
+};
+use crate::controller::conditions::{self, DesiredCondition};
+use crate::controller::validation_conditions;
 use crate::validation::FieldErrors;
 
-/// What a valid job says while this operator version does not start workers yet.
-pub const NOT_STARTED: &str = "the spec is valid; this version of Ringmaster validates TrainingJobs but does not create workers or a launcher yet";
-
-/// The status after the validate step, keeping what `old` says of everything else.
-pub fn after_validation(
+/// The status of a job whose spec is invalid, keeping what `old` says of everything else.
+pub fn invalid(
     old: &TrainingJobStatus,
     generation: Option<i64>,
-    outcome: Result<(), &FieldErrors>,
+    errors: &FieldErrors,
     now: &Time,
 ) -> TrainingJobStatus {
     let mut status = old.clone();
     status.phase = TrainingJobPhase::Pending;
     status.observed_generation = generation;
-    for desired in validation_conditions(outcome, NOT_STARTED) {
+    for desired in validation_conditions(Err(errors), "") {
         conditions::set(&mut status.conditions, desired, generation, now);
     }
     status
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::api::condition_types::{READY, SPEC_VALID};
-    use k8s_openapi::jiff::Timestamp;
-
-    #[test]
-    fn invalid_then_fixed() {
-        let t0 = Time(Timestamp::from_second(100).unwrap());
-        let t1 = Time(Timestamp::from_second(200).unwrap());
-        let errors = FieldErrors::one("spec.workers", "must be at least 1");
-        let invalid = after_validation(&TrainingJobStatus::default(), Some(1), Err(&errors), &t0);
-        let spec_valid = invalid
-            .conditions
-            .iter()
-            .find(|c| c.type_ == SPEC_VALID)
-            .unwrap();
-        assert_eq!(spec_valid.status, "False");
-        assert!(
-            spec_valid.message.contains("spec.workers"),
-            "{}",
-            spec_valid.message
-        );
-        assert_eq!(invalid.observed_generation, Some(1));
-
-        let fixed = after_validation(&invalid, Some(2), Ok(()), &t1);
-        let spec_valid = fixed
-            .conditions
-            .iter()
-            .find(|c| c.type_ == SPEC_VALID)
-            .unwrap();
-        assert_eq!(
-            (spec_valid.status.as_str(), &spec_valid.last_transition_time),
-            ("True", &t1)
-        );
-        let ready = fixed.conditions.iter().find(|c| c.type_ == READY).unwrap();
-        // Ready stayed False, so its transition time stays.
-        assert_eq!(
-            (ready.status.as_str(), &ready.last_transition_time),
-            ("False", &t0)
-        );
-        assert_eq!(after_validation(&fixed, Some(2), Ok(()), &t1), fixed);
+/// The status after a plan, from what was observed before it was carried out.
+pub fn from_plan(
+    old: &TrainingJobStatus,
+    generation: Option<i64>,
+    plan: &Plan,
+    observed: &Observed,
+    now: &Time,
+) -> TrainingJobStatus {
+    let mut status = old.clone();
+    status.phase = plan.phase;
+    status.observed_generation = generation;
+    status.restarts = plan.restarts;
+    status.start_time = plan.start_time.clone();
+    status.completion_time = plan.completion_time.clone();
+    status.result = plan.result.clone();
+    let same_gang = plan.restarts == old.restarts;
+    let workers = observed.workers.iter().flatten().filter(|_| same_gang);
+    status.workers = WorkerCounts {
+        active: workers
+            .clone()
+            .filter(|w| !w.deleting && !w.is_finished())
+            .count() as i32,
+        ready: workers.clone().filter(|w| w.is_ready()).count() as i32,
+        failed: workers
+            .filter(|w| matches!(w.life, PodLife::Failed(_)))
+            .count() as i32,
+    };
+    status.launcher = observed.launcher.as_ref().filter(|_| same_gang).map(|l| {
+        match &l.life {
+            PodLife::Pending { .. } => "Pending",
+            PodLife::Running { .. } => "Running",
+            PodLife::Succeeded(_) => "Succeeded",
+            PodLife::Failed(_) => "Failed",
+        }
+        .to_string()
+    });
+    conditions::set(
+        &mut status.conditions,
+        DesiredCondition::new(
+            condition_types::SPEC_VALID,
+            true,
+            condition_reasons::VALID,
+            "the spec passed validation",
+        ),
+        generation,
+        now,
+    );
+    for desired in &plan.conditions {
+        conditions::set(&mut status.conditions, desired.clone(), generation, now);
     }
+    status
 }

@@ -1,0 +1,579 @@
+//! Build step of the TrainingJob controller: the desired children of a validated job.
+//! Pure: no client, no clock; the SSH key's seed comes in from outside.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use serde_json::{Value, json};
+
+use super::names::{self, LAUNCHER_ROLE, RENDEZVOUS_PORT, SSH_MOUNT, WORKER_ROLE};
+use super::validate::{Program, TrainerSettings, TrainingLength, ValidatedTrainingJob};
+use crate::api::{DataSource, Model, MpiImplementation, OutputSpec, PodOverrides, Precision};
+
+/// Group the pods' volumes are given to, so a non-root user (the trainer image's uid/gid
+/// 1000) can read the SSH key, which is mounted 0600 and owned by root.
+pub const POD_FS_GROUP: i64 = 1000;
+
+/// NCCL and UCX settings for InfiniBand on Azure ND-series VMs; `infiniband.env` overrides them.
+pub const DEFAULT_IB_ENV: &[(&str, &str)] = &[
+    ("NCCL_IB_DISABLE", "0"),
+    ("NCCL_IB_PCI_RELAXED_ORDERING", "1"),
+    ("NCCL_SOCKET_IFNAME", "eth0"),
+    ("NCCL_DEBUG", "WARN"),
+    ("UCX_TLS", "rc"),
+    ("UCX_NET_DEVICES", "mlx5_ib0:1"),
+];
+
+/// A per-job SSH key pair in OpenSSH formats.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SshKeys {
+    /// The private key, `-----BEGIN OPENSSH PRIVATE KEY-----`.
+    pub private_key: String,
+    /// The public key line, `ssh-ed25519 AAAA... comment`.
+    pub public_key: String,
+}
+
+impl std::fmt::Debug for SshKeys {
+    // Never print the private key.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SshKeys")
+            .field("public_key", &self.public_key)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SshKeys {
+    /// An Ed25519 key pair from a 32-byte seed (the caller draws it from the OS).
+    pub fn from_seed(seed: &[u8; 32], comment: &str) -> Self {
+        let keypair = ssh_key::private::Ed25519Keypair::from_seed(seed);
+        let mut private = ssh_key::PrivateKey::from(keypair);
+        private.set_comment(comment);
+        let private_key = private
+            .to_openssh(ssh_key::LineEnding::LF)
+            .expect("an Ed25519 key encodes")
+            .to_string();
+        let public_key = private
+            .public_key()
+            .to_openssh()
+            .expect("an Ed25519 key encodes");
+        Self {
+            private_key,
+            public_key,
+        }
+    }
+}
+
+/// What the build needs beyond the spec: the gang attempt and the resolved DataStage claim.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BuildInputs {
+    /// The gang attempt (the job's restart count).
+    pub attempt: i32,
+    /// The claim of the referenced DataStage, once it is Ready.
+    pub data_claim: Option<String>,
+}
+
+fn owner(job: &ValidatedTrainingJob) -> Value {
+    serde_json::to_value(OwnerReference {
+        api_version: format!("{}/{}", crate::api::GROUP, crate::api::VERSION),
+        kind: "TrainingJob".into(),
+        name: job.name.clone(),
+        uid: job.uid.clone(),
+        controller: Some(true),
+        block_owner_deletion: Some(true),
+    })
+    .expect("owner reference serializes")
+}
+
+fn metadata(job: &ValidatedTrainingJob, name: &str, labels: BTreeMap<String, String>) -> Value {
+    json!({
+        "name": name,
+        "namespace": job.namespace,
+        "labels": labels,
+        "ownerReferences": [owner(job)],
+    })
+}
+
+fn typed<T: serde::de::DeserializeOwned>(value: Value) -> T {
+    serde_json::from_value(value).expect("built objects match their Kubernetes types")
+}
+
+/// The SSH Secret: `kubernetes.io/ssh-auth` with the private key, plus the public key and
+/// `authorized_keys` so workers accept the launcher.
+pub fn ssh_secret(job: &ValidatedTrainingJob, keys: &SshKeys) -> Secret {
+    let mut labels = names::job_labels(&job.name);
+    labels.insert(names::ROLE_LABEL.into(), "ssh".into());
+    typed(json!({
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata(job, &names::ssh_secret(&job.name), labels),
+        "type": "kubernetes.io/ssh-auth",
+        "stringData": {
+            "ssh-privatekey": keys.private_key,
+            "ssh-publickey": keys.public_key,
+            "authorized_keys": keys.public_key,
+        },
+    }))
+}
+
+/// The hostfile in the chosen MPI's format, one line per worker.
+pub fn hostfile(job: &ValidatedTrainingJob) -> String {
+    (0..job.workers)
+        .map(|i| {
+            let host = names::worker_host(job, i);
+            match job.mpi.implementation {
+                MpiImplementation::OpenMPI => format!("{host} slots={}\n", job.slots_per_worker),
+                MpiImplementation::IntelMPI | MpiImplementation::MPICH => {
+                    format!("{host}:{}\n", job.slots_per_worker)
+                }
+            }
+        })
+        .collect()
+}
+
+/// The hostfile ConfigMap.
+pub fn hostfile_config_map(job: &ValidatedTrainingJob) -> ConfigMap {
+    let mut labels = names::job_labels(&job.name);
+    labels.insert(names::ROLE_LABEL.into(), "hostfile".into());
+    typed(json!({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(job, &names::hostfile_config_map(&job.name), labels),
+        "data": {"hostfile": hostfile(job)},
+    }))
+}
+
+/// The headless Service that gives each worker a DNS name. Not-ready addresses are published
+/// so a worker's name resolves while its readiness probe (ssh to that name) is checked.
+pub fn worker_service(job: &ValidatedTrainingJob) -> Service {
+    let mut labels = names::job_labels(&job.name);
+    labels.insert(names::ROLE_LABEL.into(), "workers".into());
+    let mut selector = names::job_labels(&job.name);
+    selector.insert(names::ROLE_LABEL.into(), WORKER_ROLE.into());
+    typed(json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(job, &names::worker_service(&job.name), labels),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": true,
+            "selector": selector,
+            "ports": [
+                {"name": "ssh", "port": job.mpi.ssh_port, "targetPort": job.mpi.ssh_port},
+                {"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT},
+            ],
+        },
+    }))
+}
+
+/// The options every ssh from the launcher (and the readiness probe) uses.
+fn ssh_options(job: &ValidatedTrainingJob) -> String {
+    format!(
+        "-p {} -i {SSH_MOUNT}/ssh-privatekey -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -o BatchMode=yes",
+        job.mpi.ssh_port
+    )
+}
+
+fn data_volume(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Option<(Value, Value)> {
+    let data = job.data.as_ref()?;
+    let claim = inputs.data_claim.as_ref()?;
+    Some((
+        json!({"name": "data", "persistentVolumeClaim": {"claimName": claim, "readOnly": true}}),
+        json!({"name": "data", "mountPath": data.mount_path, "readOnly": true}),
+    ))
+}
+
+fn output_volume(output: &OutputSpec) -> (Value, Value) {
+    let volume = match (&output.persistent_volume_claim, &output.azure_file) {
+        (Some(claim), _) => {
+            json!({"name": "output", "persistentVolumeClaim": {"claimName": claim.claim_name}})
+        }
+        (None, Some(files)) => json!({
+            "name": "output",
+            "csi": {
+                "driver": "file.csi.azure.com",
+                "volumeAttributes": {"shareName": files.share_name, "secretName": files.secret_name},
+            },
+        }),
+        // The schema requires exactly one; an empty dir keeps the pod valid if it ever isn't.
+        (None, None) => json!({"name": "output", "emptyDir": {}}),
+    };
+    (
+        volume,
+        json!({"name": "output", "mountPath": output.mount_path}),
+    )
+}
+
+fn ssh_volume(job: &ValidatedTrainingJob) -> (Value, Value) {
+    (
+        json!({"name": "ssh", "secret": {"secretName": names::ssh_secret(&job.name), "defaultMode": 0o600}}),
+        json!({"name": "ssh", "mountPath": SSH_MOUNT, "readOnly": true}),
+    )
+}
+
+/// Applies the user's additions to a pod value (labels, annotations, env, volumes, ...).
+fn merge_overrides(pod: &mut Value, overrides: &PodOverrides) {
+    let meta = &mut pod["metadata"];
+    for (key, map) in [
+        ("labels", &overrides.labels),
+        ("annotations", &overrides.annotations),
+    ] {
+        for (k, v) in map {
+            // Ringmaster's own labels win; the schema refuses ringmaster.dev/ keys anyway.
+            if meta[key].get(k).is_none() {
+                meta[key][k] = json!(v);
+            }
+        }
+    }
+    let spec = &mut pod["spec"];
+    for (k, v) in &overrides.node_selector {
+        spec["nodeSelector"][k] = json!(v);
+    }
+    extend(
+        &mut spec["tolerations"],
+        overrides.tolerations.iter().map(as_value),
+    );
+    extend(&mut spec["volumes"], overrides.volumes.iter().map(as_value));
+    if let Some(class) = &overrides.priority_class_name {
+        spec["priorityClassName"] = json!(class);
+    }
+    let container = &mut spec["containers"][0];
+    extend(&mut container["env"], overrides.env.iter().map(as_value));
+    extend(
+        &mut container["volumeMounts"],
+        overrides.volume_mounts.iter().map(as_value),
+    );
+    if let Some(resources) = &overrides.resources {
+        // GPU and RDMA limits set by Ringmaster stay.
+        let ours = container["resources"]["limits"].clone();
+        container["resources"] = as_value(resources);
+        if let Some(ours) = ours.as_object() {
+            for (k, v) in ours {
+                container["resources"]["limits"][k] = v.clone();
+            }
+        }
+    }
+}
+
+fn as_value<T: serde::Serialize>(v: &T) -> Value {
+    serde_json::to_value(v).expect("Kubernetes types serialize")
+}
+
+fn extend(list: &mut Value, items: impl Iterator<Item = Value>) {
+    let items: Vec<Value> = items.collect();
+    if items.is_empty() {
+        return;
+    }
+    if !list.is_array() {
+        *list = json!([]);
+    }
+    list.as_array_mut().expect("array").extend(items);
+}
+
+/// Worker pod `index` of gang `inputs.attempt`: sshd on the job's port, ready when it is
+/// reachable over ssh under its DNS name, with GPUs, RDMA, shared memory and data mounted.
+pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) -> Pod {
+    let name = names::worker_pod(&job.name, index);
+    let mut labels = names::pod_labels(&job.name, WORKER_ROLE, inputs.attempt);
+    labels.insert(names::WORKER_INDEX_LABEL.into(), index.to_string());
+    let port = job.mpi.ssh_port;
+    let (ssh_vol, ssh_mount) = ssh_volume(job);
+    let mut volumes = vec![ssh_vol];
+    let mut mounts = vec![ssh_mount];
+    let mut limits = serde_json::Map::new();
+    let mut capabilities = Vec::new();
+    if job.gpus_per_worker > 0 {
+        limits.insert(
+            "nvidia.com/gpu".into(),
+            json!(job.gpus_per_worker.to_string()),
+        );
+    }
+    if let Some(ib) = &job.infiniband {
+        limits.insert(
+            ib.rdma_resource.clone(),
+            json!(ib.rdma_resource_count.to_string()),
+        );
+        capabilities.push("IPC_LOCK");
+        volumes.push(
+            json!({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": ib.shm_size}}),
+        );
+        mounts.push(json!({"name": "dshm", "mountPath": "/dev/shm"}));
+    }
+    if let Some((volume, mount)) = data_volume(job, inputs) {
+        volumes.push(volume);
+        mounts.push(mount);
+    }
+    if let Some(output) = &job.output {
+        let (volume, mount) = output_volume(output);
+        volumes.push(volume);
+        mounts.push(mount);
+    }
+    let host = names::worker_host(job, index);
+    let probe = format!("ssh {} {host} true", ssh_options(job));
+    let mut node_selector = serde_json::Map::new();
+    let mut tolerations = Vec::new();
+    if let Some(pool) = &job.node_pool {
+        for (k, v) in &pool.node_selector {
+            node_selector.insert(k.clone(), json!(v));
+        }
+        if let Some(pool_name) = &pool.pool_name {
+            node_selector.insert("kubernetes.azure.com/agentpool".into(), json!(pool_name));
+            tolerations.push(json!({"key": "ringmaster.dev/pool", "operator": "Equal", "value": pool_name, "effect": "NoSchedule"}));
+        }
+    }
+    let mut pod = json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata(job, &name, labels),
+        "spec": {
+            "hostname": name,
+            "subdomain": names::worker_service(&job.name),
+            "restartPolicy": "Never",
+            "securityContext": {"fsGroup": POD_FS_GROUP},
+            "nodeSelector": node_selector,
+            "tolerations": tolerations,
+            "volumes": volumes,
+            "containers": [{
+                "name": "worker",
+                "image": job.image,
+                "command": [
+                    "/usr/sbin/sshd", "-D", "-e", "-p", port.to_string(),
+                    "-h", format!("{SSH_MOUNT}/ssh-privatekey"),
+                    "-o", format!("AuthorizedKeysFile={SSH_MOUNT}/authorized_keys"),
+                    "-o", "PidFile=/tmp/sshd.pid",
+                    "-o", "UsePAM=no",
+                ],
+                "ports": [
+                    {"name": "ssh", "containerPort": port},
+                    {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
+                ],
+                "readinessProbe": {
+                    "exec": {"command": ["sh", "-c", probe]},
+                    "periodSeconds": 5,
+                    "timeoutSeconds": 4,
+                },
+                "resources": {"limits": limits},
+                "securityContext": {"capabilities": {"add": capabilities}},
+                "env": rank_env(job),
+                "volumeMounts": mounts,
+            }],
+        },
+    });
+    merge_overrides(&mut pod, &job.worker);
+    typed(pod)
+}
+
+/// Environment every rank needs. Ranks are started by sshd, which passes no container
+/// environment on, so the launcher holds these and mpirun forwards them.
+fn rank_env(job: &ValidatedTrainingJob) -> Vec<Value> {
+    let mut env: BTreeMap<String, String> = BTreeMap::new();
+    env.insert("RINGMASTER_JOB".into(), job.name.clone());
+    env.insert(
+        "RINGMASTER_RENDEZVOUS".into(),
+        format!("{}:{RENDEZVOUS_PORT}", names::worker_host(job, 0)),
+    );
+    if let Some(ib) = &job.infiniband {
+        for (k, v) in DEFAULT_IB_ENV {
+            env.insert((*k).into(), (*v).into());
+        }
+        env.extend(ib.env.clone());
+    }
+    env.into_iter()
+        .map(|(name, value)| json!({"name": name, "value": value}))
+        .collect()
+}
+
+/// The launcher pod of gang `inputs.attempt`: runs the MPI launcher over the hostfile.
+pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
+    let (ssh_vol, ssh_mount) = ssh_volume(job);
+    let mut volumes = vec![
+        ssh_vol,
+        json!({"name": "hostfile", "configMap": {"name": names::hostfile_config_map(&job.name)}}),
+    ];
+    let mut mounts = vec![
+        ssh_mount,
+        json!({"name": "hostfile", "mountPath": names::HOSTFILE_MOUNT, "readOnly": true}),
+    ];
+    if let Some(output) = &job.output {
+        let (volume, mount) = output_volume(output);
+        volumes.push(volume);
+        mounts.push(mount);
+    }
+    let mut env = rank_env(job);
+    // The user's worker environment reaches the ranks through the launcher too.
+    env.extend(job.worker.env.iter().map(as_value));
+    env.push(json!({"name": "OMPI_ALLOW_RUN_AS_ROOT", "value": "1"}));
+    env.push(json!({"name": "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "value": "1"}));
+    let mut pod = json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata(job, &names::launcher_pod(&job.name), names::pod_labels(&job.name, LAUNCHER_ROLE, inputs.attempt)),
+        "spec": {
+            "restartPolicy": "Never",
+            "securityContext": {"fsGroup": POD_FS_GROUP},
+            "volumes": volumes,
+            "containers": [{
+                "name": "launcher",
+                "image": job.image,
+                "command": launcher_command(job),
+                "env": env,
+                "volumeMounts": mounts,
+                "terminationMessagePolicy": "FallbackToLogsOnError",
+            }],
+        },
+    });
+    merge_overrides(&mut pod, &job.launcher);
+    typed(pod)
+}
+
+/// Names of the variables mpirun forwards to every rank.
+fn forwarded_env(job: &ValidatedTrainingJob) -> Vec<String> {
+    let mut names: Vec<String> = rank_env(job)
+        .iter()
+        .filter_map(|e| e["name"].as_str().map(str::to_string))
+        .collect();
+    names.extend(job.worker.env.iter().map(|e| e.name.clone()));
+    names.extend(["PATH", "LD_LIBRARY_PATH"].map(String::from));
+    names
+}
+
+/// The launcher's command: the MPI launcher with the process count, hostfile, ssh settings
+/// and forwarded environment, then the program. The trainer's own launcher wrapper turns
+/// rank 0's summary into the pod's termination message.
+pub fn launcher_command(job: &ValidatedTrainingJob) -> Vec<String> {
+    let hostfile = format!("{}/hostfile", names::HOSTFILE_MOUNT);
+    let np = job.world_size().to_string();
+    let ssh = ssh_options(job);
+    let forwarded = forwarded_env(job);
+    let mut command: Vec<String> = match job.mpi.implementation {
+        MpiImplementation::OpenMPI => {
+            let mut c: Vec<String> = [
+                "mpirun",
+                "--hostfile",
+                &hostfile,
+                "-np",
+                &np,
+                "--map-by",
+                "slot",
+                "--bind-to",
+                "none",
+            ]
+            .map(String::from)
+            .to_vec();
+            c.extend(["--mca", "plm_rsh_args", &ssh].map(String::from));
+            for name in &forwarded {
+                c.extend(["-x".to_string(), name.clone()]);
+            }
+            c
+        }
+        MpiImplementation::IntelMPI => {
+            let mut c: Vec<String> = [
+                "mpirun",
+                "-f",
+                &hostfile,
+                "-n",
+                &np,
+                "-bootstrap",
+                "ssh",
+                "-bootstrap-exec-args",
+                &ssh,
+            ]
+            .map(String::from)
+            .to_vec();
+            c.extend(["-genvlist".to_string(), forwarded.join(",")]);
+            c
+        }
+        MpiImplementation::MPICH => {
+            let mut c: Vec<String> = [
+                "mpiexec",
+                "-f",
+                &hostfile,
+                "-n",
+                &np,
+                "-launcher",
+                "ssh",
+                "-launcher-exec",
+            ]
+            .map(String::from)
+            .to_vec();
+            c.push(format!("ssh {ssh}"));
+            c.extend(["-genvlist".to_string(), forwarded.join(",")]);
+            c
+        }
+    };
+    command.extend(job.mpi.extra_args.iter().cloned());
+    match &job.program {
+        Program::Command(user) => {
+            command.extend(user.iter().cloned());
+            command
+        }
+        Program::Trainer(settings) => {
+            command.extend(trainer_args(job, settings));
+            let mut wrapped: Vec<String> = [
+                names::TRAINER_BINARY,
+                "launch",
+                "--termination-message",
+                "/dev/termination-log",
+                "--",
+            ]
+            .map(String::from)
+            .to_vec();
+            wrapped.extend(command);
+            wrapped
+        }
+    }
+}
+
+/// `ringmaster-trainer train ...` with the job's settings.
+pub fn trainer_args(job: &ValidatedTrainingJob, t: &TrainerSettings) -> Vec<String> {
+    let model = match t.model {
+        Model::Resnet18 => "resnet18",
+        Model::Resnet34 => "resnet34",
+        Model::Resnet50 => "resnet50",
+        Model::Resnet101 => "resnet101",
+        Model::Resnet152 => "resnet152",
+    };
+    let precision = match t.precision {
+        Precision::Fp32 => "fp32",
+        Precision::Bf16 => "bf16",
+    };
+    let device = if job.gpus_per_worker > 0 {
+        "cuda"
+    } else {
+        "cpu"
+    };
+    let mut args: Vec<String> = vec![
+        names::TRAINER_BINARY.into(),
+        "train".into(),
+        format!("--model={model}"),
+        format!("--device={device}"),
+        format!("--batch-size={}", t.batch_size),
+        format!("--image-size={}", t.image_size),
+        format!("--learning-rate={}", t.learning_rate),
+        format!("--precision={precision}"),
+    ];
+    match t.length {
+        TrainingLength::Steps(steps) => args.push(format!("--steps={steps}")),
+        TrainingLength::Epochs(epochs) => args.push(format!("--epochs={epochs}")),
+    }
+    match (t.data, &job.data) {
+        (DataSource::ImageFolder, Some(data)) => {
+            let dir = if t.data_path.is_empty() {
+                data.mount_path.clone()
+            } else {
+                format!("{}/{}", data.mount_path.trim_end_matches('/'), t.data_path)
+            };
+            args.push(format!("--data-dir={dir}"));
+        }
+        _ => args.push("--synthetic".into()),
+    }
+    if let Some(output) = &job.output {
+        args.push(format!(
+            "--output-dir={}/{}",
+            output.mount_path.trim_end_matches('/'),
+            job.name
+        ));
+    }
+    args.extend(t.extra_args.iter().cloned());
+    args
+}

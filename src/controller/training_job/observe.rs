@@ -1,0 +1,163 @@
+//! What the job's pods say: each pod's state boiled down to what the plan needs. Pure.
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+
+use super::names::{ATTEMPT_LABEL, LAUNCHER_ROLE, ROLE_LABEL, WORKER_INDEX_LABEL, WORKER_ROLE};
+
+/// How a pod's main container ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Exit {
+    /// Exit code.
+    pub code: i32,
+    /// The container's termination reason (OOMKilled, Error, Completed, ...), or the pod's
+    /// (Evicted) when the kubelet set one.
+    pub reason: String,
+    /// The termination message (the trainer's JSON summary, or the log's tail).
+    pub message: String,
+}
+
+/// The life of one pod.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PodLife {
+    /// Not scheduled or not started; `unschedulable` carries the scheduler's message.
+    Pending { unschedulable: Option<String> },
+    /// Running; `ready` when its readiness probe passes.
+    Running { ready: bool },
+    /// Exited 0.
+    Succeeded(Exit),
+    /// Exited non-zero, was evicted or lost.
+    Failed(Exit),
+}
+
+/// One pod of the job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodState {
+    /// Pod name.
+    pub name: String,
+    /// Gang attempt it belongs to.
+    pub attempt: Option<i32>,
+    /// Its life.
+    pub life: PodLife,
+    /// Being deleted.
+    pub deleting: bool,
+}
+
+impl PodState {
+    /// Reads a pod.
+    pub fn of(pod: &Pod) -> Self {
+        let attempt = pod.labels().get(ATTEMPT_LABEL).and_then(|a| a.parse().ok());
+        let status = pod.status.clone().unwrap_or_default();
+        let terminated = status
+            .container_statuses
+            .as_ref()
+            .and_then(|s| s.first())
+            .and_then(|s| s.state.as_ref())
+            .and_then(|s| s.terminated.clone());
+        let exit = |default_reason: &str| {
+            let t = terminated.clone().unwrap_or_default();
+            Exit {
+                code: t.exit_code,
+                // The kubelet puts Evicted (and similar) on the pod, not the container.
+                reason: status
+                    .reason
+                    .clone()
+                    .or(t.reason.clone())
+                    .unwrap_or_else(|| default_reason.to_string()),
+                message: t.message.unwrap_or_default(),
+            }
+        };
+        let condition = |type_: &str| {
+            status
+                .conditions
+                .as_ref()
+                .and_then(|cs| cs.iter().find(|c| c.type_ == type_).cloned())
+        };
+        let life = match status.phase.as_deref() {
+            Some("Succeeded") => PodLife::Succeeded(exit("Completed")),
+            Some("Failed") => PodLife::Failed(exit("Error")),
+            Some("Running") => PodLife::Running {
+                ready: condition("Ready").is_some_and(|c| c.status == "True"),
+            },
+            _ => PodLife::Pending {
+                unschedulable: condition("PodScheduled")
+                    .filter(|c| c.status == "False" && c.reason.as_deref() == Some("Unschedulable"))
+                    .map(|c| c.message.unwrap_or_default()),
+            },
+        };
+        Self {
+            name: pod.name_any(),
+            attempt,
+            life,
+            deleting: pod.metadata.deletion_timestamp.is_some(),
+        }
+    }
+
+    /// Running and ready.
+    pub fn is_ready(&self) -> bool {
+        !self.deleting && matches!(self.life, PodLife::Running { ready: true })
+    }
+
+    /// Exited (either way).
+    pub fn is_finished(&self) -> bool {
+        matches!(self.life, PodLife::Succeeded(_) | PodLife::Failed(_))
+    }
+}
+
+/// The job's pods, sorted into the current gang and everything else.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Observed {
+    /// Worker `i` of the current attempt, if it exists.
+    pub workers: Vec<Option<PodState>>,
+    /// The launcher of the current attempt, if it exists.
+    pub launcher: Option<PodState>,
+    /// Pods of other attempts or indices no longer wanted; they are deleted.
+    pub stale: Vec<PodState>,
+}
+
+impl Observed {
+    /// Sorts `pods` (all the job's pods) for gang `attempt` of `workers` workers.
+    pub fn sort(pods: &[&Pod], workers: u32, attempt: i32) -> Self {
+        let mut observed = Self {
+            workers: vec![None; workers as usize],
+            ..Self::default()
+        };
+        for pod in pods {
+            let state = PodState::of(pod);
+            let labels = pod.labels();
+            let current = state.attempt == Some(attempt);
+            match labels.get(ROLE_LABEL).map(String::as_str) {
+                Some(WORKER_ROLE) if current => {
+                    match labels
+                        .get(WORKER_INDEX_LABEL)
+                        .and_then(|i| i.parse::<usize>().ok())
+                    {
+                        Some(i) if i < observed.workers.len() => observed.workers[i] = Some(state),
+                        _ => observed.stale.push(state),
+                    }
+                }
+                Some(LAUNCHER_ROLE) if current => observed.launcher = Some(state),
+                _ => observed.stale.push(state),
+            }
+        }
+        observed
+    }
+
+    /// Every pod, current and stale.
+    pub fn all(&self) -> impl Iterator<Item = &PodState> {
+        self.workers
+            .iter()
+            .flatten()
+            .chain(self.launcher.iter())
+            .chain(self.stale.iter())
+    }
+
+    /// Workers of the current gang that are ready.
+    pub fn ready_workers(&self) -> usize {
+        self.workers
+            .iter()
+            .flatten()
+            .filter(|w| w.is_ready())
+            .count()
+    }
+}

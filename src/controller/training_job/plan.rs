@@ -1,0 +1,639 @@
+//! The TrainingJob state machine: from the validated spec, the last status and the observed
+//! pods, what to create, what to delete and what the status says. Pure: the clock comes in.
+
+use std::time::Duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+use super::observe::{Exit, Observed, PodLife, PodState};
+use super::validate::ValidatedTrainingJob;
+use crate::api::{
+    CleanPodPolicy, Provisioner, TrainingJobPhase, TrainingJobStatus, TrainingResult,
+};
+use crate::controller::conditions::DesiredCondition;
+
+/// Condition types of a TrainingJob beyond the shared ones.
+pub mod condition_types {
+    pub use crate::api::condition_types::*;
+    /// The referenced DataStage is Ready.
+    pub const DATA_READY: &str = "DataReady";
+    /// The nodes for the job are there.
+    pub const NODES_READY: &str = "NodesReady";
+    /// Every worker of the current gang is ready.
+    pub const WORKERS_READY: &str = "WorkersReady";
+    /// The gang is being replaced after a failure.
+    pub const RESTARTING: &str = "Restarting";
+    /// The job is suspended.
+    pub const SUSPENDED: &str = "Suspended";
+    /// The launcher exited 0.
+    pub const SUCCEEDED: &str = "Succeeded";
+    /// The job failed for good.
+    pub const FAILED: &str = "Failed";
+}
+
+/// Condition reasons of a TrainingJob.
+pub mod reasons {
+    /// The job's gang is running.
+    pub const RUNNING: &str = "Running";
+    /// Workers are starting.
+    pub const STARTING: &str = "Starting";
+    /// A worker cannot be scheduled.
+    pub const UNSCHEDULABLE: &str = "Unschedulable";
+    /// Waiting for the DataStage.
+    pub const WAITING_FOR_DATA: &str = "WaitingForData";
+    /// The DataStage is Ready.
+    pub const DATA_READY: &str = "DataReady";
+    /// Waiting for nodes.
+    pub const PROVISIONING: &str = "ProvisioningNodes";
+    /// Creating AKS agent pools is not in this version.
+    pub const POOL_NOT_IMPLEMENTED: &str = "AgentPoolsNotImplemented";
+    /// The gang failed and is being replaced.
+    pub const RESTARTING: &str = "Restarting";
+    /// Suspended by runPolicy.suspend.
+    pub const SUSPENDED: &str = "Suspended";
+    /// Not suspended.
+    pub const NOT_SUSPENDED: &str = "NotSuspended";
+    /// The launcher exited 0.
+    pub const SUCCEEDED: &str = "Succeeded";
+    /// Restarts were used up.
+    pub const BACKOFF_LIMIT_EXCEEDED: &str = "BackoffLimitExceeded";
+    /// The launcher failed with a code that a restart would not fix.
+    pub const LAUNCHER_FAILED: &str = "LauncherFailed";
+    /// activeDeadlineSeconds passed.
+    pub const DEADLINE_EXCEEDED: &str = "DeadlineExceeded";
+    /// The job is not finished.
+    pub const NOT_FINISHED: &str = "NotFinished";
+}
+
+/// Longest wait between gang restarts.
+pub const MAX_RESTART_BACKOFF: Duration = Duration::from_secs(300);
+
+/// The referenced DataStage, as far as the job is concerned.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DataState {
+    /// The job reads no DataStage.
+    NotNeeded,
+    /// Ready; its claim.
+    Ready { claim: String },
+    /// Not ready (or missing); why, for the condition.
+    Waiting { message: String },
+}
+
+/// Everything the plan reads.
+pub struct PlanInputs<'a> {
+    /// The spec.
+    pub job: &'a ValidatedTrainingJob,
+    /// The job's generation.
+    pub generation: Option<i64>,
+    /// The status written last.
+    pub status: &'a TrainingJobStatus,
+    /// The job's pods.
+    pub observed: &'a Observed,
+    /// The DataStage.
+    pub data: &'a DataState,
+    /// Now.
+    pub now: &'a Time,
+    /// Wait before the first restart; doubles each restart.
+    pub restart_backoff: Duration,
+}
+
+/// What to do and what to say.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    /// The phase after this reconcile.
+    pub phase: TrainingJobPhase,
+    /// Restarts so far (the current gang's attempt).
+    pub restarts: i32,
+    /// Worker indices to create.
+    pub create_workers: Vec<u32>,
+    /// Create the launcher.
+    pub create_launcher: bool,
+    /// Pods to delete.
+    pub delete_pods: Vec<String>,
+    /// When the job first started running.
+    pub start_time: Option<Time>,
+    /// When it finished.
+    pub completion_time: Option<Time>,
+    /// The trainer's summary.
+    pub result: Option<TrainingResult>,
+    /// Conditions to set.
+    pub conditions: Vec<DesiredCondition>,
+    /// Look again after this long even if nothing changes.
+    pub requeue_after: Option<Duration>,
+    /// Delete the TrainingJob itself (TTL after finishing).
+    pub delete_job: bool,
+    /// Short words on the phase, for its Event.
+    pub message: String,
+}
+
+impl Plan {
+    fn new(inputs: &PlanInputs<'_>, phase: TrainingJobPhase) -> Self {
+        Self {
+            phase,
+            restarts: inputs.status.restarts,
+            create_workers: Vec::new(),
+            create_launcher: false,
+            delete_pods: Vec::new(),
+            start_time: inputs.status.start_time.clone(),
+            completion_time: inputs.status.completion_time.clone(),
+            result: inputs.status.result.clone(),
+            conditions: Vec::new(),
+            requeue_after: None,
+            delete_job: false,
+            message: String::new(),
+        }
+    }
+
+    fn requeue(&mut self, after: Duration) {
+        self.requeue_after = Some(self.requeue_after.map_or(after, |d| d.min(after)));
+    }
+
+    fn say(
+        &mut self,
+        type_: &'static str,
+        status: bool,
+        reason: &'static str,
+        message: impl Into<String>,
+    ) {
+        self.conditions
+            .push(DesiredCondition::new(type_, status, reason, message));
+    }
+}
+
+fn seconds_between(from: &Time, to: &Time) -> f64 {
+    to.0.duration_since(from.0).as_secs_f64()
+}
+
+/// The wait before starting gang `restarts` again: `base × 2^(restarts−1)`, at most 5 minutes.
+pub fn restart_backoff(base: Duration, restarts: i32) -> Duration {
+    let exponent = u32::try_from(restarts.saturating_sub(1).clamp(0, 16)).unwrap_or(0);
+    base.saturating_mul(1 << exponent).min(MAX_RESTART_BACKOFF)
+}
+
+/// Whether a launcher exit is worth a restart: killed by a signal (128+N: SIGKILL, SIGTERM,
+/// the OOM killer), evicted, or EX_TEMPFAIL (75), which the trainer uses for a lost peer.
+/// Other codes are the program's own verdict and fail the job at once.
+pub fn launcher_exit_is_retryable(exit: &Exit) -> bool {
+    exit.code >= 128
+        || exit.code == 75
+        || matches!(exit.reason.as_str(), "Evicted" | "OOMKilled" | "Preempting")
+}
+
+fn describe(pod: &PodState, exit: &Exit) -> String {
+    let mut text = format!(
+        "{} exited with code {} ({})",
+        pod.name, exit.code, exit.reason
+    );
+    let tail = exit.message.trim();
+    if !tail.is_empty() {
+        let tail: String = tail
+            .chars()
+            .rev()
+            .take(300)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect();
+        text.push_str(&format!(": {tail}"));
+    }
+    text
+}
+
+/// Reads the trainer's summary (a JSON object with imagesPerSecond, steps, finalLoss) from
+/// the last line of a termination message that parses as one.
+pub fn parse_result(message: &str) -> Option<TrainingResult> {
+    message.lines().rev().find_map(|line| {
+        let value: serde_json::Value = serde_json::from_str(line.trim()).ok()?;
+        let result = TrainingResult {
+            images_per_second: value["imagesPerSecond"].as_f64(),
+            steps: value["steps"].as_i64(),
+            final_loss: value["finalLoss"].as_f64(),
+        };
+        (result != TrainingResult::default()).then_some(result)
+    })
+}
+
+/// Pods to delete when the job finishes, by cleanPodPolicy.
+fn cleanup(observed: &Observed, policy: CleanPodPolicy) -> Vec<String> {
+    observed
+        .all()
+        .filter(|p| !p.deleting)
+        .filter(|p| match policy {
+            CleanPodPolicy::All => true,
+            CleanPodPolicy::Running => !p.is_finished(),
+            CleanPodPolicy::None => false,
+        })
+        .map(|p| p.name.clone())
+        .collect()
+}
+
+fn every_pod(observed: &Observed) -> Vec<String> {
+    observed
+        .all()
+        .filter(|p| !p.deleting)
+        .map(|p| p.name.clone())
+        .collect()
+}
+
+/// Sets the kstatus conditions (Ready, Reconciling, Stalled) and the finish conditions for a
+/// phase. `detail` is the phase's message.
+fn phase_conditions(plan: &mut Plan, detail: &str) {
+    use TrainingJobPhase as P;
+    use condition_types::*;
+    let phase = plan.phase;
+    let reason: &'static str = match phase {
+        P::Pending => "Pending",
+        P::WaitingForData => reasons::WAITING_FOR_DATA,
+        P::ProvisioningNodes => reasons::PROVISIONING,
+        P::Starting => reasons::STARTING,
+        P::Running => reasons::RUNNING,
+        P::Restarting => reasons::RESTARTING,
+        P::Suspended => reasons::SUSPENDED,
+        P::Succeeded => reasons::SUCCEEDED,
+        P::Failed => "Failed",
+    };
+    let failed_reason = plan
+        .conditions
+        .iter()
+        .find(|c| c.type_ == FAILED && c.status)
+        .map(|c| c.reason);
+    let ready = matches!(phase, P::Running | P::Succeeded);
+    let reconciling = matches!(
+        phase,
+        P::Pending | P::WaitingForData | P::ProvisioningNodes | P::Starting | P::Restarting
+    );
+    let stalled = phase == P::Failed;
+    plan.say(READY, ready, failed_reason.unwrap_or(reason), detail);
+    plan.say(RECONCILING, reconciling, reason, detail);
+    plan.say(STALLED, stalled, failed_reason.unwrap_or(reason), detail);
+    plan.say(
+        SUSPENDED,
+        phase == P::Suspended,
+        if phase == P::Suspended {
+            reasons::SUSPENDED
+        } else {
+            reasons::NOT_SUSPENDED
+        },
+        if phase == P::Suspended {
+            "runPolicy.suspend is true: no pods run"
+        } else {
+            ""
+        },
+    );
+    if !plan.conditions.iter().any(|c| c.type_ == FAILED) {
+        plan.say(FAILED, false, reasons::NOT_FINISHED, "");
+    }
+    if !plan.conditions.iter().any(|c| c.type_ == SUCCEEDED) {
+        plan.say(
+            SUCCEEDED,
+            phase == P::Succeeded,
+            if phase == P::Succeeded {
+                reasons::SUCCEEDED
+            } else {
+                reasons::NOT_FINISHED
+            },
+            if phase == P::Succeeded { detail } else { "" },
+        );
+    }
+    plan.message = detail.to_string();
+}
+
+fn finish(
+    mut plan: Plan,
+    inputs: &PlanInputs<'_>,
+    phase: TrainingJobPhase,
+    reason: &'static str,
+    detail: String,
+) -> Plan {
+    plan.phase = phase;
+    plan.completion_time = plan.completion_time.or_else(|| Some(inputs.now.clone()));
+    plan.delete_pods = cleanup(inputs.observed, inputs.job.run_policy.clean_pod_policy);
+    if phase == TrainingJobPhase::Failed {
+        plan.say(condition_types::FAILED, true, reason, detail.clone());
+    }
+    ttl(&mut plan, inputs);
+    phase_conditions(&mut plan, &detail);
+    plan
+}
+
+fn ttl(plan: &mut Plan, inputs: &PlanInputs<'_>) {
+    if let (Some(ttl), Some(done)) = (
+        inputs.job.run_policy.ttl_seconds_after_finished,
+        &plan.completion_time,
+    ) {
+        let left = f64::from(ttl) - seconds_between(done, inputs.now);
+        if left <= 0.0 {
+            plan.delete_job = true;
+        } else {
+            plan.requeue(Duration::from_secs_f64(left));
+        }
+    }
+}
+
+/// Decides the next step of a job.
+pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
+    use TrainingJobPhase as P;
+    let job = inputs.job;
+    let observed = inputs.observed;
+    let status = inputs.status;
+    let mut plan = Plan::new(inputs, status.phase);
+
+    // Finished jobs stay finished; only their clean-up and TTL remain.
+    if matches!(status.phase, P::Succeeded | P::Failed) {
+        plan.delete_pods = cleanup(observed, job.run_policy.clean_pod_policy);
+        let previous = status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == condition_types::READY)
+            .map(|c| c.message.clone())
+            .unwrap_or_default();
+        if status.phase == P::Failed
+            && let Some(failed) = status
+                .conditions
+                .iter()
+                .find(|c| c.type_ == condition_types::FAILED)
+        {
+            let reason = match failed.reason.as_str() {
+                reasons::DEADLINE_EXCEEDED => reasons::DEADLINE_EXCEEDED,
+                reasons::LAUNCHER_FAILED => reasons::LAUNCHER_FAILED,
+                _ => reasons::BACKOFF_LIMIT_EXCEEDED,
+            };
+            plan.say(
+                condition_types::FAILED,
+                true,
+                reason,
+                failed.message.clone(),
+            );
+        }
+        ttl(&mut plan, inputs);
+        phase_conditions(&mut plan, &previous);
+        return plan;
+    }
+
+    if job.run_policy.suspend {
+        plan.phase = P::Suspended;
+        plan.delete_pods = every_pod(observed);
+        plan.start_time = None;
+        phase_conditions(
+            &mut plan,
+            "runPolicy.suspend is true: the job's pods are deleted; set it to false to run again",
+        );
+        return plan;
+    }
+
+    if let (Some(deadline), Some(start)) =
+        (job.run_policy.active_deadline_seconds, &status.start_time)
+    {
+        let left = deadline as f64 - seconds_between(start, inputs.now);
+        if left <= 0.0 {
+            let detail =
+                format!("the job ran longer than runPolicy.activeDeadlineSeconds ({deadline} s)");
+            return finish(plan, inputs, P::Failed, reasons::DEADLINE_EXCEEDED, detail);
+        }
+        plan.requeue(Duration::from_secs_f64(left));
+    }
+
+    // Pods of earlier gangs go first; new pods reuse their names.
+    let stale: Vec<&PodState> = observed.stale.iter().collect();
+    plan.delete_pods = stale
+        .iter()
+        .filter(|p| !p.deleting)
+        .map(|p| p.name.clone())
+        .collect();
+    let gang_exists = observed.workers.iter().any(Option::is_some) || observed.launcher.is_some();
+
+    match inputs.data {
+        DataState::Waiting { message } if !gang_exists => {
+            plan.phase = P::WaitingForData;
+            plan.say(
+                condition_types::DATA_READY,
+                false,
+                reasons::WAITING_FOR_DATA,
+                message.clone(),
+            );
+            phase_conditions(&mut plan, &format!("waiting for data: {message}"));
+            return plan;
+        }
+        DataState::Ready { .. } => plan.say(
+            condition_types::DATA_READY,
+            true,
+            reasons::DATA_READY,
+            "the DataStage is Ready",
+        ),
+        _ => {}
+    }
+
+    if let Some(pool) = &job.node_pool
+        && pool.provisioner == Provisioner::Aks
+    {
+        plan.phase = P::ProvisioningNodes;
+        let detail = format!(
+            "agent pool {} ({}) is needed, and creating AKS agent pools is not in this version of Ringmaster: use nodePool.provisioner existing",
+            pool.pool_name.as_deref().unwrap_or_default(),
+            pool.vm_size.as_deref().unwrap_or_default()
+        );
+        plan.say(
+            condition_types::NODES_READY,
+            false,
+            reasons::POOL_NOT_IMPLEMENTED,
+            detail.clone(),
+        );
+        phase_conditions(&mut plan, &detail);
+        return plan;
+    }
+
+    // Failures of the current gang.
+    let started = observed.launcher.is_some();
+    let worker_failure = observed
+        .workers
+        .iter()
+        .enumerate()
+        .find_map(|(i, w)| match w {
+            Some(pod) => match &pod.life {
+                PodLife::Failed(exit) => Some(format!("worker {}", describe(pod, exit))),
+                _ if pod.deleting && started => Some(format!("worker {} was deleted", pod.name)),
+                _ => None,
+            },
+            None if started => Some(format!(
+                "worker {} was deleted",
+                super::names::worker_pod(&job.name, i as u32)
+            )),
+            None => None,
+        });
+    let launcher_exit = observed.launcher.as_ref().and_then(|l| match &l.life {
+        PodLife::Failed(exit) => Some((l, exit, false)),
+        PodLife::Succeeded(exit) => Some((l, exit, true)),
+        _ => None,
+    });
+    let retryable_launcher_failure = launcher_exit
+        .filter(|(_, exit, ok)| !ok && launcher_exit_is_retryable(exit))
+        .map(|(pod, exit, _)| format!("launcher {}", describe(pod, exit)));
+
+    // A worker's failure is the cause even when the launcher failed because of it.
+    if let Some(cause) = worker_failure.or(retryable_launcher_failure) {
+        let limit = job.run_policy.backoff_limit;
+        if status.restarts >= limit {
+            let detail = format!(
+                "{cause}; restarted {} times (runPolicy.backoffLimit {limit})",
+                status.restarts
+            );
+            return finish(
+                plan,
+                inputs,
+                P::Failed,
+                reasons::BACKOFF_LIMIT_EXCEEDED,
+                detail,
+            );
+        }
+        plan.phase = P::Restarting;
+        plan.restarts = status.restarts + 1;
+        plan.delete_pods = every_pod(observed);
+        let wait = restart_backoff(inputs.restart_backoff, plan.restarts);
+        let detail = format!(
+            "{cause}; restarting the gang (restart {} of {limit}) in {} s",
+            plan.restarts,
+            wait.as_secs()
+        );
+        plan.say(
+            condition_types::RESTARTING,
+            true,
+            reasons::RESTARTING,
+            detail.clone(),
+        );
+        plan.say(
+            condition_types::WORKERS_READY,
+            false,
+            reasons::RESTARTING,
+            detail.clone(),
+        );
+        plan.requeue(wait);
+        phase_conditions(&mut plan, &detail);
+        return plan;
+    }
+    if let Some((pod, exit, ok)) = launcher_exit {
+        if ok {
+            plan.result = parse_result(&exit.message);
+            let detail = match &plan.result {
+                Some(r) => format!(
+                    "the launcher exited 0: {} steps, {:.1} images/s, final loss {:.4}",
+                    r.steps.unwrap_or_default(),
+                    r.images_per_second.unwrap_or_default(),
+                    r.final_loss.unwrap_or_default()
+                ),
+                None => "the launcher exited 0".to_string(),
+            };
+            return finish(plan, inputs, P::Succeeded, reasons::SUCCEEDED, detail);
+        }
+        let detail = format!(
+            "launcher {} (not retried: the program's own failure)",
+            describe(pod, exit)
+        );
+        return finish(plan, inputs, P::Failed, reasons::LAUNCHER_FAILED, detail);
+    }
+
+    // Waiting out the backoff after a restart.
+    if let Some(restarting) = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == condition_types::RESTARTING && c.status == "True")
+        && !gang_exists
+    {
+        let wait = restart_backoff(inputs.restart_backoff, status.restarts).as_secs_f64()
+            - seconds_between(&restarting.last_transition_time, inputs.now);
+        if wait > 0.0 {
+            plan.phase = P::Restarting;
+            plan.say(
+                condition_types::RESTARTING,
+                true,
+                reasons::RESTARTING,
+                restarting.message.clone(),
+            );
+            plan.requeue(Duration::from_secs_f64(wait));
+            phase_conditions(&mut plan, &restarting.message.clone());
+            return plan;
+        }
+    }
+
+    // Normal progress: workers first, the launcher once every worker is ready.
+    if stale.is_empty() {
+        plan.create_workers = observed
+            .workers
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.is_none())
+            .map(|(i, _)| i as u32)
+            .collect();
+    } else {
+        plan.requeue(Duration::from_secs(1));
+    }
+    let ready = observed.ready_workers();
+    let all_ready = ready == job.workers as usize;
+    if all_ready && observed.launcher.is_none() && stale.is_empty() {
+        plan.create_launcher = true;
+        plan.start_time = plan.start_time.or_else(|| Some(inputs.now.clone()));
+        if let Some(deadline) = job.run_policy.active_deadline_seconds {
+            plan.requeue(Duration::from_secs(u64::try_from(deadline).unwrap_or(1)));
+        }
+    }
+    let launcher_running = observed
+        .launcher
+        .as_ref()
+        .is_some_and(|l| matches!(l.life, PodLife::Running { .. }) && !l.deleting);
+    plan.say(condition_types::RESTARTING, false, reasons::RUNNING, "");
+    if all_ready {
+        plan.say(
+            condition_types::WORKERS_READY,
+            true,
+            reasons::RUNNING,
+            format!("{ready}/{} workers ready", job.workers),
+        );
+    } else if let Some((name, why)) =
+        observed
+            .workers
+            .iter()
+            .flatten()
+            .find_map(|w| match &w.life {
+                PodLife::Pending {
+                    unschedulable: Some(why),
+                } => Some((w.name.clone(), why.clone())),
+                _ => None,
+            })
+    {
+        plan.say(
+            condition_types::WORKERS_READY,
+            false,
+            reasons::UNSCHEDULABLE,
+            format!("worker {name} cannot be scheduled: {why}"),
+        );
+    } else {
+        plan.say(
+            condition_types::WORKERS_READY,
+            false,
+            reasons::STARTING,
+            format!("{ready}/{} workers ready", job.workers),
+        );
+    }
+    let detail = if launcher_running {
+        plan.phase = P::Running;
+        format!(
+            "{} ranks on {} workers are running",
+            job.world_size(),
+            job.workers
+        )
+    } else {
+        plan.phase = P::Starting;
+        plan.conditions
+            .iter()
+            .find(|c| c.type_ == condition_types::WORKERS_READY)
+            .map(|c| {
+                if all_ready {
+                    "every worker is ready; starting the launcher".to_string()
+                } else {
+                    c.message.clone()
+                }
+            })
+            .unwrap_or_default()
+    };
+    phase_conditions(&mut plan, &detail);
+    plan
+}

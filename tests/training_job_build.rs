@@ -1,0 +1,327 @@
+//! The TrainingJob build step from the samples: the children's contents.
+
+#[path = "common/mod.rs"]
+mod fixtures;
+
+use ringmaster::controller::training_job::build::{self, BuildInputs, SshKeys};
+use ringmaster::controller::training_job::validate::{ValidatedTrainingJob, validate_value};
+use serde_json::{Value, json};
+
+fn sample(file: &str, edit: impl FnOnce(&mut Value)) -> ValidatedTrainingJob {
+    let path = fixtures::root().join("config/samples").join(file);
+    let mut object = fixtures::ringmaster_objects(&path).remove(0);
+    object["metadata"]["namespace"] = json!("ml");
+    object["metadata"]["uid"] = json!("6f1c2d3e-0000-4000-8000-00000000abcd");
+    edit(&mut object);
+    validate_value(&object, None).unwrap_or_else(|e| panic!("{file}: {e}"))
+}
+
+fn gpu_job() -> ValidatedTrainingJob {
+    sample("trainingjob-resnet50-nd96asr-v4.yaml", |o| {
+        o["spec"]["nodePool"] = json!({"provisioner": "existing", "nodeSelector": {"kubernetes.azure.com/agentpool": "gpu"}});
+    })
+}
+
+fn inputs() -> BuildInputs {
+    BuildInputs {
+        attempt: 2,
+        data_claim: Some("imagenet-data".into()),
+    }
+}
+
+fn value<T: serde::Serialize>(v: &T) -> Value {
+    serde_json::to_value(v).unwrap()
+}
+
+#[test]
+fn gpu_worker_pods_get_gpus_rdma_shared_memory_data_and_ssh() {
+    let job = gpu_job();
+    let pod = value(&build::worker_pod(&job, 1, &inputs()));
+    assert_eq!(pod["metadata"]["name"], "resnet50-imagenet-worker-1");
+    assert_eq!(pod["metadata"]["namespace"], "ml");
+    assert_eq!(pod["metadata"]["labels"]["ringmaster.dev/attempt"], "2");
+    assert_eq!(
+        pod["metadata"]["labels"]["ringmaster.dev/worker-index"],
+        "1"
+    );
+    let owner = &pod["metadata"]["ownerReferences"][0];
+    assert_eq!(
+        (owner["kind"].as_str(), owner["controller"].as_bool()),
+        (Some("TrainingJob"), Some(true))
+    );
+    assert_eq!(owner["uid"], "6f1c2d3e-0000-4000-8000-00000000abcd");
+
+    let spec = &pod["spec"];
+    assert_eq!(spec["hostname"], "resnet50-imagenet-worker-1");
+    assert_eq!(spec["subdomain"], "resnet50-imagenet-workers");
+    assert_eq!(spec["restartPolicy"], "Never");
+    assert_eq!(
+        spec["nodeSelector"]["kubernetes.azure.com/agentpool"],
+        "gpu"
+    );
+    let c = &spec["containers"][0];
+    assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "8");
+    assert_eq!(c["resources"]["limits"]["rdma/shared_ib"], "1");
+    assert_eq!(
+        c["securityContext"]["capabilities"]["add"],
+        json!(["IPC_LOCK"])
+    );
+    assert!(
+        c["command"].as_array().unwrap().iter().any(|a| a == "2222"),
+        "{}",
+        c["command"]
+    );
+
+    let volumes = spec["volumes"].as_array().unwrap();
+    let volume = |name: &str| {
+        volumes
+            .iter()
+            .find(|v| v["name"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no volume {name}"))
+    };
+    assert_eq!(
+        volume("ssh")["secret"],
+        json!({"secretName": "resnet50-imagenet-ssh", "defaultMode": 0o600})
+    );
+    assert_eq!(
+        volume("dshm")["emptyDir"],
+        json!({"medium": "Memory", "sizeLimit": "64Gi"})
+    );
+    assert_eq!(
+        volume("data")["persistentVolumeClaim"],
+        json!({"claimName": "imagenet-data", "readOnly": true})
+    );
+    assert_eq!(
+        volume("output")["persistentVolumeClaim"]["claimName"],
+        "training-output"
+    );
+    let mounts = c["volumeMounts"].as_array().unwrap();
+    let mount = |name: &str| mounts.iter().find(|m| m["name"] == name).cloned().unwrap();
+    assert_eq!(mount("data")["mountPath"], "/data");
+    assert_eq!(mount("data")["readOnly"], true);
+    assert_eq!(mount("dshm")["mountPath"], "/dev/shm");
+
+    // Ready means: ssh with the job's key to the worker's DNS name works.
+    let probe = c["readinessProbe"]["exec"]["command"][2].as_str().unwrap();
+    assert!(
+        probe.starts_with("ssh -p 2222 -i /etc/ringmaster/ssh/ssh-privatekey"),
+        "{probe}"
+    );
+    assert!(
+        probe.ends_with("resnet50-imagenet-worker-1.resnet50-imagenet-workers.ml.svc true"),
+        "{probe}"
+    );
+    assert_eq!(spec["securityContext"]["fsGroup"], build::POD_FS_GROUP);
+}
+
+#[test]
+fn cpu_workers_ask_for_no_gpus() {
+    let job = sample("trainingjob-cpu-small.yaml", |_| {});
+    let pod = value(&build::worker_pod(&job, 0, &BuildInputs::default()));
+    let c = &pod["spec"]["containers"][0];
+    assert!(
+        c["resources"]["limits"].get("nvidia.com/gpu").is_none(),
+        "{}",
+        c["resources"]
+    );
+    assert_eq!(
+        c["resources"]["requests"]["cpu"], "2",
+        "the user's resources are kept"
+    );
+    assert_eq!(c["securityContext"]["capabilities"]["add"], json!([]));
+    assert!(
+        pod["spec"]["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|v| v["name"] != "dshm")
+    );
+}
+
+#[test]
+fn hostfiles_follow_the_mpi_implementation() {
+    let job = gpu_job();
+    assert_eq!(
+        build::hostfile(&job),
+        "resnet50-imagenet-worker-0.resnet50-imagenet-workers.ml.svc slots=8\n\
+         resnet50-imagenet-worker-1.resnet50-imagenet-workers.ml.svc slots=8\n"
+    );
+    for implementation in ["IntelMPI", "MPICH"] {
+        let job = sample("trainingjob-cpu-small.yaml", |o| {
+            o["spec"]["mpi"] = json!({"implementation": implementation})
+        });
+        assert_eq!(
+            build::hostfile(&job),
+            "resnet18-cpu-worker-0.resnet18-cpu-workers.ml.svc:2\nresnet18-cpu-worker-1.resnet18-cpu-workers.ml.svc:2\n"
+        );
+    }
+}
+
+#[test]
+fn the_launcher_runs_mpirun_over_every_rank_with_the_trainer() {
+    let job = gpu_job();
+    let command = build::launcher_command(&job);
+    let text = command.join(" ");
+    assert_eq!(
+        &command[..5],
+        [
+            "ringmaster-trainer",
+            "launch",
+            "--termination-message",
+            "/dev/termination-log",
+            "--"
+        ]
+    );
+    assert!(
+        text.contains("mpirun --hostfile /etc/ringmaster/mpi/hostfile -np 16 "),
+        "{text}"
+    );
+    assert!(
+        text.contains("-p 2222 -i /etc/ringmaster/ssh/ssh-privatekey"),
+        "{text}"
+    );
+    assert!(
+        text.contains("-x NCCL_IB_DISABLE") && text.contains("-x RINGMASTER_RENDEZVOUS"),
+        "{text}"
+    );
+    let train = command
+        .iter()
+        .position(|a| a == "train")
+        .expect("trainer subcommand");
+    assert_eq!(command[train - 1], "ringmaster-trainer");
+    let args = &command[train..];
+    for expected in [
+        "--model=resnet50",
+        "--device=cuda",
+        "--batch-size=256",
+        "--epochs=90",
+        "--precision=bf16",
+        "--data-dir=/data/imagenet",
+        "--output-dir=/output/resnet50-imagenet",
+    ] {
+        assert!(
+            args.iter().any(|a| a == expected),
+            "{expected} missing from {args:?}"
+        );
+    }
+
+    let pod = value(&build::launcher_pod(&job, &inputs()));
+    let env = pod["spec"]["containers"][0]["env"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let var = |name: &str| {
+        env.iter()
+            .find(|e| e["name"] == name)
+            .map(|e| e["value"].clone())
+    };
+    assert_eq!(
+        var("RINGMASTER_RENDEZVOUS"),
+        Some(json!(
+            "resnet50-imagenet-worker-0.resnet50-imagenet-workers.ml.svc:29500"
+        ))
+    );
+    assert_eq!(var("NCCL_SOCKET_IFNAME"), Some(json!("eth0")));
+    assert_eq!(pod["metadata"]["labels"]["ringmaster.dev/role"], "launcher");
+    assert!(
+        pod["spec"]["containers"][0]["resources"]
+            .get("limits")
+            .is_none_or(|l| l.get("nvidia.com/gpu").is_none())
+    );
+}
+
+#[test]
+fn mpich_and_a_users_command() {
+    let job = sample("trainingjob-cpu-small.yaml", |o| {
+        o["spec"]["mpi"] = json!({"implementation": "MPICH", "sshPort": 3022});
+        o["spec"].as_object_mut().unwrap().remove("trainer");
+        o["spec"]["command"] = json!(["python", "train.py", "--epochs", "1"]);
+    });
+    let command = build::launcher_command(&job);
+    assert_eq!(
+        &command[..5],
+        ["mpiexec", "-f", "/etc/ringmaster/mpi/hostfile", "-n", "4"]
+    );
+    assert_eq!(
+        &command[command.len() - 4..],
+        ["python", "train.py", "--epochs", "1"]
+    );
+    assert!(
+        command.iter().any(|a| a.starts_with("ssh -p 3022")),
+        "{command:?}"
+    );
+}
+
+#[test]
+fn user_overrides_are_merged_without_losing_ringmasters_settings() {
+    let job = sample("trainingjob-resnet50-nd96asr-v4.yaml", |o| {
+        o["spec"]["worker"] = json!({
+            "env": [{"name": "WANDB_PROJECT", "value": "resnet"}],
+            "labels": {"team": "vision"},
+            "tolerations": [{"key": "sku", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}],
+            "resources": {"limits": {"memory": "800Gi"}},
+        });
+    });
+    let pod = value(&build::worker_pod(&job, 0, &inputs()));
+    assert_eq!(pod["metadata"]["labels"]["team"], "vision");
+    assert_eq!(
+        pod["metadata"]["labels"]["ringmaster.dev/job-name"],
+        "resnet50-imagenet"
+    );
+    let c = &pod["spec"]["containers"][0];
+    assert_eq!(c["resources"]["limits"]["memory"], "800Gi");
+    assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "8");
+    assert!(
+        c["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["name"] == "WANDB_PROJECT")
+    );
+    assert!(
+        pod["spec"]["tolerations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["key"] == "sku")
+    );
+    // The worker's environment reaches every rank through mpirun.
+    assert!(
+        build::launcher_command(&job)
+            .join(" ")
+            .contains("-x WANDB_PROJECT")
+    );
+}
+
+#[test]
+fn the_ssh_secret_holds_a_working_key_pair_that_is_never_printed() {
+    let job = gpu_job();
+    let keys = SshKeys::from_seed(&[7u8; 32], "ringmaster/ml/resnet50-imagenet");
+    assert!(
+        keys.private_key
+            .starts_with("-----BEGIN OPENSSH PRIVATE KEY-----")
+    );
+    assert!(keys.public_key.starts_with("ssh-ed25519 "));
+    let parsed = ssh_key::PrivateKey::from_openssh(&keys.private_key).unwrap();
+    assert_eq!(parsed.public_key().to_openssh().unwrap(), keys.public_key);
+    assert_ne!(
+        SshKeys::from_seed(&[8u8; 32], "x").public_key,
+        keys.public_key
+    );
+    assert!(!format!("{keys:?}").contains("PRIVATE"));
+
+    let secret = value(&build::ssh_secret(&job, &keys));
+    assert_eq!(secret["type"], "kubernetes.io/ssh-auth");
+    assert_eq!(secret["stringData"]["authorized_keys"], keys.public_key);
+    assert_eq!(secret["stringData"]["ssh-privatekey"], keys.private_key);
+}
+
+#[test]
+fn the_worker_service_is_headless_and_publishes_unready_workers() {
+    let service = value(&build::worker_service(&gpu_job()));
+    assert_eq!(service["spec"]["clusterIP"], "None");
+    assert_eq!(service["spec"]["publishNotReadyAddresses"], true);
+    assert_eq!(service["spec"]["selector"]["ringmaster.dev/role"], "worker");
+    assert_eq!(service["spec"]["ports"][0]["port"], 2222);
+}

@@ -1,0 +1,421 @@
+//! The TrainingJob state machine (plan + status), from a sample job and made-up pods.
+
+#[path = "common/mod.rs"]
+mod fixtures;
+
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use ringmaster::api::{TrainingJobPhase as Phase, TrainingJobStatus};
+use ringmaster::controller::training_job::observe::Observed;
+use ringmaster::controller::training_job::plan::{
+    self, DataState, Plan, PlanInputs, condition_types, reasons,
+};
+use ringmaster::controller::training_job::status;
+use ringmaster::controller::training_job::validate::{ValidatedTrainingJob, validate_value};
+use serde_json::{Value, json};
+
+fn job(edit: impl FnOnce(&mut Value)) -> ValidatedTrainingJob {
+    let path = fixtures::root().join("config/samples/trainingjob-cpu-small.yaml");
+    let mut object = fixtures::ringmaster_objects(&path).remove(0);
+    object["metadata"]["namespace"] = json!("ml");
+    object["metadata"]["uid"] = json!("uid-1");
+    edit(&mut object);
+    validate_value(&object, None).unwrap()
+}
+
+fn at(seconds: i64) -> Time {
+    Time(Timestamp::from_second(1_800_000_000 + seconds).unwrap())
+}
+
+/// A pod of role `role` in `attempt`, in `state`: "pending", "unschedulable", "running",
+/// "ready", "deleting", "succeeded:<json>", "failed:<code>:<reason>" or "evicted".
+fn pod(role: &str, index: u32, attempt: i32, state: &str) -> Pod {
+    let name = match role {
+        "launcher" => "resnet18-cpu-launcher".to_string(),
+        _ => format!("resnet18-cpu-worker-{index}"),
+    };
+    let mut labels = json!({"ringmaster.dev/job-name": "resnet18-cpu", "ringmaster.dev/role": role, "ringmaster.dev/attempt": attempt.to_string()});
+    if role == "worker" {
+        labels["ringmaster.dev/worker-index"] = json!(index.to_string());
+    }
+    let terminated = |code: i64, reason: &str, message: &str| {
+        json!([{"name": "c", "image": "i", "ready": false, "restartCount": 0,
+                "state": {"terminated": {"exitCode": code, "reason": reason, "message": message}}}])
+    };
+    let status = match state.split(':').collect::<Vec<_>>().as_slice() {
+        ["pending"] => json!({"phase": "Pending"}),
+        ["unschedulable"] => {
+            json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/6 nodes are available: 6 Insufficient cpu."}]})
+        }
+        ["running"] | ["deleting"] => {
+            json!({"phase": "Running", "conditions": [{"type": "Ready", "status": "False"}]})
+        }
+        ["ready"] => {
+            json!({"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]})
+        }
+        ["succeeded", ..] => {
+            json!({"phase": "Succeeded", "containerStatuses": terminated(0, "Completed", &state["succeeded:".len()..])})
+        }
+        ["failed", code, reason] => {
+            json!({"phase": "Failed", "containerStatuses": terminated(code.parse().unwrap(), reason, "")})
+        }
+        ["evicted"] => {
+            json!({"phase": "Failed", "reason": "Evicted", "containerStatuses": terminated(137, "ContainerStatusUnknown", "")})
+        }
+        other => panic!("unknown state {other:?}"),
+    };
+    let mut pod =
+        json!({"metadata": {"name": name, "namespace": "ml", "labels": labels}, "status": status});
+    if state == "deleting" {
+        pod["metadata"]["deletionTimestamp"] = json!("2027-01-15T08:00:00Z");
+    }
+    serde_json::from_value(pod).unwrap()
+}
+
+struct Scenario {
+    job: ValidatedTrainingJob,
+    status: TrainingJobStatus,
+    pods: Vec<Pod>,
+    data: DataState,
+    now: Time,
+}
+
+impl Scenario {
+    fn new(job: ValidatedTrainingJob) -> Self {
+        Self {
+            job,
+            status: TrainingJobStatus::default(),
+            pods: Vec::new(),
+            data: DataState::NotNeeded,
+            now: at(0),
+        }
+    }
+
+    fn pods(mut self, pods: Vec<Pod>) -> Self {
+        self.pods = pods;
+        self
+    }
+
+    fn plan(&self) -> Plan {
+        let refs: Vec<&Pod> = self.pods.iter().collect();
+        let observed = Observed::sort(&refs, self.job.workers, self.status.restarts);
+        plan::plan(&PlanInputs {
+            job: &self.job,
+            generation: Some(1),
+            status: &self.status,
+            observed: &observed,
+            data: &self.data,
+            now: &self.now,
+            restart_backoff: Duration::from_secs(10),
+        })
+    }
+
+    /// Plans, then takes the resulting status as the next one (as the controller does).
+    fn step(&mut self) -> Plan {
+        let plan = self.plan();
+        let refs: Vec<&Pod> = self.pods.iter().collect();
+        let observed = Observed::sort(&refs, self.job.workers, self.status.restarts);
+        self.status = status::from_plan(&self.status, Some(1), &plan, &observed, &self.now);
+        plan
+    }
+
+    fn condition(&self, type_: &str) -> (String, String, String) {
+        let c = self
+            .status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == type_)
+            .unwrap_or_else(|| panic!("no {type_}"));
+        (c.status.clone(), c.reason.clone(), c.message.clone())
+    }
+}
+
+#[test]
+fn a_job_starts_workers_then_the_launcher_then_runs() {
+    let mut s = Scenario::new(job(|_| {}));
+    let p = s.step();
+    assert_eq!(
+        (p.phase, p.create_workers.clone(), p.create_launcher),
+        (Phase::Starting, vec![0, 1], false)
+    );
+    assert_eq!(s.condition(condition_types::RECONCILING).0, "True");
+
+    s.pods = vec![pod("worker", 0, 0, "ready"), pod("worker", 1, 0, "running")];
+    let p = s.step();
+    assert!(
+        p.create_workers.is_empty() && !p.create_launcher,
+        "launcher waits for every worker"
+    );
+    assert_eq!(
+        s.condition(condition_types::WORKERS_READY),
+        (
+            "False".into(),
+            reasons::STARTING.into(),
+            "1/2 workers ready".into()
+        )
+    );
+
+    s.pods = vec![pod("worker", 0, 0, "ready"), pod("worker", 1, 0, "ready")];
+    s.now = at(5);
+    let p = s.step();
+    assert!(p.create_launcher);
+    assert_eq!(s.status.start_time, Some(at(5)));
+
+    s.pods.push(pod("launcher", 0, 0, "running"));
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Running);
+    assert_eq!(s.condition(condition_types::READY).0, "True");
+    assert_eq!(s.condition(condition_types::RECONCILING).0, "False");
+    assert_eq!(
+        (s.status.workers.ready, s.status.launcher.as_deref()),
+        (2, Some("Running"))
+    );
+}
+
+#[test]
+fn success_reads_the_trainers_summary_and_cleans_running_pods() {
+    let mut s = Scenario::new(job(|_| {})).pods(vec![
+        pod("worker", 0, 0, "ready"),
+        pod("worker", 1, 0, "ready"),
+        pod(
+            "launcher",
+            0,
+            0,
+            r#"succeeded:{"imagesPerSecond":812.5,"steps":20,"finalLoss":2.125}"#,
+        ),
+    ]);
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Succeeded);
+    let result = s.status.result.clone().unwrap();
+    assert_eq!(
+        (result.images_per_second, result.steps, result.final_loss),
+        (Some(812.5), Some(20), Some(2.125))
+    );
+    assert_eq!(
+        p.delete_pods,
+        vec!["resnet18-cpu-worker-0", "resnet18-cpu-worker-1"],
+        "running workers go, the launcher stays for its logs"
+    );
+    assert_eq!(s.condition(condition_types::SUCCEEDED).0, "True");
+    assert_eq!(s.condition(condition_types::READY).0, "True");
+    assert!(s.status.completion_time.is_some());
+    // Finished stays finished.
+    s.pods.clear();
+    let p = s.step();
+    assert_eq!((p.phase, p.create_workers.len()), (Phase::Succeeded, 0));
+}
+
+#[test]
+fn an_oom_killed_worker_restarts_the_gang_then_exhausts_the_backoff_limit() {
+    let mut s =
+        Scenario::new(job(|o| o["spec"]["runPolicy"]["backoffLimit"] = json!(1))).pods(vec![
+            pod("worker", 0, 0, "ready"),
+            pod("worker", 1, 0, "failed:137:OOMKilled"),
+            // The launcher fails because its peer died; the worker is the cause.
+            pod("launcher", 0, 0, "failed:1:Error"),
+        ]);
+    let p = s.step();
+    assert_eq!((p.phase, p.restarts), (Phase::Restarting, 1));
+    assert_eq!(p.delete_pods.len(), 3);
+    let (_, reason, message) = s.condition(condition_types::RESTARTING);
+    assert_eq!(reason, reasons::RESTARTING);
+    assert!(
+        message.contains("worker resnet18-cpu-worker-1 exited with code 137 (OOMKilled)"),
+        "{message}"
+    );
+
+    // Old pods terminating: nothing new until they are gone, and the backoff is waited out.
+    s.pods = vec![pod("worker", 0, 0, "deleting")];
+    let p = s.step();
+    assert!(p.create_workers.is_empty());
+    s.pods.clear();
+    s.now = at(5);
+    let p = s.step();
+    assert_eq!((p.phase, p.create_workers.len()), (Phase::Restarting, 0));
+    assert!(p.requeue_after.unwrap() <= Duration::from_secs(5));
+    s.now = at(11);
+    let p = s.step();
+    assert_eq!(
+        (p.phase, p.create_workers.clone()),
+        (Phase::Starting, vec![0, 1])
+    );
+
+    // The new gang (attempt 1) fails too: the limit of 1 restart is used up.
+    s.pods = vec![pod("worker", 0, 1, "evicted"), pod("worker", 1, 1, "ready")];
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Failed);
+    let (status, reason, message) = s.condition(condition_types::FAILED);
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("True", reasons::BACKOFF_LIMIT_EXCEEDED)
+    );
+    assert!(
+        message.contains("resnet18-cpu-worker-0") && message.contains("Evicted"),
+        "{message}"
+    );
+    assert_eq!(s.condition(condition_types::STALLED).0, "True");
+    assert_eq!(s.condition(condition_types::READY).0, "False");
+}
+
+#[test]
+fn a_permanent_launcher_failure_fails_at_once_and_a_killed_launcher_is_retried() {
+    let ready = || vec![pod("worker", 0, 0, "ready"), pod("worker", 1, 0, "ready")];
+    let mut s = Scenario::new(job(|_| {}))
+        .pods([ready(), vec![pod("launcher", 0, 0, "failed:2:Error")]].concat());
+    let p = s.step();
+    assert_eq!((p.phase, p.restarts), (Phase::Failed, 0));
+    assert_eq!(
+        s.condition(condition_types::FAILED).1,
+        reasons::LAUNCHER_FAILED
+    );
+
+    let mut s = Scenario::new(job(|_| {}))
+        .pods([ready(), vec![pod("launcher", 0, 0, "failed:143:Error")]].concat());
+    assert_eq!(s.step().phase, Phase::Restarting);
+}
+
+#[test]
+fn a_deleted_worker_of_a_running_gang_restarts_it() {
+    let mut s = Scenario::new(job(|_| {})).pods(vec![
+        pod("worker", 0, 0, "ready"),
+        pod("launcher", 0, 0, "running"),
+    ]);
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Restarting);
+    assert!(
+        s.condition(condition_types::RESTARTING)
+            .2
+            .contains("resnet18-cpu-worker-1 was deleted")
+    );
+}
+
+#[test]
+fn suspend_deletes_every_pod_and_resume_starts_again() {
+    let mut s = Scenario::new(job(|o| o["spec"]["runPolicy"]["suspend"] = json!(true))).pods(vec![
+        pod("worker", 0, 0, "ready"),
+        pod("worker", 1, 0, "ready"),
+        pod("launcher", 0, 0, "running"),
+    ]);
+    let p = s.step();
+    assert_eq!((p.phase, p.delete_pods.len()), (Phase::Suspended, 3));
+    assert_eq!(s.condition(condition_types::SUSPENDED).0, "True");
+    assert_eq!(s.condition(condition_types::READY).0, "False");
+    assert_eq!(s.condition(condition_types::STALLED).0, "False");
+
+    s.job = job(|_| {});
+    s.pods.clear();
+    let p = s.step();
+    assert_eq!(
+        (p.phase, p.create_workers.len(), p.restarts),
+        (Phase::Starting, 2, 0)
+    );
+    assert_eq!(s.condition(condition_types::SUSPENDED).0, "False");
+}
+
+#[test]
+fn the_deadline_fails_a_running_job_and_the_ttl_deletes_it() {
+    let mut s = Scenario::new(job(|o| {
+        o["spec"]["runPolicy"]["activeDeadlineSeconds"] = json!(60);
+        o["spec"]["runPolicy"]["ttlSecondsAfterFinished"] = json!(30);
+    }))
+    .pods(vec![
+        pod("worker", 0, 0, "ready"),
+        pod("worker", 1, 0, "ready"),
+        pod("launcher", 0, 0, "running"),
+    ]);
+    s.status.start_time = Some(at(0));
+    s.now = at(30);
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Running);
+    assert_eq!(p.requeue_after, Some(Duration::from_secs(30)));
+    s.now = at(61);
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Failed);
+    assert_eq!(
+        s.condition(condition_types::FAILED).1,
+        reasons::DEADLINE_EXCEEDED
+    );
+    assert_eq!(p.delete_pods.len(), 3, "running pods are stopped");
+    assert!(!p.delete_job);
+    s.now = at(95);
+    assert!(s.step().delete_job);
+}
+
+#[test]
+fn unschedulable_workers_say_why() {
+    let mut s = Scenario::new(job(|_| {})).pods(vec![
+        pod("worker", 0, 0, "ready"),
+        pod("worker", 1, 0, "unschedulable"),
+    ]);
+    assert_eq!(s.step().phase, Phase::Starting);
+    let (status, reason, message) = s.condition(condition_types::WORKERS_READY);
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("False", reasons::UNSCHEDULABLE)
+    );
+    assert!(
+        message.contains("resnet18-cpu-worker-1") && message.contains("Insufficient cpu"),
+        "{message}"
+    );
+}
+
+#[test]
+fn a_job_waits_for_its_data() {
+    let mut s = Scenario::new(job(|_| {}));
+    s.data = DataState::Waiting {
+        message: "DataStage imagenet is Copying".into(),
+    };
+    let p = s.step();
+    assert_eq!(
+        (p.phase, p.create_workers.len()),
+        (Phase::WaitingForData, 0)
+    );
+    assert_eq!(
+        s.condition(condition_types::DATA_READY).2,
+        "DataStage imagenet is Copying"
+    );
+    s.data = DataState::Ready {
+        claim: "imagenet".into(),
+    };
+    let p = s.step();
+    assert_eq!((p.phase, p.create_workers.len()), (Phase::Starting, 2));
+    assert_eq!(s.condition(condition_types::DATA_READY).0, "True");
+}
+
+#[test]
+fn pods_of_an_older_gang_are_deleted_before_new_ones_are_made() {
+    let mut s = Scenario::new(job(|_| {})).pods(vec![
+        pod("worker", 0, 0, "ready"),
+        pod("worker", 1, 0, "ready"),
+    ]);
+    s.status.restarts = 1;
+    let p = s.step();
+    assert_eq!(
+        p.delete_pods,
+        vec!["resnet18-cpu-worker-0", "resnet18-cpu-worker-1"]
+    );
+    assert!(
+        p.create_workers.is_empty(),
+        "names are reused, so the old pods must be gone first"
+    );
+}
+
+#[test]
+fn the_same_observations_give_the_same_status() {
+    let mut s = Scenario::new(job(|_| {})).pods(vec![
+        pod("worker", 0, 0, "ready"),
+        pod("worker", 1, 0, "ready"),
+        pod("launcher", 0, 0, "running"),
+    ]);
+    s.step();
+    let first = s.status.clone();
+    s.now = at(100);
+    s.step();
+    assert_eq!(
+        s.status, first,
+        "no clock-only changes: a resync writes nothing"
+    );
+}
