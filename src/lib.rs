@@ -8,6 +8,7 @@
 pub mod api;
 pub mod controller;
 pub mod crdgen;
+pub mod kube_client;
 pub mod metrics;
 pub mod server;
 pub mod telemetry;

@@ -102,13 +102,13 @@ fn print_crds(output_dir: Option<PathBuf>) -> ExitCode {
 }
 
 async fn run(args: RunArgs) -> Result<(), String> {
-    let client = kube::Client::try_default().await.map_err(|e| {
-        format!("connecting to Kubernetes (in-cluster config, $KUBECONFIG or ~/.kube/config): {e}")
-    })?;
     let listener = server::bind(args.metrics_bind_address)
         .await
         .map_err(|e| e.to_string())?;
     let metrics = Metrics::new();
+    let client = ringmaster::kube_client::connect(&metrics)
+        .await
+        .map_err(|e| e.to_string())?;
     let ready = Arc::new(AtomicBool::new(false));
     let shutdown = CancellationToken::new();
     tokio::spawn(stop_on_signal(shutdown.clone()));

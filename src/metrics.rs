@@ -30,6 +30,7 @@ pub struct Metrics {
     jobs_by_phase: IntGaugeVec,
     time_to_running: Histogram,
     restarts: IntCounter,
+    kube_requests: IntCounterVec,
 }
 
 impl Default for Metrics {
@@ -89,8 +90,17 @@ impl Metrics {
             "Gang restarts of TrainingJobs after a retryable failure",
         )
         .expect("valid metric");
+        let kube_requests = IntCounterVec::new(
+            Opts::new(
+                "ringmaster_kube_requests_total",
+                "Requests sent to the Kubernetes API server, by HTTP method",
+            ),
+            &["method"],
+        )
+        .expect("valid metric");
         for collector in [
-            Box::new(reconciles.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(kube_requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(reconciles.clone()),
             Box::new(failures.clone()),
             Box::new(duration.clone()),
             Box::new(jobs_by_phase.clone()),
@@ -109,7 +119,13 @@ impl Metrics {
             jobs_by_phase,
             time_to_running,
             restarts,
+            kube_requests,
         }
+    }
+
+    /// Counts a request to the API server.
+    pub fn kube_request(&self, method: &str) {
+        self.kube_requests.with_label_values(&[method]).inc();
     }
 
     /// Sets the jobs-by-phase gauge from every job's phase.

@@ -3,78 +3,15 @@
 
 mod common;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use common::{TestNamespace, apply, client, ensure_crds, eventually};
+use common::{Operator, TestNamespace, apply, client, ensure_crds, eventually};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, Client};
 use ringmaster::api::{DataStage, TrainingJob, TrainingJobPhase};
-use ringmaster::controller::{self, Context, OperatorConfig, Scope};
-use ringmaster::metrics::Metrics;
-use ringmaster::server::{self, ServerState};
 use serde_json::{Value, json};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio_util::sync::CancellationToken;
-
-/// The operator's controllers and HTTP endpoints, stopped when dropped.
-struct Operator {
-    shutdown: CancellationToken,
-    http: std::net::SocketAddr,
-}
-
-impl Operator {
-    async fn start(client: &Client, namespace: &str) -> Self {
-        let shutdown = CancellationToken::new();
-        let metrics = Metrics::new();
-        let ready = Arc::new(AtomicBool::new(false));
-        let listener = server::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
-        let http = listener.local_addr().unwrap();
-        let state = ServerState {
-            metrics: metrics.clone(),
-            ready: ready.clone(),
-        };
-        tokio::spawn(server::serve(listener, state, shutdown.clone()));
-        let ctx = Arc::new(Context::new(
-            client.clone(),
-            metrics,
-            Some("e2e".into()),
-            OperatorConfig {
-                restart_backoff: Duration::from_millis(500),
-            },
-        ));
-        let scope = Scope {
-            namespace: Some(namespace.to_string()),
-        };
-        tokio::spawn(controller::run(ctx, scope, ready.clone(), shutdown.clone()));
-        eventually(Duration::from_secs(30), "operator caches synced", || {
-            let ready = ready.clone();
-            async move { ready.load(Ordering::Acquire) }
-        })
-        .await;
-        Self { shutdown, http }
-    }
-
-    async fn get(&self, path: &str) -> String {
-        let mut stream = tokio::net::TcpStream::connect(self.http).await.unwrap();
-        stream
-            .write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
-            .await
-            .unwrap();
-        let mut response = String::new();
-        stream.read_to_string(&mut response).await.unwrap();
-        response
-    }
-}
-
-impl Drop for Operator {
-    fn drop(&mut self) {
-        self.shutdown.cancel();
-    }
-}
 
 fn condition<'a>(status: &'a Value, type_: &str) -> Option<&'a Value> {
     status["conditions"]

@@ -4,6 +4,8 @@
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Namespace;
@@ -11,7 +13,12 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomRe
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::{Api, Client, ResourceExt};
+use ringmaster::controller::{self, Context, OperatorConfig, Scope};
+use ringmaster::metrics::Metrics;
+use ringmaster::server::{self, ServerState};
 use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
 
 /// The field manager of objects the tests write.
 pub const MANAGER: &str = "ringmaster-e2e";
@@ -197,4 +204,77 @@ pub fn tool(name: &str) -> PathBuf {
         String::from_utf8_lossy(&out.stderr)
     );
     PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()).join(name)
+}
+
+/// The operator's controllers and HTTP endpoints, stopped when dropped.
+pub struct Operator {
+    shutdown: CancellationToken,
+    controllers: tokio::task::JoinHandle<()>,
+    server: tokio::task::JoinHandle<Result<(), ringmaster::server::ServerError>>,
+    pub http: std::net::SocketAddr,
+}
+
+impl Operator {
+    /// Starts the controllers (watching `namespace`) and the HTTP endpoints; returns once the
+    /// caches have synced.
+    pub async fn start(client: &Client, namespace: &str) -> Self {
+        let shutdown = CancellationToken::new();
+        let metrics = Metrics::new();
+        let ready = Arc::new(AtomicBool::new(false));
+        let listener = server::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let http = listener.local_addr().unwrap();
+        let state = ServerState {
+            metrics: metrics.clone(),
+            ready: ready.clone(),
+        };
+        let server = tokio::spawn(server::serve(listener, state, shutdown.clone()));
+        let ctx = Arc::new(Context::new(
+            client.clone(),
+            metrics,
+            Some("e2e".into()),
+            OperatorConfig {
+                restart_backoff: Duration::from_millis(500),
+            },
+        ));
+        let scope = Scope {
+            namespace: Some(namespace.to_string()),
+        };
+        let controllers =
+            tokio::spawn(controller::run(ctx, scope, ready.clone(), shutdown.clone()));
+        eventually(Duration::from_secs(30), "operator caches synced", || {
+            let ready = ready.clone();
+            async move { ready.load(Ordering::Acquire) }
+        })
+        .await;
+        Self {
+            shutdown,
+            controllers,
+            server,
+            http,
+        }
+    }
+
+    /// Stops the operator the way a crash would: every task dropped wherever it is.
+    pub fn kill(self) {
+        self.controllers.abort();
+        self.server.abort();
+    }
+
+    /// GETs a path of the operator's HTTP endpoints; the whole response, head included.
+    pub async fn get(&self, path: &str) -> String {
+        let mut stream = tokio::net::TcpStream::connect(self.http).await.unwrap();
+        stream
+            .write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.unwrap();
+        response
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
 }

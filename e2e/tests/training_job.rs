@@ -1,0 +1,595 @@
+//! TrainingJobs end to end: the operator (in this process) against the real API server,
+//! scheduler and garbage collector, with KWOK playing the pods. A pod's fate is chosen with
+//! the kwok.ringmaster.dev/* annotations (e2e/README.md), set through the job's
+//! launcher/worker overrides or patched onto a running pod.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Operator, TestNamespace, apply, client, ensure_crds, eventually};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
+use kube::{Api, Client, ResourceExt};
+use ringmaster::api::{TrainingJob, TrainingJobPhase};
+use serde_json::{Value, json};
+
+const SUMMARY: &str = r#"{"imagesPerSecond":2790.5,"steps":100,"finalLoss":1.25}"#;
+
+/// A CPU job of `workers` workers; `edit` changes its spec.
+fn cpu_job(name: &str, workers: u32, edit: impl FnOnce(&mut Value)) -> Value {
+    let mut job = json!({
+        "apiVersion": "ringmaster.dev/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": name},
+        "spec": {
+            "workers": workers,
+            "slotsPerWorker": 2,
+            "image": "ringmaster-trainer:e2e",
+            "trainer": {"model": "resnet18", "imageSize": 64, "batchSize": 16, "steps": 20},
+            "runPolicy": {"backoffLimit": 2},
+        }
+    });
+    edit(&mut job["spec"]);
+    job
+}
+
+/// The launcher finishes with `code` after `after`, with the trainer's summary.
+fn launcher_exits(spec: &mut Value, code: i32, after: &str) {
+    spec["launcher"] = json!({"annotations": {
+        "kwok.ringmaster.dev/exit-code": code.to_string(),
+        "kwok.ringmaster.dev/exit-after": after,
+        "kwok.ringmaster.dev/termination-message": SUMMARY,
+    }});
+}
+
+async fn job_status(client: &Client, ns: &str, name: &str) -> Value {
+    let jobs: Api<TrainingJob> = Api::namespaced(client.clone(), ns);
+    jobs.get_opt(name)
+        .await
+        .unwrap()
+        .and_then(|j| j.status)
+        .map(|s| serde_json::to_value(s).unwrap())
+        .unwrap_or(Value::Null)
+}
+
+fn phase_is(status: &Value, phase: TrainingJobPhase) -> bool {
+    status["phase"] == serde_json::to_value(phase).unwrap()
+}
+
+async fn wait_phase(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    phase: TrainingJobPhase,
+    timeout: u64,
+) -> Value {
+    let what = format!("{name} {phase:?}");
+    let mut last = Value::Null;
+    let deadline = std::time::Instant::now() + Duration::from_secs(timeout);
+    while std::time::Instant::now() < deadline {
+        last = job_status(client, ns, name).await;
+        if phase_is(&last, phase) {
+            return last;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("timed out waiting for {what}; last status: {last:#}");
+}
+
+fn condition<'a>(status: &'a Value, type_: &str) -> &'a Value {
+    status["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == type_))
+        .unwrap_or(&Value::Null)
+}
+
+async fn pods(client: &Client, ns: &str, job: &str) -> Vec<Pod> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    api.list(&ListParams::default().labels(&format!("ringmaster.dev/job-name={job}")))
+        .await
+        .unwrap()
+        .items
+}
+
+fn ready_since(pod: &Pod) -> Option<k8s_openapi::jiff::Timestamp> {
+    pod.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "Ready" && c.status == "True")
+        .and_then(|c| c.last_transition_time.as_ref())
+        .map(|t| t.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_job_with_infiniband_runs_and_succeeds_with_its_result() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "tj-happy").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    let mut job = cpu_job("resnet50", 2, |spec| {
+        spec["gpusPerWorker"] = json!(8);
+        spec.as_object_mut().unwrap().remove("slotsPerWorker");
+        spec["trainer"] = json!({"model": "resnet50", "batchSize": 256, "steps": 100});
+        spec["infiniband"] = json!({"enabled": true});
+        spec["nodePool"] = json!({"provisioner": "existing", "vmSize": "Standard_ND96asr_v4",
+                                  "nodeSelector": {"kubernetes.azure.com/agentpool": "gpu"}});
+        launcher_exits(spec, 0, "3s");
+    });
+    job["metadata"]["name"] = json!("resnet50");
+    apply(&client, &job, &ns.name, false).await.unwrap();
+
+    let status = wait_phase(&client, &ns.name, "resnet50", TrainingJobPhase::Running, 60).await;
+    assert_eq!(condition(&status, "Ready")["status"], "True");
+    assert_eq!(status["workers"]["ready"], 2);
+
+    // The children, with the right contents.
+    let all = pods(&client, &ns.name, "resnet50").await;
+    let workers: Vec<&Pod> = all
+        .iter()
+        .filter(|p| p.labels()["ringmaster.dev/role"] == "worker")
+        .collect();
+    let launcher = all
+        .iter()
+        .find(|p| p.labels()["ringmaster.dev/role"] == "launcher")
+        .expect("launcher");
+    assert_eq!(workers.len(), 2);
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    for worker in &workers {
+        let spec = worker.spec.as_ref().unwrap();
+        let limits = spec.containers[0]
+            .resources
+            .as_ref()
+            .unwrap()
+            .limits
+            .as_ref()
+            .unwrap();
+        assert_eq!(limits["nvidia.com/gpu"].0, "8");
+        assert_eq!(limits["rdma/shared_ib"].0, "1");
+        let node = nodes.get(spec.node_name.as_ref().unwrap()).await.unwrap();
+        assert_eq!(node.labels()["kubernetes.azure.com/agentpool"], "gpu");
+        // The launcher was made only once this worker was Ready.
+        let ready = ready_since(worker).expect("worker ready");
+        let created = launcher.metadata.creation_timestamp.as_ref().unwrap().0;
+        assert!(
+            created >= ready,
+            "launcher created {created} before worker ready {ready}"
+        );
+    }
+    let hostfile: Api<ConfigMap> = Api::namespaced(client.clone(), &ns.name);
+    let hostfile = hostfile.get("resnet50-hostfile").await.unwrap();
+    assert_eq!(
+        hostfile.data.unwrap()["hostfile"],
+        format!(
+            "resnet50-worker-0.resnet50-workers.{0}.svc slots=8\nresnet50-worker-1.resnet50-workers.{0}.svc slots=8\n",
+            ns.name
+        )
+    );
+    let service: Api<Service> = Api::namespaced(client.clone(), &ns.name);
+    assert_eq!(
+        service
+            .get("resnet50-workers")
+            .await
+            .unwrap()
+            .spec
+            .unwrap()
+            .cluster_ip
+            .as_deref(),
+        Some("None")
+    );
+    let secret: Api<Secret> = Api::namespaced(client.clone(), &ns.name);
+    let secret = secret.get("resnet50-ssh").await.unwrap();
+    assert_eq!(secret.type_.as_deref(), Some("kubernetes.io/ssh-auth"));
+    let command = launcher.spec.as_ref().unwrap().containers[0]
+        .command
+        .clone()
+        .unwrap()
+        .join(" ");
+    assert!(
+        command.contains("mpirun --hostfile /etc/ringmaster/mpi/hostfile -np 16"),
+        "{command}"
+    );
+
+    let status = wait_phase(
+        &client,
+        &ns.name,
+        "resnet50",
+        TrainingJobPhase::Succeeded,
+        60,
+    )
+    .await;
+    assert_eq!(
+        status["result"],
+        serde_json::from_str::<Value>(SUMMARY).unwrap()
+    );
+    assert_eq!(condition(&status, "Succeeded")["status"], "True");
+    assert!(status["completionTime"].is_string() && status["startTime"].is_string());
+    // cleanPodPolicy Running: the workers go, the launcher stays for its logs.
+    eventually(
+        Duration::from_secs(30),
+        "running workers cleaned up",
+        || async {
+            let left = pods(&client, &ns.name, "resnet50").await;
+            left.len() == 1 && left[0].name_any() == "resnet50-launcher"
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oom_killed_worker_restarts_the_gang_which_then_succeeds() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "tj-oom").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    apply(
+        &client,
+        &cpu_job("oom", 2, |s| launcher_exits(s, 0, "6s")),
+        &ns.name,
+        false,
+    )
+    .await
+    .unwrap();
+    wait_phase(&client, &ns.name, "oom", TrainingJobPhase::Running, 60).await;
+
+    // Mid-run, worker 1 is OOM-killed.
+    let pods_api: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
+    let oom = json!({"metadata": {"annotations": {"kwok.ringmaster.dev/exit-code": "137", "kwok.ringmaster.dev/reason": "OOMKilled"}}});
+    pods_api
+        .patch("oom-worker-1", &PatchParams::default(), &Patch::Merge(&oom))
+        .await
+        .unwrap();
+    let status = wait_phase(&client, &ns.name, "oom", TrainingJobPhase::Succeeded, 90).await;
+    assert_eq!(status["restarts"], 1);
+    // The restart was said, with its cause, in a Warning Event (the phase itself may pass
+    // quicker than a poll).
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(client.clone(), &ns.name);
+    let restarting = events
+        .list(&ListParams::default().fields("regarding.name=oom"))
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .find(|e| e.reason.as_deref() == Some("Restarting"))
+        .expect("a Restarting Event");
+    assert_eq!(restarting.type_.as_deref(), Some("Warning"));
+    let note = restarting.note.unwrap_or_default();
+    assert!(
+        note.contains("oom-worker-1 exited with code 137 (OOMKilled)"),
+        "{note}"
+    );
+    // The new gang's pods carry attempt 1.
+    let launcher = pods_api.get("oom-launcher").await.unwrap();
+    assert_eq!(launcher.labels()["ringmaster.dev/attempt"], "1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exhausted_restarts_fail_the_job_naming_the_worker() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "tj-limit").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    let job = cpu_job("limit", 2, |s| {
+        s["runPolicy"]["backoffLimit"] = json!(0);
+        s["worker"] = json!({"annotations": {"kwok.ringmaster.dev/exit-code": "137",
+            "kwok.ringmaster.dev/reason": "OOMKilled", "kwok.ringmaster.dev/exit-after": "1s"}});
+    });
+    apply(&client, &job, &ns.name, false).await.unwrap();
+    let status = wait_phase(&client, &ns.name, "limit", TrainingJobPhase::Failed, 60).await;
+    let failed = condition(&status, "Failed");
+    assert_eq!(failed["reason"], "BackoffLimitExceeded");
+    let message = failed["message"].as_str().unwrap();
+    assert!(
+        message.contains("limit-worker-")
+            && message.contains("137")
+            && message.contains("OOMKilled"),
+        "{message}"
+    );
+    assert_eq!(condition(&status, "Stalled")["status"], "True");
+    assert_eq!(condition(&status, "Ready")["status"], "False");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permanent_launcher_failure_fails_without_retry() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "tj-perm").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    apply(
+        &client,
+        &cpu_job("perm", 1, |s| launcher_exits(s, 2, "1s")),
+        &ns.name,
+        false,
+    )
+    .await
+    .unwrap();
+    let status = wait_phase(&client, &ns.name, "perm", TrainingJobPhase::Failed, 60).await;
+    assert_eq!(status["restarts"], 0);
+    let failed = condition(&status, "Failed");
+    assert_eq!(failed["reason"], "LauncherFailed");
+    assert!(
+        failed["message"]
+            .as_str()
+            .unwrap()
+            .contains("perm-launcher exited with code 2"),
+        "{failed}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn suspend_removes_the_pods_and_resume_runs_again() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "tj-suspend").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    apply(&client, &cpu_job("pause", 2, |_| {}), &ns.name, false)
+        .await
+        .unwrap();
+    wait_phase(&client, &ns.name, "pause", TrainingJobPhase::Running, 60).await;
+
+    let jobs: Api<TrainingJob> = Api::namespaced(client.clone(), &ns.name);
+    let suspend = |on: bool| json!({"spec": {"runPolicy": {"suspend": on}}});
+    jobs.patch(
+        "pause",
+        &PatchParams::default(),
+        &Patch::Merge(&suspend(true)),
+    )
+    .await
+    .unwrap();
+    let status = wait_phase(&client, &ns.name, "pause", TrainingJobPhase::Suspended, 30).await;
+    assert_eq!(condition(&status, "Suspended")["status"], "True");
+    eventually(Duration::from_secs(30), "every pod gone", || async {
+        pods(&client, &ns.name, "pause").await.is_empty()
+    })
+    .await;
+
+    jobs.patch(
+        "pause",
+        &PatchParams::default(),
+        &Patch::Merge(&suspend(false)),
+    )
+    .await
+    .unwrap();
+    let status = wait_phase(&client, &ns.name, "pause", TrainingJobPhase::Running, 60).await;
+    assert_eq!(condition(&status, "Suspended")["status"], "False");
+    assert_eq!(status["restarts"], 0, "a resume is not a restart");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_deadline_fails_the_job_and_the_ttl_deletes_a_finished_one() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "tj-time").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    apply(
+        &client,
+        &cpu_job("deadline", 1, |s| {
+            s["runPolicy"]["activeDeadlineSeconds"] = json!(3)
+        }),
+        &ns.name,
+        false,
+    )
+    .await
+    .unwrap();
+    apply(
+        &client,
+        &cpu_job("ttl", 1, |s| {
+            launcher_exits(s, 0, "1s");
+            s["runPolicy"]["ttlSecondsAfterFinished"] = json!(2);
+        }),
+        &ns.name,
+        false,
+    )
+    .await
+    .unwrap();
+
+    let status = wait_phase(&client, &ns.name, "deadline", TrainingJobPhase::Failed, 60).await;
+    assert_eq!(condition(&status, "Failed")["reason"], "DeadlineExceeded");
+    eventually(
+        Duration::from_secs(30),
+        "the deadline job's running pods stopped",
+        || async { pods(&client, &ns.name, "deadline").await.is_empty() },
+    )
+    .await;
+
+    let jobs: Api<TrainingJob> = Api::namespaced(client.clone(), &ns.name);
+    eventually(
+        Duration::from_secs(60),
+        "the finished job deleted by its TTL",
+        || async { matches!(jobs.get_opt("ttl").await, Ok(None)) },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_job_leaves_no_child() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "tj-delete").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    apply(&client, &cpu_job("gone", 2, |_| {}), &ns.name, false)
+        .await
+        .unwrap();
+    wait_phase(&client, &ns.name, "gone", TrainingJobPhase::Running, 60).await;
+    let jobs: Api<TrainingJob> = Api::namespaced(client.clone(), &ns.name);
+    jobs.delete("gone", &DeleteParams::background())
+        .await
+        .unwrap();
+    let selector = ListParams::default().labels("ringmaster.dev/job-name=gone");
+    eventually(Duration::from_secs(60), "every child gone", || async {
+        let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
+        let maps: Api<ConfigMap> = Api::namespaced(client.clone(), &ns.name);
+        let services: Api<Service> = Api::namespaced(client.clone(), &ns.name);
+        let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns.name);
+        pods.list(&selector).await.unwrap().items.is_empty()
+            && maps.list(&selector).await.unwrap().items.is_empty()
+            && services.list(&selector).await.unwrap().items.is_empty()
+            && secrets.list(&selector).await.unwrap().items.is_empty()
+    })
+    .await;
+}
+
+/// The operator is killed (every task dropped) right after it starts creating a job's
+/// children, and a new one takes over: one of each child, all owned, and the job runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_killed_mid_creation_converges_without_duplicates() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "tj-crash").await;
+    for round in 0..3 {
+        let operator = Operator::start(&client, &ns.name).await;
+        if round == 0 {
+            apply(&client, &cpu_job("crash", 4, |_| {}), &ns.name, false)
+                .await
+                .unwrap();
+        }
+        // Kill as soon as something of this round exists.
+        let before = pods(&client, &ns.name, "crash").await.len();
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while pods(&client, &ns.name, "crash").await.len() == before
+            && std::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        operator.kill();
+    }
+    let _operator = Operator::start(&client, &ns.name).await;
+    wait_phase(&client, &ns.name, "crash", TrainingJobPhase::Running, 60).await;
+
+    let jobs: Api<TrainingJob> = Api::namespaced(client.clone(), &ns.name);
+    let uid = jobs.get("crash").await.unwrap().uid().unwrap();
+    let all = pods(&client, &ns.name, "crash").await;
+    let mut names: Vec<String> = all.iter().map(ResourceExt::name_any).collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "crash-launcher",
+            "crash-worker-0",
+            "crash-worker-1",
+            "crash-worker-2",
+            "crash-worker-3"
+        ]
+    );
+    for pod in &all {
+        assert!(
+            pod.owner_references().iter().any(|o| o.uid == uid),
+            "{} not owned by the job",
+            pod.name_any()
+        );
+    }
+    let selector = ListParams::default().labels("ringmaster.dev/job-name=crash");
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns.name);
+    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), &ns.name);
+    let services: Api<Service> = Api::namespaced(client.clone(), &ns.name);
+    assert_eq!(secrets.list(&selector).await.unwrap().items.len(), 1);
+    assert_eq!(maps.list(&selector).await.unwrap().items.len(), 1);
+    assert_eq!(services.list(&selector).await.unwrap().items.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_wait_for_ready_agrees_with_the_phase_and_waiting_jobs_say_why() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "tj-wait").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    apply(&client, &cpu_job("waited", 1, |_| {}), &ns.name, false)
+        .await
+        .unwrap();
+    // Workers that no node can take, and a job waiting for a DataStage that is not Ready.
+    let stuck = cpu_job("stuck", 2, |s| {
+        s["worker"] = json!({"nodeSelector": {"kubernetes.azure.com/agentpool": "nonexistent"}});
+    });
+    apply(&client, &stuck, &ns.name, false).await.unwrap();
+    let data = cpu_job("data", 1, |s| {
+        s["dataStageRef"] = json!({"name": "imagenet"})
+    });
+    apply(&client, &data, &ns.name, false).await.unwrap();
+
+    let out = tokio::process::Command::new(common::tool("kubectl"))
+        .arg("--kubeconfig")
+        .arg(ringmaster_e2e::cluster::kubeconfig_path())
+        .args([
+            "wait",
+            "--for=condition=Ready",
+            "trainingjob/waited",
+            "-n",
+            &ns.name,
+            "--timeout=60s",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let status = job_status(&client, &ns.name, "waited").await;
+    assert!(
+        phase_is(&status, TrainingJobPhase::Running),
+        "Ready=True means running: {status:#}"
+    );
+    assert_eq!(status["observedGeneration"], 1);
+
+    eventually(
+        Duration::from_secs(60),
+        "the scheduler's reason on WorkersReady",
+        || async {
+            let status = job_status(&client, &ns.name, "stuck").await;
+            let c = condition(&status, "WorkersReady").clone();
+            c["reason"] == "Unschedulable"
+                && c["message"].as_str().is_some_and(|m| m.contains("node"))
+        },
+    )
+    .await;
+    let status = job_status(&client, &ns.name, "stuck").await;
+    assert!(phase_is(&status, TrainingJobPhase::Starting));
+    assert_eq!(condition(&status, "Ready")["status"], "False");
+    assert_eq!(condition(&status, "Reconciling")["status"], "True");
+
+    let status = wait_phase(
+        &client,
+        &ns.name,
+        "data",
+        TrainingJobPhase::WaitingForData,
+        30,
+    )
+    .await;
+    let data_ready = condition(&status, "DataReady");
+    assert_eq!(data_ready["status"], "False");
+    assert!(
+        data_ready["message"].as_str().unwrap().contains("imagenet"),
+        "{data_ready}"
+    );
+    assert!(pods(&client, &ns.name, "data").await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn editing_an_immutable_field_of_a_running_job_is_refused() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "tj-immutable").await;
+    apply(&client, &cpu_job("fixed", 2, |_| {}), &ns.name, false)
+        .await
+        .unwrap();
+    let jobs: Api<TrainingJob> = Api::namespaced(client.clone(), &ns.name);
+    let patch = json!({"spec": {"workers": 3}});
+    match jobs
+        .patch("fixed", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        Err(kube::Error::Api(status)) => {
+            assert_eq!(status.code, 422);
+            assert!(
+                status.message.contains("spec.workers is immutable"),
+                "{}",
+                status.message
+            );
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
