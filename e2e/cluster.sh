@@ -66,6 +66,7 @@ up() {
     --kubeconfig "$kubeconfig" \
     -c "$here/kwok/stages.yaml" \
     --kube-authorization=true \
+    --disable-qps-limits \
     --kube-apiserver-port "$api_port" --etcd-port "$etcd_port" \
     --kube-controller-manager-port "$kcm_port" --kube-scheduler-port "$sched_port" --controller-port "$kwok_port" \
     --extra-args "kube-apiserver=bind-address=127.0.0.1" \

@@ -362,6 +362,10 @@ pub async fn run(
                     .collect::<Vec<_>>()
             },
         )
+        // Pod events come in bursts (a gang's pods change together): one reconcile per burst.
+        .with_config(
+            kube::runtime::controller::Config::default().debounce(Duration::from_millis(200)),
+        )
         .graceful_shutdown_on(shutdown.clone().cancelled_owned());
     let stages = Controller::new(scope.api::<DeserializeGuard<DataStage>>(&ctx.client), watch)
         .graceful_shutdown_on(shutdown.clone().cancelled_owned());

@@ -134,14 +134,19 @@ pub async fn execute(
             .map_err(kube_error("applying", "Service", &service.name_any()))?;
     }
     let pods: Api<Pod> = Api::namespaced(client.clone(), &job.namespace);
-    for index in &plan.create_workers {
+    // Workers are independent of each other: create them concurrently.
+    let workers = plan.create_workers.iter().map(|index| {
         let pod = build::worker_pod(job, *index, inputs);
-        server_side_apply(&pods, &pod).await.map_err(kube_error(
-            "creating",
-            "Pod",
-            &pod.name_any(),
-        ))?;
-    }
+        let pods = pods.clone();
+        async move {
+            server_side_apply(&pods, &pod).await.map_err(kube_error(
+                "creating",
+                "Pod",
+                &pod.name_any(),
+            ))
+        }
+    });
+    futures::future::try_join_all(workers).await?;
     if plan.create_launcher {
         let pod = build::launcher_pod(job, inputs);
         server_side_apply(&pods, &pod).await.map_err(kube_error(
