@@ -8,8 +8,15 @@
 
 use std::fmt;
 
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::CustomResourceExt;
 use kube::core::cel::{CompiledSchema, Validator as CelValidator, compile_schema};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 /// One broken rule: the field (as `spec.nodePool.vmSize`) and what is wrong with it.
@@ -147,6 +154,38 @@ impl SchemaChecker {
             Err(FieldErrors(errors))
         }
     }
+}
+
+thread_local! {
+    /// Compiled checkers by CRD name, one set per thread (the CEL programs are not `Sync`).
+    static CHECKERS: RefCell<HashMap<String, Rc<SchemaChecker>>> = RefCell::new(HashMap::new());
+}
+
+/// The schema checker of kind `K` on this thread, compiled on first use.
+pub fn checker<K: CustomResourceExt>() -> Rc<SchemaChecker> {
+    CHECKERS.with(|checkers| {
+        checkers
+            .borrow_mut()
+            .entry(K::crd_name().to_string())
+            .or_insert_with(|| Rc::new(SchemaChecker::for_crd(&K::crd())))
+            .clone()
+    })
+}
+
+/// Checks a typed object (as the operator received it) against its kind's schema.
+pub fn check_object<K: CustomResourceExt + Serialize>(object: &K) -> Result<(), FieldErrors> {
+    let value = serde_json::to_value(object)
+        .map_err(|e| FieldErrors::one("", format!("does not serialize: {e}")))?;
+    checker::<K>().check(&value, None)
+}
+
+/// Checks a raw object as a user wrote it (and, for an update, against `old`), then
+/// deserializes it.
+pub fn parse_object<K: CustomResourceExt + DeserializeOwned>(
+    value: &Value,
+    old: Option<&Value>,
+) -> Result<K, FieldErrors> {
+    checker::<K>().parse(value, old)
 }
 
 impl SchemaChecker {

@@ -87,34 +87,34 @@ async fn kubectl_explain_shows_the_field_docs() {
     let client = client().await;
     ensure_crds(&client).await;
     let kubeconfig = ringmaster_e2e::cluster::kubeconfig_path();
+    // `kubectl explain` reads the published OpenAPI, which follows a new CRD by a moment.
     let explain = |what: &str| {
-        let out = std::process::Command::new(common::tool("kubectl"))
-            .arg("--kubeconfig")
-            .arg(&kubeconfig)
-            .args(["explain", what])
-            .output()
-            .expect("kubectl runs");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    };
-    // Discovery may lag the CRD by a moment.
-    let mut text = String::new();
-    for _ in 0..20 {
-        text = explain("trainingjob.spec");
-        if text.contains("workers") {
-            break;
+        let what = what.to_string();
+        let kubeconfig = kubeconfig.clone();
+        async move {
+            let mut last = String::new();
+            for _ in 0..60 {
+                let out = std::process::Command::new(common::tool("kubectl"))
+                    .arg("--kubeconfig")
+                    .arg(&kubeconfig)
+                    .args(["explain", &what])
+                    .output()
+                    .expect("kubectl runs");
+                if out.status.success() {
+                    return String::from_utf8(out.stdout).unwrap();
+                }
+                last = String::from_utf8_lossy(&out.stderr).to_string();
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            panic!("kubectl explain {what} kept failing: {last}");
         }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    };
+    let text = explain("trainingjob.spec").await;
     assert!(text.contains("Number of worker pods"), "{text}");
     assert!(text.contains("gpusPerWorker"), "{text}");
-    let pool = explain("trainingjob.spec.nodePool.vmSize");
+    let pool = explain("trainingjob.spec.nodePool.vmSize").await;
     assert!(pool.contains("Standard_ND96asr_v4"), "{pool}");
-    let stage = explain("dstage.spec.source.azureBlob.auth");
+    let stage = explain("dstage.spec.source.azureBlob.auth").await;
     assert!(
         stage.contains("sasTokenSecretRef") && stage.contains("preferred"),
         "{stage}"

@@ -1,13 +1,11 @@
 //! Validate step of the DataStage controller: the raw object in, a [`ValidatedDataStage`]
 //! out — schema and CEL rules checked, defaults merged, the endpoint resolved. No client.
 
-use std::cell::OnceCell;
-
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use kube::{CustomResourceExt, ResourceExt};
+use kube::ResourceExt;
 
 use crate::api::{DataStage, SecretKeyRef, Verification};
-use crate::validation::{FieldErrors, SchemaChecker};
+use crate::validation::{self, FieldErrors};
 
 /// A DataStage whose spec passed every rule, with defaults filled in.
 #[derive(Clone, Debug, PartialEq)]
@@ -91,20 +89,9 @@ pub enum StagingTarget {
 /// Warning given when a DataStage signs in with the account key.
 pub const ACCOUNT_KEY_WARNING: &str = "auth uses the storage account key, which grants full access to the whole account: prefer sasTokenSecretRef (read and list on the container, with an expiry) or workloadIdentity";
 
-thread_local! {
-    static CHECKER: OnceCell<SchemaChecker> = const { OnceCell::new() };
-}
-
-/// Runs `f` with the DataStage schema checker of this thread, compiled on first use.
-pub fn with_checker<T>(f: impl FnOnce(&SchemaChecker) -> T) -> T {
-    CHECKER.with(|cell| f(cell.get_or_init(|| SchemaChecker::for_crd(&DataStage::crd()))))
-}
-
 /// Checks `stage` against every rule and fills in defaults.
 pub fn validate(stage: &DataStage) -> Result<ValidatedDataStage, FieldErrors> {
-    let value = serde_json::to_value(stage)
-        .map_err(|e| FieldErrors::one("", format!("does not serialize: {e}")))?;
-    with_checker(|checker| checker.check(&value, None))?;
+    validation::check_object(stage)?;
     with_defaults(stage)
 }
 
@@ -114,7 +101,7 @@ pub fn validate_value(
     value: &serde_json::Value,
     old: Option<&serde_json::Value>,
 ) -> Result<ValidatedDataStage, FieldErrors> {
-    let stage: DataStage = with_checker(|checker| checker.parse(value, old))?;
+    let stage: DataStage = validation::parse_object(value, old)?;
     with_defaults(&stage)
 }
 
@@ -189,6 +176,9 @@ mod tests {
 
     #[test]
     fn the_schema_rules_compile() {
-        assert_eq!(with_checker(|c| c.compile_errors()), Vec::<String>::new());
+        assert_eq!(
+            crate::validation::checker::<DataStage>().compile_errors(),
+            Vec::<String>::new()
+        );
     }
 }

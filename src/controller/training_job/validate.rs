@@ -1,17 +1,16 @@
 //! Validate step of the TrainingJob controller: the raw object in, a [`ValidatedTrainingJob`]
 //! out — schema and CEL rules checked, defaults merged, names derived. No client.
 
-use std::cell::OnceCell;
 use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use kube::{CustomResourceExt, ResourceExt};
+use kube::ResourceExt;
 
 use crate::api::{
     DataSource, DataStageRef, GpuDriver, Model, MpiSpec, OutputSpec, PodOverrides, Precision,
     Provisioner, RunPolicy, TrainingJob,
 };
-use crate::validation::{FieldErrors, SchemaChecker};
+use crate::validation::{self, FieldErrors};
 
 /// Default size of an InfiniBand worker's in-memory /dev/shm.
 pub const DEFAULT_SHM_SIZE: &str = "64Gi";
@@ -135,20 +134,9 @@ pub struct NodePoolPlan {
     pub gpu_driver: GpuDriver,
 }
 
-thread_local! {
-    static CHECKER: OnceCell<SchemaChecker> = const { OnceCell::new() };
-}
-
-/// Runs `f` with the TrainingJob schema checker of this thread, compiled on first use.
-pub fn with_checker<T>(f: impl FnOnce(&SchemaChecker) -> T) -> T {
-    CHECKER.with(|cell| f(cell.get_or_init(|| SchemaChecker::for_crd(&TrainingJob::crd()))))
-}
-
 /// Checks `job` against every rule and fills in defaults.
 pub fn validate(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors> {
-    let value = serde_json::to_value(job)
-        .map_err(|e| FieldErrors::one("", format!("does not serialize: {e}")))?;
-    with_checker(|checker| checker.check(&value, None))?;
+    validation::check_object(job)?;
     with_defaults(job)
 }
 
@@ -158,7 +146,7 @@ pub fn validate_value(
     value: &serde_json::Value,
     old: Option<&serde_json::Value>,
 ) -> Result<ValidatedTrainingJob, FieldErrors> {
-    let job: TrainingJob = with_checker(|checker| checker.parse(value, old))?;
+    let job: TrainingJob = validation::parse_object(value, old)?;
     with_defaults(&job)
 }
 
@@ -312,6 +300,9 @@ mod tests {
 
     #[test]
     fn the_schema_rules_compile() {
-        assert_eq!(with_checker(|c| c.compile_errors()), Vec::<String>::new());
+        assert_eq!(
+            crate::validation::checker::<TrainingJob>().compile_errors(),
+            Vec::<String>::new()
+        );
     }
 }
