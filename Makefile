@@ -24,9 +24,17 @@ lint: ## cargo fmt --check and clippy with warnings denied
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
 .PHONY: unit
-unit: ## Unit tests, validate-step fixture tests, CRD freshness
+unit: mpi ## Unit tests, validate-step fixture tests, CRD freshness, the trainer (with mpirun)
 	$(CARGO) test --locked -p ringmaster -- --test-threads=$(TEST_THREADS)
 	$(CARGO) test --locked -p ringmaster-e2e --lib --bins
+	$(CARGO) test --locked -p ringmaster-trainer -- --test-threads=$(TEST_THREADS)
+
+.PHONY: mpi
+mpi: ## Install Debian's Open MPI when mpirun is missing (the trainer's multi-rank tests use it)
+	@command -v mpirun >/dev/null 2>&1 || { \
+	  echo "installing Debian's openmpi-bin for the multi-rank tests"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq openmpi-bin >/dev/null; }
 
 .PHONY: e2e
 e2e: ## End-to-end tests on the local cluster (started and stopped around them; KEEP_CLUSTER=1 keeps it)

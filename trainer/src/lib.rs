@@ -2,6 +2,12 @@
 //!
 //! * `engine` — tensors, layers with explicit forward/backward, ResNets, SGD, data, checkpoints.
 //! * `world` — rank and world size from the MPI launcher's environment.
-//! * `collective` — all-reduce behind one trait: single rank, TCP ring (NCCL later).
+//! * `collective` — all-reduce behind one trait: single rank, TCP ring.
+//! * `bench` — `bench-allreduce`, with nccl-tests' bandwidth figures.
+//! * `launch` — the launcher wrapper that turns rank 0's summary into a termination message.
 
+pub mod bench;
+pub mod collective;
 pub mod engine;
+pub mod launch;
+pub mod world;

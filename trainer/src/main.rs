@@ -1,5 +1,165 @@
-//! `ringmaster-trainer`: see `--help`.
+//! `ringmaster-trainer`: data-parallel training of ResNets across MPI ranks.
 
-fn main() {
-    println!("ringmaster-trainer {}", env!("CARGO_PKG_VERSION"));
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use ringmaster_trainer::collective::{Collective, RingConfig, SingleRank, TcpRing};
+use ringmaster_trainer::world::World;
+use ringmaster_trainer::{bench, launch};
+
+/// Ringmaster's trainer. Run one process per rank (`mpirun -np N ringmaster-trainer …`); rank
+/// and world size come from the MPI launcher's environment (Open MPI, PMIx, MPICH/Intel MPI
+/// PMI) or RANK/WORLD_SIZE. Rank 0 serves a rendezvous at $RINGMASTER_RENDEZVOUS
+/// (default 127.0.0.1:29500) where the ranks find each other.
+#[derive(Parser, Debug)]
+#[command(name = "ringmaster-trainer", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Print this rank's view: version, rank and world, CPU threads, collectives available.
+    Info,
+    /// Time all-reduce over a range of sizes; prints size, time, algbw and busbw like
+    /// nccl-tests (busbw = algbw × 2(n−1)/n).
+    BenchAllreduce(BenchArgs),
+    /// Run an MPI launcher command, passing its output through, and write rank 0's JSON
+    /// summary to the termination-message file (what the launcher pod runs).
+    Launch {
+        /// File the summary line is written to.
+        #[arg(long, default_value = "/dev/termination-log")]
+        termination_message: PathBuf,
+        /// The launcher command, after `--`.
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
+}
+
+#[derive(clap::Args, Debug)]
+struct BenchArgs {
+    /// Smallest size per rank (4K, 1M, ...).
+    #[arg(long, default_value = "4K", value_parser = bench::parse_size)]
+    min_bytes: usize,
+    /// Largest size per rank.
+    #[arg(long, default_value = "256M", value_parser = bench::parse_size)]
+    max_bytes: usize,
+    /// Each size is the previous one times this.
+    #[arg(long, default_value_t = 2)]
+    step_factor: usize,
+    /// Timed runs per size.
+    #[arg(long, default_value_t = 20)]
+    iterations: usize,
+    /// Untimed runs per size before timing.
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Check the summed values after timing (reported in the #wrong column).
+    #[arg(long)]
+    check: bool,
+    /// Print JSON lines instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// For tests: this rank exits (without a word to the others) before the timed runs.
+    #[arg(long, hide = true)]
+    vanish_rank: Option<usize>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Info => info(),
+        Command::BenchAllreduce(args) => bench_allreduce(args),
+        Command::Launch {
+            termination_message,
+            command,
+        } => match launch::run(&command, &termination_message) {
+            Ok(code) => return ExitCode::from(u8::try_from(code).unwrap_or(1)),
+            Err(e) => Err(e.to_string()),
+        },
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("ringmaster-trainer: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The collective for this process: a TCP ring when there are several ranks.
+fn collective(world: &World) -> Result<Box<dyn Collective>, String> {
+    if world.size == 1 {
+        return Ok(Box::new(SingleRank));
+    }
+    TcpRing::connect(world, RingConfig::from_env())
+        .map(|ring| Box::new(ring) as Box<dyn Collective>)
+        .map_err(|e| format!("rank {} of {}: {e}", world.rank, world.size))
+}
+
+fn info() -> Result<(), String> {
+    let world = World::from_env().map_err(|e| e.to_string())?;
+    let info = serde_json::json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "rank": world.rank,
+        "worldSize": world.size,
+        "localRank": world.local_rank,
+        "rankSource": world.source,
+        "cpuThreads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "collectives": ["single", "tcp-ring"],
+        "gpu": "no CUDA engine in this build: CPU only",
+    });
+    println!("{info}");
+    Ok(())
+}
+
+fn bench_allreduce(args: BenchArgs) -> Result<(), String> {
+    let world = World::from_env().map_err(|e| e.to_string())?;
+    let mut collective = collective(&world)?;
+    if args.vanish_rank == Some(world.rank) {
+        std::process::exit(0);
+    }
+    let sizes = bench::sizes(args.min_bytes, args.max_bytes, args.step_factor);
+    let rows = bench::run(
+        collective.as_mut(),
+        &sizes,
+        args.warmup,
+        args.iterations,
+        args.check,
+    )
+    .map_err(|e| format!("rank {}: {e}", world.rank))?;
+    let wrong = rows.iter().filter(|r| r.correct == Some(false)).count();
+    if world.rank == 0 {
+        if args.json {
+            for row in &rows {
+                println!("{}", serde_json::to_string(row).expect("row serializes"));
+            }
+        } else {
+            println!(
+                "# ringmaster-trainer bench-allreduce: {} ranks, {}, sum, float32",
+                world.size,
+                collective.name()
+            );
+            println!(
+                "#{:>12} {:>12} {:>12} {:>12} {:>12} {:>7}",
+                "size(B)", "count", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"
+            );
+            for row in &rows {
+                let wrong = match row.correct {
+                    Some(true) => "0",
+                    Some(false) => "WRONG",
+                    None => "n/a",
+                };
+                println!(
+                    " {:>12} {:>12} {:>12.1} {:>12.3} {:>12.3} {:>7}",
+                    row.bytes, row.count, row.time_us, row.algbw_gbs, row.busbw_gbs, wrong
+                );
+            }
+        }
+    }
+    if wrong > 0 {
+        return Err(format!("rank {}: {wrong} sizes summed wrongly", world.rank));
+    }
+    Ok(())
 }

@@ -1,0 +1,125 @@
+//! `bench-allreduce`: times all-reduce over a range of sizes and reports algorithm and bus
+//! bandwidth the way nccl-tests does (busbw = algbw × 2(n−1)/n for all-reduce).
+
+use std::time::Instant;
+
+use crate::collective::{Collective, CollectiveError, ReduceOp};
+
+/// One size's result.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BenchRow {
+    /// Bytes per rank.
+    pub bytes: usize,
+    /// f32 elements per rank.
+    pub count: usize,
+    /// Mean time of one all-reduce, microseconds (slowest rank's view is not gathered).
+    pub time_us: f64,
+    /// Algorithm bandwidth, GB/s: bytes / time.
+    pub algbw_gbs: f64,
+    /// Bus bandwidth, GB/s: algbw × 2(n−1)/n.
+    pub busbw_gbs: f64,
+    /// Whether the values were checked and right.
+    pub correct: Option<bool>,
+}
+
+/// Parses sizes like `4K`, `1M`, `256M`, `1024` (bytes).
+pub fn parse_size(text: &str) -> Result<usize, String> {
+    let text = text.trim();
+    let (digits, unit) = text.split_at(
+        text.find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(text.len()),
+    );
+    let value: usize = digits
+        .parse()
+        .map_err(|_| format!("{text}: not a size like 4K, 1M or 256M"))?;
+    let factor = match unit.to_ascii_uppercase().as_str() {
+        "" | "B" => 1,
+        "K" | "KB" | "KIB" => 1 << 10,
+        "M" | "MB" | "MIB" => 1 << 20,
+        "G" | "GB" | "GIB" => 1 << 30,
+        other => return Err(format!("{text}: unknown unit {other}")),
+    };
+    Ok(value * factor)
+}
+
+/// Sizes from `min` to `max` bytes, multiplying by `factor`.
+pub fn sizes(min: usize, max: usize, factor: usize) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut size = min.max(4);
+    while size <= max {
+        out.push(size);
+        size *= factor.max(2);
+    }
+    out
+}
+
+/// The value rank `rank` puts at index `i` when checking: small integers, so float sums are exact.
+fn check_value(rank: usize, i: usize) -> f32 {
+    ((rank + 1) * (i % 7 + 1)) as f32
+}
+
+/// Runs the benchmark on `collective` for each size: `warmup` untimed runs, then `iterations`
+/// timed ones. With `check`, the values are verified after the timed runs.
+pub fn run(
+    collective: &mut dyn Collective,
+    sizes: &[usize],
+    warmup: usize,
+    iterations: usize,
+    check: bool,
+) -> Result<Vec<BenchRow>, CollectiveError> {
+    let n = collective.world_size();
+    let rank = collective.rank();
+    let mut rows = Vec::new();
+    for &bytes in sizes {
+        let count = bytes / 4;
+        let mut data = vec![1.0f32; count];
+        for _ in 0..warmup {
+            collective.all_reduce(&mut data, ReduceOp::Sum)?;
+        }
+        collective.barrier()?;
+        let start = Instant::now();
+        for _ in 0..iterations {
+            collective.all_reduce(&mut data, ReduceOp::Sum)?;
+        }
+        let seconds = start.elapsed().as_secs_f64() / iterations.max(1) as f64;
+        let correct = if check {
+            data.iter_mut()
+                .enumerate()
+                .for_each(|(i, v)| *v = check_value(rank, i));
+            collective.all_reduce(&mut data, ReduceOp::Sum)?;
+            let ranks_sum = (n * (n + 1) / 2) as f32;
+            Some(
+                data.iter()
+                    .enumerate()
+                    .all(|(i, v)| *v == ranks_sum * (i % 7 + 1) as f32),
+            )
+        } else {
+            None
+        };
+        let algbw = bytes as f64 / seconds / 1e9;
+        rows.push(BenchRow {
+            bytes,
+            count,
+            time_us: seconds * 1e6,
+            algbw_gbs: algbw,
+            busbw_gbs: algbw * 2.0 * (n as f64 - 1.0) / n as f64,
+            correct,
+        });
+    }
+    Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_and_step() {
+        assert_eq!(parse_size("4K"), Ok(4096));
+        assert_eq!(parse_size("256M"), Ok(256 << 20));
+        assert_eq!(parse_size("1024"), Ok(1024));
+        assert!(parse_size("4X").is_err());
+        assert_eq!(sizes(4096, 65536, 4), vec![4096, 16384, 65536]);
+    }
+}

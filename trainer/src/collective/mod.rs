@@ -1,0 +1,92 @@
+//! Collectives behind one trait: a single rank, a TCP ring, and (with GPUs) NCCL.
+
+mod ring;
+mod single;
+
+pub use ring::{RingConfig, TcpRing};
+pub use single::SingleRank;
+
+/// How values are combined.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Sum over ranks.
+    Sum,
+    /// Sum over ranks divided by the world size.
+    Average,
+}
+
+/// Errors of collectives. A lost or stuck peer is an error, never a hang.
+#[derive(Debug, thiserror::Error)]
+pub enum CollectiveError {
+    /// The rendezvous on rank 0 could not be reached or served.
+    #[error("rendezvous at {addr}: {message}")]
+    Rendezvous { addr: String, message: String },
+    /// A peer closed its connection or the connection broke.
+    #[error("rank {peer} ({direction}) is gone: {source}")]
+    PeerLost {
+        peer: usize,
+        direction: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A peer sent nothing within the timeout.
+    #[error("rank {peer} ({direction}) sent nothing for {seconds} s")]
+    PeerTimeout {
+        peer: usize,
+        direction: &'static str,
+        seconds: u64,
+    },
+}
+
+/// Data-parallel collectives over the ranks of a job.
+pub trait Collective: Send {
+    /// This rank.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+    /// A short name for logs (`single`, `tcp-ring`, `nccl`).
+    fn name(&self) -> &'static str;
+    /// Combines `data` over all ranks, in place, on every rank.
+    fn all_reduce(&mut self, data: &mut [f32], op: ReduceOp) -> Result<(), CollectiveError>;
+    /// Copies `root`'s `data` to every rank.
+    fn broadcast(&mut self, data: &mut [f32], root: usize) -> Result<(), CollectiveError>;
+    /// Returns once every rank has called it.
+    fn barrier(&mut self) -> Result<(), CollectiveError> {
+        let mut token = [0.0f32];
+        self.all_reduce(&mut token, ReduceOp::Sum)
+    }
+}
+
+/// Splits `len` elements into `parts` contiguous ranges whose lengths differ by at most one
+/// (some are empty when `len < parts`).
+pub fn segments(len: usize, parts: usize) -> Vec<std::ops::Range<usize>> {
+    let base = len / parts;
+    let extra = len % parts;
+    let mut start = 0;
+    (0..parts)
+        .map(|i| {
+            let size = base + usize::from(i < extra);
+            let range = start..start + size;
+            start += size;
+            range
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_cover_everything_once() {
+        for (len, parts) in [(10, 3), (1, 4), (0, 2), (7, 7), (1_000_003, 8)] {
+            let s = segments(len, parts);
+            assert_eq!(s.len(), parts);
+            assert_eq!(s.first().unwrap().start, 0);
+            assert_eq!(s.last().unwrap().end, len);
+            assert!(s.windows(2).all(|w| w[0].end == w[1].start));
+            let sizes: Vec<usize> = s.iter().map(|r| r.len()).collect();
+            assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1);
+        }
+    }
+}

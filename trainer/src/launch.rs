@@ -1,0 +1,91 @@
+//! `launch`: runs the MPI launcher (`mpirun …`), passes its output through, and writes rank
+//! 0's JSON summary line to a file (the launcher pod's termination message, which the
+//! operator turns into the TrainingJob's `status.result`).
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+/// Errors running the launcher.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// Nothing to run.
+    #[error("no command given after --")]
+    NoCommand,
+    /// The command could not start.
+    #[error("starting {program}: {source}")]
+    Spawn {
+        program: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Reading its output or writing the summary failed.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Whether a line is the trainer's summary.
+pub fn is_summary(line: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(line.trim())
+        .is_ok_and(|v| v["event"] == "summary" && v.get("imagesPerSecond").is_some())
+}
+
+/// Runs `command`, copies its stdout to ours, writes the last summary line to
+/// `termination_message` and returns the exit code to leave with (128 + signal when killed).
+pub fn run(command: &[String], termination_message: &Path) -> Result<i32, LaunchError> {
+    let (program, args) = command.split_first().ok_or(LaunchError::NoCommand)?;
+    let mut child = Command::new(program)
+        .args(args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|source| LaunchError::Spawn {
+            program: program.clone(),
+            source,
+        })?;
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut summary = None;
+    let mut out = std::io::stdout().lock();
+    for line in BufReader::new(stdout).lines() {
+        let line = line?;
+        writeln!(out, "{line}")?;
+        if is_summary(&line) {
+            summary = Some(line);
+        }
+    }
+    out.flush()?;
+    let status = child.wait()?;
+    if let Some(summary) = summary {
+        // The termination message may be missing outside Kubernetes: that is not an error.
+        if let Err(error) = std::fs::write(termination_message, summary.trim()) {
+            eprintln!(
+                "ringmaster-trainer launch: writing {}: {error}",
+                termination_message.display()
+            );
+        }
+    }
+    Ok(status.code().unwrap_or_else(|| {
+        use std::os::unix::process::ExitStatusExt;
+        128 + status.signal().unwrap_or(0)
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_summary_line_is_written_and_the_exit_code_kept() {
+        let dir = std::env::temp_dir().join(format!("launch-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("termination-log");
+        let script = r#"echo '{"event":"step","step":1}'; echo '{"event":"summary","imagesPerSecond":12.5,"steps":3,"finalLoss":0.5}'; exit 3"#;
+        let code = run(&["sh".into(), "-c".into(), script.into()], &file).unwrap();
+        assert_eq!(code, 3);
+        let written: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+        assert_eq!(written["imagesPerSecond"], 12.5);
+        let code = run(&["sh".into(), "-c".into(), "kill -9 $$".into()], &file).unwrap();
+        assert_eq!(code, 137);
+        std::fs::remove_dir_all(dir).ok();
+    }
+}
