@@ -69,3 +69,10 @@ bench-operator: ## Benchmark: 100 TrainingJobs × 4 workers applied at once (rel
 	$(CARGO) build --release --locked -p ringmaster -p ringmaster-e2e --bin ringmaster --bin bench-operator
 	e2e/cluster.sh up
 	$(CARGO_TARGET_DIR)/release/bench-operator --operator $(CARGO_TARGET_DIR)/release/ringmaster $(BENCH_ARGS)
+
+.PHONY: bench-allreduce
+bench-allreduce: mpi ## Benchmark: TCP-ring all-reduce vs Open MPI's MPI_Allreduce, 4 ranks, 4 KiB..256 MiB
+	@command -v mpicc >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenmpi-dev >/dev/null; }
+	$(CARGO) build --release --locked -p ringmaster-trainer
+	TRAINER=$(CARGO_TARGET_DIR)/release/ringmaster-trainer trainer/bench/allreduce-vs-mpi.sh
+	TRAINER=$(CARGO_TARGET_DIR)/release/ringmaster-trainer MPI_BTL=self,tcp trainer/bench/allreduce-vs-mpi.sh
