@@ -76,3 +76,9 @@ bench-allreduce: mpi ## Benchmark: TCP-ring all-reduce vs Open MPI's MPI_Allredu
 	$(CARGO) build --release --locked -p ringmaster-trainer
 	TRAINER=$(CARGO_TARGET_DIR)/release/ringmaster-trainer trainer/bench/allreduce-vs-mpi.sh
 	TRAINER=$(CARGO_TARGET_DIR)/release/ringmaster-trainer MPI_BTL=self,tcp trainer/bench/allreduce-vs-mpi.sh
+
+.PHONY: bench-trainer
+bench-trainer: ## Benchmark: CPU images/s of ResNet-18 at 64×64 and ResNet-50 at 224×224, batch 32 (release)
+	$(CARGO) build --release --locked -p ringmaster-trainer
+	$(CARGO_TARGET_DIR)/release/ringmaster-trainer train --model resnet18 --image-size 64 --batch-size 32 --steps 10 --synthetic --log-every 1000
+	$(CARGO_TARGET_DIR)/release/ringmaster-trainer train --model resnet50 --image-size 224 --batch-size 32 --steps 3 --synthetic --log-every 1000

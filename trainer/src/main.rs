@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use ringmaster_trainer::collective::{Collective, RingConfig, SingleRank, TcpRing};
 use ringmaster_trainer::world::World;
-use ringmaster_trainer::{bench, launch};
+use ringmaster_trainer::{bench, launch, train};
 
 /// Ringmaster's trainer. Run one process per rank (`mpirun -np N ringmaster-trainer …`); rank
 /// and world size come from the MPI launcher's environment (Open MPI, PMIx, MPICH/Intel MPI
@@ -23,6 +23,9 @@ struct Cli {
 enum Command {
     /// Print this rank's view: version, rank and world, CPU threads, collectives available.
     Info,
+    /// Train a ResNet, data-parallel over the job's ranks; JSON lines on stdout, a summary
+    /// line at the end, the checkpoint in --output-dir.
+    Train(train::TrainArgs),
     /// Time all-reduce over a range of sizes; prints size, time, algbw and busbw like
     /// nccl-tests (busbw = algbw × 2(n−1)/n).
     BenchAllreduce(BenchArgs),
@@ -70,6 +73,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Info => info(),
+        Command::Train(args) => run_training(&args),
         Command::BenchAllreduce(args) => bench_allreduce(args),
         Command::Launch {
             termination_message,
@@ -96,6 +100,17 @@ fn collective(world: &World) -> Result<Box<dyn Collective>, String> {
     TcpRing::connect(world, RingConfig::from_env())
         .map(|ring| Box::new(ring) as Box<dyn Collective>)
         .map_err(|e| format!("rank {} of {}: {e}", world.rank, world.size))
+}
+
+fn run_training(args: &train::TrainArgs) -> Result<(), String> {
+    let world = World::from_env().map_err(|e| e.to_string())?;
+    let mut collective = collective(&world)?;
+    let summary =
+        train::run(args, collective.as_mut()).map_err(|e| format!("rank {}: {e}", world.rank))?;
+    if world.rank == 0 {
+        println!("{summary}");
+    }
+    Ok(())
 }
 
 fn info() -> Result<(), String> {

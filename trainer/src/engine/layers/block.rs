@@ -1,0 +1,162 @@
+//! Residual blocks: torchvision's `BasicBlock` and `Bottleneck` (v1.5, stride on the 3x3).
+
+use rand::Rng;
+
+use super::{BatchNorm2d, Conv2d, Relu};
+use crate::engine::params::ParamStore;
+use crate::engine::tensor::Tensor;
+
+/// `relu(main(x) + shortcut(x))`, where `main` is conv-BN pairs with ReLUs between them
+/// and `shortcut` is the identity or a 1x1 conv + BN projection.
+///
+/// Both block kinds share this one structure; only the list of convs differs.
+#[derive(Debug, Clone)]
+pub struct ResidualBlock {
+    convs: Vec<Conv2d>,
+    bns: Vec<BatchNorm2d>,
+    relus: Vec<Relu>,
+    downsample: Option<(Conv2d, BatchNorm2d)>,
+    out_relu: Relu,
+}
+
+impl ResidualBlock {
+    /// Two 3x3 convs (ResNet-18/34 and the CIFAR ResNets); output has `planes` channels.
+    pub fn basic(
+        store: &mut ParamStore,
+        prefix: &str,
+        in_channels: usize,
+        planes: usize,
+        stride: usize,
+        rng: &mut impl Rng,
+    ) -> Self {
+        let specs = [
+            (in_channels, planes, 3, stride, 1),
+            (planes, planes, 3, 1, 1),
+        ];
+        Self::build(store, prefix, &specs, in_channels, planes, stride, rng)
+    }
+
+    /// 1x1 reduce, 3x3 (strided), 1x1 expand by 4 (ResNet-50/101/152); output has
+    /// `4 * planes` channels.
+    pub fn bottleneck(
+        store: &mut ParamStore,
+        prefix: &str,
+        in_channels: usize,
+        planes: usize,
+        stride: usize,
+        rng: &mut impl Rng,
+    ) -> Self {
+        let out = planes * 4;
+        let specs = [
+            (in_channels, planes, 1, 1, 0),
+            (planes, planes, 3, stride, 1),
+            (planes, out, 1, 1, 0),
+        ];
+        Self::build(store, prefix, &specs, in_channels, out, stride, rng)
+    }
+
+    /// Registers the parameters in torchvision's order (`conv1`, `bn1`, …, then
+    /// `downsample.0`, `downsample.1`) so names and layouts match its checkpoints.
+    fn build(
+        store: &mut ParamStore,
+        prefix: &str,
+        specs: &[(usize, usize, usize, usize, usize)],
+        in_channels: usize,
+        out_channels: usize,
+        stride: usize,
+        rng: &mut impl Rng,
+    ) -> Self {
+        let mut convs = Vec::new();
+        let mut bns = Vec::new();
+        for (i, &(ci, co, k, s, p)) in specs.iter().enumerate() {
+            let conv = Conv2d::new(
+                store,
+                &format!("{prefix}.conv{}", i + 1),
+                ci,
+                co,
+                k,
+                s,
+                p,
+                rng,
+            );
+            convs.push(conv);
+            bns.push(BatchNorm2d::new(
+                store,
+                &format!("{prefix}.bn{}", i + 1),
+                co,
+            ));
+        }
+        let downsample = (stride != 1 || in_channels != out_channels).then(|| {
+            let name = format!("{prefix}.downsample");
+            let conv = Conv2d::new(
+                store,
+                &format!("{name}.0"),
+                in_channels,
+                out_channels,
+                1,
+                stride,
+                0,
+                rng,
+            );
+            (
+                conv,
+                BatchNorm2d::new(store, &format!("{name}.1"), out_channels),
+            )
+        });
+        Self {
+            relus: vec![Relu::new(); specs.len() - 1],
+            convs,
+            bns,
+            downsample,
+            out_relu: Relu::new(),
+        }
+    }
+
+    /// Runs the block.
+    pub fn forward(&mut self, params: &mut ParamStore, input: &Tensor, train: bool) -> Tensor {
+        let last = self.convs.len() - 1;
+        let mut h = self.convs[0].forward(params, input, train);
+        h = self.bns[0].forward(params, &h, train);
+        for i in 1..=last {
+            h = self.relus[i - 1].forward(params, &h, train);
+            h = self.convs[i].forward(params, &h, train);
+            h = self.bns[i].forward(params, &h, train);
+        }
+        match &mut self.downsample {
+            Some((conv, bn)) => {
+                let s = conv.forward(params, input, train);
+                let s = bn.forward(params, &s, train);
+                add_assign(&mut h, &s);
+            }
+            None => add_assign(&mut h, input),
+        }
+        self.out_relu.forward(params, &h, train)
+    }
+
+    /// Back-propagates through both paths and sums their input gradients.
+    pub fn backward(&mut self, params: &mut ParamStore, grad_output: &Tensor) -> Tensor {
+        let g = self.out_relu.backward(params, grad_output);
+        let last = self.convs.len() - 1;
+        let mut gh = self.bns[last].backward(params, &g);
+        gh = self.convs[last].backward(params, &gh);
+        for i in (0..last).rev() {
+            gh = self.relus[i].backward(params, &gh);
+            gh = self.bns[i].backward(params, &gh);
+            gh = self.convs[i].backward(params, &gh);
+        }
+        match &mut self.downsample {
+            Some((conv, bn)) => {
+                let s = bn.backward(params, &g);
+                let s = conv.backward(params, &s);
+                add_assign(&mut gh, &s);
+            }
+            None => add_assign(&mut gh, &g),
+        }
+        gh
+    }
+}
+
+fn add_assign(a: &mut Tensor, b: &Tensor) {
+    assert_eq!(a.shape, b.shape, "residual shapes differ");
+    a.data.iter_mut().zip(&b.data).for_each(|(x, y)| *x += y);
+}

@@ -1,0 +1,238 @@
+//! ResNets: torchvision's ImageNet family and the CIFAR family of He et al.
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use super::layers::{
+    BatchNorm2d, Conv2d, GlobalAvgPool, Linear, MaxPool2d, Relu, ResidualBlock,
+    softmax_cross_entropy,
+};
+use super::params::ParamStore;
+use super::tensor::Tensor;
+
+/// Which ResNet to build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// Basic blocks `[2, 2, 2, 2]`.
+    ResNet18,
+    /// Basic blocks `[3, 4, 6, 3]`.
+    ResNet34,
+    /// Bottlenecks `[3, 4, 6, 3]`.
+    ResNet50,
+    /// Bottlenecks `[3, 4, 23, 3]`.
+    ResNet101,
+    /// Bottlenecks `[3, 8, 36, 3]`.
+    ResNet152,
+    /// The CIFAR ResNet: 3x3 stem, three stages of `(depth - 2) / 6` basic blocks with
+    /// `width`, `2 * width` and `4 * width` channels.
+    CifarResNet {
+        /// `6n + 2`: 8, 14, 20, 32, 44, 56, 110.
+        depth: usize,
+        /// Channels of the first stage (16 in the paper).
+        width: usize,
+    },
+}
+
+/// Loss and accuracy of one batch.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepStats {
+    /// Mean loss over the batch.
+    pub loss: f32,
+    /// Correctly classified samples.
+    pub correct: usize,
+    /// Samples in the batch.
+    pub batch: usize,
+}
+
+/// A ResNet with its parameters.
+#[derive(Debug, Clone)]
+pub struct Model {
+    arch: Arch,
+    num_classes: usize,
+    params: ParamStore,
+    stem_conv: Conv2d,
+    stem_bn: BatchNorm2d,
+    stem_relu: Relu,
+    maxpool: Option<MaxPool2d>,
+    blocks: Vec<ResidualBlock>,
+    pool: GlobalAvgPool,
+    fc: Linear,
+}
+
+impl Model {
+    /// Builds `arch` for `num_classes` classes, initialised deterministically from
+    /// `seed`. Panics for a CIFAR depth that is not `6n + 2`.
+    pub fn new(arch: Arch, num_classes: usize, seed: u64) -> Self {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut store = ParamStore::new();
+        let (stem_conv, stem_bn, maxpool, stem_out) = match arch {
+            Arch::CifarResNet { width, .. } => (
+                Conv2d::new(&mut store, "conv1", 3, width, 3, 1, 1, &mut rng),
+                BatchNorm2d::new(&mut store, "bn1", width),
+                None,
+                width,
+            ),
+            _ => (
+                Conv2d::new(&mut store, "conv1", 3, 64, 7, 2, 3, &mut rng),
+                BatchNorm2d::new(&mut store, "bn1", 64),
+                Some(MaxPool2d::new(3, 2, 1)),
+                64,
+            ),
+        };
+        // (blocks per stage, channels of the first stage, bottleneck?)
+        let (stages, base, bottleneck): (Vec<usize>, usize, bool) = match arch {
+            Arch::ResNet18 => (vec![2, 2, 2, 2], 64, false),
+            Arch::ResNet34 => (vec![3, 4, 6, 3], 64, false),
+            Arch::ResNet50 => (vec![3, 4, 6, 3], 64, true),
+            Arch::ResNet101 => (vec![3, 4, 23, 3], 64, true),
+            Arch::ResNet152 => (vec![3, 8, 36, 3], 64, true),
+            Arch::CifarResNet { depth, width } => {
+                assert!(
+                    depth >= 8 && (depth - 2) % 6 == 0,
+                    "CIFAR ResNet depth must be 6n + 2, got {depth}"
+                );
+                (vec![(depth - 2) / 6; 3], width, false)
+            }
+        };
+        let mut blocks = Vec::new();
+        let mut channels = stem_out;
+        for (s, &count) in stages.iter().enumerate() {
+            let planes = base << s;
+            for b in 0..count {
+                let stride = if s > 0 && b == 0 { 2 } else { 1 };
+                let prefix = format!("layer{}.{b}", s + 1);
+                let block = if bottleneck {
+                    ResidualBlock::bottleneck(
+                        &mut store, &prefix, channels, planes, stride, &mut rng,
+                    )
+                } else {
+                    ResidualBlock::basic(&mut store, &prefix, channels, planes, stride, &mut rng)
+                };
+                blocks.push(block);
+                channels = if bottleneck { planes * 4 } else { planes };
+            }
+        }
+        let fc = Linear::new(&mut store, "fc", channels, num_classes, &mut rng);
+        Self {
+            arch,
+            num_classes,
+            params: store,
+            stem_conv,
+            stem_bn,
+            stem_relu: Relu::new(),
+            maxpool,
+            blocks,
+            pool: GlobalAvgPool::new(),
+            fc,
+        }
+    }
+
+    /// The architecture.
+    pub fn arch(&self) -> Arch {
+        self.arch
+    }
+
+    /// Number of output classes.
+    pub fn num_classes(&self) -> usize {
+        self.num_classes
+    }
+
+    /// Number of learnable scalars (batch-norm running statistics excluded).
+    pub fn num_parameters(&self) -> usize {
+        self.params.num_parameters()
+    }
+
+    /// Parameters, gradients and buffers.
+    pub fn params(&self) -> &ParamStore {
+        &self.params
+    }
+
+    /// Mutable parameters, e.g. for all-reduce, the optimizer or loading a checkpoint.
+    pub fn params_mut(&mut self) -> &mut ParamStore {
+        &mut self.params
+    }
+
+    /// Logits `[N, classes]` for NCHW images with 3 channels, any size. `train` selects
+    /// batch statistics (and caching for backward) over running statistics.
+    pub fn forward(&mut self, images: &Tensor, train: bool) -> Tensor {
+        let p = &mut self.params;
+        let mut h = self.stem_conv.forward(p, images, train);
+        h = self.stem_bn.forward(p, &h, train);
+        h = self.stem_relu.forward(p, &h, train);
+        if let Some(pool) = &mut self.maxpool {
+            h = pool.forward(p, &h, train);
+        }
+        for block in &mut self.blocks {
+            h = block.forward(p, &h, train);
+        }
+        h = self.pool.forward(p, &h, train);
+        self.fc.forward(p, &h, train)
+    }
+
+    fn backward(&mut self, grad_logits: &Tensor) {
+        let p = &mut self.params;
+        let mut g = self.fc.backward(p, grad_logits);
+        g = self.pool.backward(p, &g);
+        for block in self.blocks.iter_mut().rev() {
+            g = block.backward(p, &g);
+        }
+        if let Some(pool) = &mut self.maxpool {
+            g = pool.backward(p, &g);
+        }
+        g = self.stem_relu.backward(p, &g);
+        g = self.stem_bn.backward(p, &g);
+        // The image gradient is not needed; computing it keeps the layer contract simple.
+        self.stem_conv.backward(p, &g);
+    }
+
+    /// Sets every gradient to zero.
+    pub fn zero_grads(&mut self) {
+        self.params.zero_grads();
+    }
+
+    /// Adds `grad_scale` times the gradient of this micro-batch's mean loss into
+    /// `params().grads` without zeroing first.
+    ///
+    /// Accumulating `k` micro-batches with `grad_scale = 1/k` yields the average of the
+    /// gradients `k` data-parallel ranks would all-reduce.
+    pub fn forward_backward(
+        &mut self,
+        images: &Tensor,
+        labels: &[usize],
+        label_smoothing: f32,
+        grad_scale: f32,
+    ) -> StepStats {
+        let logits = self.forward(images, true);
+        let mut out = softmax_cross_entropy(&logits, labels, label_smoothing);
+        out.grad_logits.scale(grad_scale);
+        self.backward(&out.grad_logits);
+        StepStats {
+            loss: out.loss,
+            correct: out.correct,
+            batch: labels.len(),
+        }
+    }
+
+    /// Zeroes the gradients, then leaves this batch's mean-loss gradient in them.
+    pub fn train_step(
+        &mut self,
+        images: &Tensor,
+        labels: &[usize],
+        label_smoothing: f32,
+    ) -> StepStats {
+        self.zero_grads();
+        self.forward_backward(images, labels, label_smoothing, 1.0)
+    }
+
+    /// Loss (without label smoothing) and accuracy in evaluation mode; touches no
+    /// gradients or running statistics.
+    pub fn evaluate(&mut self, images: &Tensor, labels: &[usize]) -> StepStats {
+        let logits = self.forward(images, false);
+        let out = softmax_cross_entropy(&logits, labels, 0.0);
+        StepStats {
+            loss: out.loss,
+            correct: out.correct,
+            batch: labels.len(),
+        }
+    }
+}

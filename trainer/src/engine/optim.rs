@@ -1,0 +1,109 @@
+//! SGD with momentum and weight decay, and learning-rate schedules.
+
+use super::params::ParamStore;
+
+/// SGD with heavy-ball momentum in PyTorch's form: `v = μ v + (g + λ w)`, `w -= lr v`.
+///
+/// Weight decay skips one-dimensional parameters — batch-norm scales and shifts and
+/// biases — as is common for ResNets: decaying them only fights the normalisation.
+#[derive(Debug, Clone)]
+pub struct Sgd {
+    /// Momentum coefficient μ.
+    pub momentum: f32,
+    /// Weight-decay coefficient λ.
+    pub weight_decay: f32,
+    velocity: Vec<f32>,
+    /// Per parameter entry: its range and whether it is decayed.
+    decay: Vec<(std::ops::Range<usize>, bool)>,
+}
+
+impl Sgd {
+    /// An optimizer for the parameters in `params`, with zero initial velocity.
+    pub fn new(params: &ParamStore, momentum: f32, weight_decay: f32) -> Self {
+        Self {
+            momentum,
+            weight_decay,
+            velocity: vec![0.0; params.values.len()],
+            decay: params
+                .entries
+                .iter()
+                .map(|e| (e.range(), e.shape.len() > 1))
+                .collect(),
+        }
+    }
+
+    /// The momentum buffer (same layout as the parameters).
+    pub fn velocity(&self) -> &[f32] {
+        &self.velocity
+    }
+
+    /// Applies one update with learning rate `lr` from `params.grads`.
+    pub fn step(&mut self, params: &mut ParamStore, lr: f32) {
+        assert_eq!(
+            params.values.len(),
+            self.velocity.len(),
+            "optimizer built for another model"
+        );
+        for (range, decayed) in &self.decay {
+            let wd = if *decayed { self.weight_decay } else { 0.0 };
+            let w = &mut params.values[range.clone()];
+            let g = &params.grads[range.clone()];
+            let v = &mut self.velocity[range.clone()];
+            for ((w, &g), v) in w.iter_mut().zip(g).zip(v.iter_mut()) {
+                *v = self.momentum * *v + g + wd * *w;
+                *w -= lr * *v;
+            }
+        }
+    }
+}
+
+/// The shape of the schedule after warm-up.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LrKind {
+    /// Half a cosine from `base_lr` down to zero at `total_steps`.
+    Cosine,
+    /// Multiply by `gamma` every `every` steps.
+    Step {
+        /// Steps between decays.
+        every: usize,
+        /// Decay factor.
+        gamma: f32,
+    },
+    /// `base_lr` throughout.
+    Constant,
+}
+
+/// Linear warm-up to `base_lr` over `warmup_steps`, then `kind`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LrSchedule {
+    /// Peak learning rate.
+    pub base_lr: f32,
+    /// Steps of linear warm-up (0 for none).
+    pub warmup_steps: usize,
+    /// Total training steps (the cosine reaches zero here).
+    pub total_steps: usize,
+    /// What follows warm-up.
+    pub kind: LrKind,
+}
+
+impl LrSchedule {
+    /// Learning rate for the 0-based `step`.
+    pub fn lr(&self, step: usize) -> f32 {
+        if step < self.warmup_steps {
+            // Step 0 already gets a non-zero rate so no step is wasted.
+            return self.base_lr * (step + 1) as f32 / self.warmup_steps as f32;
+        }
+        let after = step - self.warmup_steps;
+        match self.kind {
+            LrKind::Constant => self.base_lr,
+            LrKind::Step { every, gamma } => {
+                self.base_lr * gamma.powi((after / every.max(1)) as i32)
+            }
+            LrKind::Cosine => {
+                let span = self.total_steps.saturating_sub(self.warmup_steps).max(1);
+                let progress = (after as f32 / span as f32).min(1.0);
+                self.base_lr * 0.5 * (1.0 + (std::f32::consts::PI * progress).cos())
+            }
+        }
+    }
+}

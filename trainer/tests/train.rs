@@ -1,0 +1,194 @@
+//! `ringmaster-trainer train` end to end: learning, and the proof that all-reduce and
+//! sharding are right — four ranks under mpirun end with the same weights as one rank that
+//! accumulates the same four micro-batches.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use ringmaster_trainer::engine::checkpoint;
+use ringmaster_trainer::engine::{Arch, Model};
+
+const SMALL: &[&str] = &[
+    "train",
+    "--model",
+    "cifar8",
+    "--width",
+    "8",
+    "--learnable-classes",
+    "4",
+    "--image-size",
+    "16",
+    "--learning-rate",
+    "0.05",
+    "--log-every",
+    "1",
+];
+
+fn summary(stdout: &[u8]) -> serde_json::Value {
+    String::from_utf8_lossy(stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["event"] == "summary")
+        .expect("a summary line")
+}
+
+fn trainer(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_ringmaster-trainer"))
+        .args(args)
+        .output()
+        .expect("trainer runs")
+}
+
+#[test]
+fn training_on_learnable_data_drives_the_loss_down() {
+    let out = trainer(
+        &[
+            SMALL,
+            &[
+                "--batch-size",
+                "32",
+                "--steps",
+                "60",
+                "--dataset-size",
+                "1024",
+            ],
+        ]
+        .concat(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let first_loss = lines[0]["loss"].as_f64().unwrap();
+    let summary = summary(&out.stdout);
+    let final_loss = summary["finalLoss"].as_f64().unwrap();
+    let accuracy = summary["finalAccuracy"].as_f64().unwrap();
+    assert!(
+        final_loss < 0.5 * first_loss,
+        "loss {first_loss} → {final_loss}"
+    );
+    assert!(accuracy > 0.7, "accuracy {accuracy} (chance is 0.25)");
+    assert_eq!(summary["steps"], 60);
+    assert!(summary["imagesPerSecond"].as_f64().unwrap() > 0.0);
+    assert!(
+        lines
+            .iter()
+            .filter(|l| l["event"] == "step")
+            .all(|l| l["learningRate"].is_number())
+    );
+}
+
+fn weights(path: &Path) -> Vec<f32> {
+    let mut model = Model::new(Arch::CifarResNet { depth: 8, width: 8 }, 4, 99);
+    checkpoint::load(path, model.params_mut()).expect("checkpoint loads");
+    model.params().values.clone()
+}
+
+#[test]
+fn four_ranks_end_with_the_weights_of_one_rank_with_the_whole_batch() {
+    let dir = std::env::temp_dir().join(format!("equivalence-{}", std::process::id()));
+    let (one, four) = (dir.join("one"), dir.join("four"));
+    let common = [SMALL, &["--steps", "6", "--dataset-size", "512"]].concat();
+    let out = trainer(
+        &[
+            common.as_slice(),
+            &[
+                "--batch-size",
+                "32",
+                "--micro-batches",
+                "4",
+                "--output-dir",
+                one.to_str().unwrap(),
+            ],
+        ]
+        .concat(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let single = summary(&out.stdout);
+    let out = common::mpirun(
+        4,
+        &[
+            common.as_slice(),
+            &["--batch-size", "8", "--output-dir", four.to_str().unwrap()],
+        ]
+        .concat(),
+        &[],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ranks = summary(&out.stdout);
+    assert_eq!(ranks["worldSize"], 4);
+    assert_eq!(ranks["globalBatch"], single["globalBatch"]);
+
+    let (a, b) = (
+        weights(&one.join("model.safetensors")),
+        weights(&four.join("model.safetensors")),
+    );
+    assert_eq!(a.len(), b.len());
+    // Only the order of float additions differs (ring vs. sequential accumulation, and the
+    // engine's parallel reductions), which moves weights by float rounding, amplified a
+    // little by training. Tolerance: the difference is below 1e-4 of the weights' norm.
+    let norm = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+    let difference: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x - y).collect();
+    let relative = norm(&difference) / norm(&a);
+    eprintln!("relative difference of the weights: {relative:.3e}");
+    assert!(
+        relative < 1e-4,
+        "weights differ by {relative:.3e} of their norm"
+    );
+    let initial = Model::new(Arch::CifarResNet { depth: 8, width: 8 }, 4, 0)
+        .params()
+        .values
+        .clone();
+    assert!(
+        a.iter().zip(&initial).any(|(x, y)| x != y),
+        "the weights moved"
+    );
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn settings_that_cannot_work_say_why() {
+    for (args, expected) in [
+        (vec!["--device", "cuda"], "CUDA engine is not in this build"),
+        (vec!["--precision", "bf16"], "needs the CUDA engine"),
+        (vec!["--data-dir", "/data"], "not in this build yet"),
+        (
+            vec!["--batch-size", "30", "--micro-batches", "4"],
+            "multiple of --micro-batches",
+        ),
+    ] {
+        let out = trainer(
+            &[
+                "train",
+                "--model",
+                "cifar8",
+                "--image-size",
+                "16",
+                "--steps",
+                "1",
+            ]
+            .iter()
+            .copied()
+            .chain(args)
+            .collect::<Vec<_>>(),
+        );
+        assert!(!out.status.success());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(expected), "{stderr}");
+    }
+}
