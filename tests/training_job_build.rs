@@ -325,3 +325,23 @@ fn the_worker_service_is_headless_and_publishes_unready_workers() {
     assert_eq!(service["spec"]["selector"]["ringmaster.dev/role"], "worker");
     assert_eq!(service["spec"]["ports"][0]["port"], 2222);
 }
+
+/// The trainer's own command line accepts what the operator builds (no drift between them).
+#[test]
+fn the_trainer_accepts_the_command_the_operator_builds() {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct TrainCli {
+        #[command(flatten)]
+        args: ringmaster_trainer::train::TrainArgs,
+    }
+    for job in [gpu_job(), sample("trainingjob-cpu-small.yaml", |_| {})] {
+        let command = build::launcher_command(&job);
+        let train = command.iter().position(|a| a == "train").unwrap();
+        let parsed = TrainCli::try_parse_from(&command[train..]).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(parsed.args.batch_size as u32, match &job.program {
+            ringmaster::controller::training_job::validate::Program::Trainer(t) => t.batch_size,
+            _ => unreachable!(),
+        });
+    }
+}
