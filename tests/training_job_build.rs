@@ -339,9 +339,12 @@ fn the_trainer_accepts_the_command_the_operator_builds() {
         let command = build::launcher_command(&job);
         let train = command.iter().position(|a| a == "train").unwrap();
         let parsed = TrainCli::try_parse_from(&command[train..]).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(parsed.args.batch_size as u32, match &job.program {
-            ringmaster::controller::training_job::validate::Program::Trainer(t) => t.batch_size,
-            _ => unreachable!(),
-        });
+        assert_eq!(
+            parsed.args.batch_size as u32,
+            match &job.program {
+                ringmaster::controller::training_job::validate::Program::Trainer(t) => t.batch_size,
+                _ => unreachable!(),
+            }
+        );
     }
 }

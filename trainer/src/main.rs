@@ -21,6 +21,25 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Write a small learnable dataset as an ImageNet-style folder of JPEGs (for tests and
+    /// demos; also a quick way to fill a Blob container for a DataStage).
+    MakeDataset {
+        /// Folder to write `train/class-NNN/img-NNNNN.jpg` into.
+        #[arg(long)]
+        out: PathBuf,
+        /// Number of classes.
+        #[arg(long, default_value_t = 4)]
+        classes: usize,
+        /// Images per class.
+        #[arg(long, default_value_t = 64)]
+        per_class: usize,
+        /// Side of the square images.
+        #[arg(long, default_value_t = 32)]
+        image_size: usize,
+        /// Seed.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
     /// Print this rank's view: version, rank and world, CPU threads, collectives available.
     Info,
     /// Train a ResNet, data-parallel over the job's ranks; JSON lines on stdout, a summary
@@ -74,6 +93,22 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Info => info(),
         Command::Train(args) => run_training(&args),
+        Command::MakeDataset {
+            out,
+            classes,
+            per_class,
+            image_size,
+            seed,
+        } => ringmaster_trainer::engine::image_folder::write_learnable(
+            &out, classes, per_class, image_size, seed,
+        )
+        .map(|n| {
+            eprintln!(
+                "wrote {n} images of {classes} classes under {}",
+                out.join("train").display()
+            )
+        })
+        .map_err(|e| format!("writing {}: {e}", out.display())),
         Command::BenchAllreduce(args) => bench_allreduce(args),
         Command::Launch {
             termination_message,

@@ -13,6 +13,7 @@ use serde_json::json;
 use crate::collective::{Collective, CollectiveError, ReduceOp};
 use crate::engine::checkpoint::{self, CheckpointError};
 use crate::engine::data::{LearnableData, SyntheticData, shard};
+use crate::engine::image_folder::{ImageFolder, ImageFolderError};
 use crate::engine::{Arch, LrKind, LrSchedule, Model, Sgd, Tensor};
 
 /// Errors of a training run.
@@ -27,6 +28,9 @@ pub enum TrainError {
     /// Writing the checkpoint failed.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    /// Reading images failed.
+    #[error(transparent)]
+    Images(#[from] ImageFolderError),
 }
 
 /// Networks `train` can build.
@@ -155,13 +159,19 @@ pub struct TrainArgs {
 enum Source {
     Synthetic(SyntheticData),
     Learnable(LearnableData),
+    Folder(ImageFolder),
 }
 
 impl Source {
-    fn batch(&self, indices: &[usize]) -> (Tensor, Vec<usize>) {
+    fn batch(
+        &self,
+        indices: &[usize],
+        epoch: usize,
+    ) -> Result<(Tensor, Vec<usize>), ImageFolderError> {
         match self {
-            Source::Synthetic(d) => d.batch(indices),
-            Source::Learnable(d) => d.batch(indices),
+            Source::Synthetic(d) => Ok(d.batch(indices)),
+            Source::Learnable(d) => Ok(d.batch(indices)),
+            Source::Folder(d) => d.batch(indices, epoch),
         }
     }
 }
@@ -199,11 +209,6 @@ pub fn run(
             "--precision bf16 needs the CUDA engine; the CPU engine computes in fp32".into(),
         ));
     }
-    if args.data_dir.is_some() {
-        return Err(TrainError::Settings(
-            "--data-dir: reading image folders is not in this build yet; use --synthetic or --learnable-classes".into(),
-        ));
-    }
     if args.micro_batches == 0 || !args.batch_size.is_multiple_of(args.micro_batches) {
         return Err(TrainError::Settings(format!(
             "--batch-size {} must be a multiple of --micro-batches {}",
@@ -211,14 +216,20 @@ pub fn run(
         )));
     }
     let (rank, world) = (collective.rank(), collective.world_size());
-    let (source, classes) = match args.learnable_classes {
-        Some(classes) => (
+    let (source, classes, dataset_size) = match (&args.data_dir, args.learnable_classes) {
+        (Some(dir), _) => {
+            let folder = ImageFolder::open(dir, args.image_size, args.seed)?;
+            let (classes, len) = (folder.classes.len(), folder.len());
+            (Source::Folder(folder), classes, len)
+        }
+        (None, Some(classes)) => (
             Source::Learnable(
                 LearnableData::new(classes, args.image_size, args.seed).with_len(args.dataset_size),
             ),
             classes,
+            args.dataset_size,
         ),
-        None => (
+        (None, None) => (
             Source::Synthetic(SyntheticData::new(
                 args.classes,
                 args.image_size,
@@ -226,6 +237,7 @@ pub fn run(
                 args.seed,
             )),
             args.classes,
+            args.dataset_size,
         ),
     };
     // Every rank emulates `micro_batches` ranks: micro-batch m of rank r is what rank
@@ -233,11 +245,11 @@ pub fn run(
     // ranks of one micro-batch each see the same images.
     let shards = world * args.micro_batches;
     let micro = args.batch_size / args.micro_batches;
-    let steps_per_epoch = (args.dataset_size / shards) / micro;
+    let steps_per_epoch = (dataset_size / shards) / micro;
     if steps_per_epoch == 0 {
         return Err(TrainError::Settings(format!(
-            "--dataset-size {} is smaller than one global batch ({} ranks × {})",
-            args.dataset_size, world, args.batch_size
+            "the dataset ({dataset_size} images) is smaller than one global batch ({world} ranks × {})",
+            args.batch_size
         )));
     }
     let total_steps = match (args.steps, args.epochs) {
@@ -268,52 +280,74 @@ pub fn run(
     let started = Instant::now();
     let mut timed_from = None;
     let (mut loss, mut accuracy) = (f32::NAN, 0.0f32);
-    for step in 0..total_steps {
-        let epoch = step / steps_per_epoch;
-        let in_epoch = step % steps_per_epoch;
-        model.zero_grads();
-        let (mut loss_sum, mut correct) = (0.0f32, 0usize);
-        for m in 0..args.micro_batches {
-            let indices = shard(
-                args.dataset_size,
-                rank * args.micro_batches + m,
-                shards,
-                epoch,
-                args.seed,
-            );
-            let (images, labels) = source.batch(&indices[in_epoch * micro..(in_epoch + 1) * micro]);
-            let stats = model.forward_backward(
-                &images,
-                &labels,
-                args.label_smoothing,
-                1.0 / args.micro_batches as f32,
-            );
-            loss_sum += stats.loss;
-            correct += stats.correct;
+    // A thread reads and decodes the next batches while this one computes.
+    let (batches, prefetched) = std::sync::mpsc::sync_channel(2 * args.micro_batches);
+    std::thread::scope(|scope| -> Result<(), TrainError> {
+        let source = &source;
+        scope.spawn(move || {
+            for step in 0..total_steps {
+                let epoch = step / steps_per_epoch;
+                let in_epoch = step % steps_per_epoch;
+                for m in 0..args.micro_batches {
+                    let indices = shard(
+                        dataset_size,
+                        rank * args.micro_batches + m,
+                        shards,
+                        epoch,
+                        args.seed,
+                    );
+                    let batch =
+                        source.batch(&indices[in_epoch * micro..(in_epoch + 1) * micro], epoch);
+                    let failed = batch.is_err();
+                    if batches.send(batch).is_err() || failed {
+                        return;
+                    }
+                }
+            }
+        });
+        for step in 0..total_steps {
+            model.zero_grads();
+            let (mut loss_sum, mut correct) = (0.0f32, 0usize);
+            for _ in 0..args.micro_batches {
+                let (images, labels) = prefetched
+                    .recv()
+                    .expect("the reader thread sends every batch or an error")?;
+                let stats = model.forward_backward(
+                    &images,
+                    &labels,
+                    args.label_smoothing,
+                    1.0 / args.micro_batches as f32,
+                );
+                loss_sum += stats.loss;
+                correct += stats.correct;
+            }
+            collective.all_reduce(&mut model.params_mut().grads, ReduceOp::Average)?;
+            let lr = schedule.lr(step);
+            sgd.step(model.params_mut(), lr);
+            // Loss and accuracy over every rank, for the log.
+            let mut totals = [loss_sum / args.micro_batches as f32, correct as f32];
+            collective.all_reduce(&mut totals, ReduceOp::Sum)?;
+            loss = totals[0] / world as f32;
+            accuracy = totals[1] / global_batch as f32;
+            if step == 0 {
+                // The first step pays for allocation and warm-up: throughput counts from here.
+                timed_from = Some((Instant::now(), 1));
+            }
+            let throughput = timed_from
+                .filter(|(_, from)| step + 1 > *from)
+                .map(|(t, from)| {
+                    ((step + 1 - from) * global_batch) as f64 / t.elapsed().as_secs_f64()
+                });
+            if rank == 0 && (step % args.log_every.max(1) == 0 || step + 1 == total_steps) {
+                println!(
+                    "{}",
+                    json!({"event": "step", "step": step + 1, "loss": loss, "accuracy": accuracy,
+                           "learningRate": lr, "imagesPerSecond": throughput})
+                );
+            }
         }
-        collective.all_reduce(&mut model.params_mut().grads, ReduceOp::Average)?;
-        let lr = schedule.lr(step);
-        sgd.step(model.params_mut(), lr);
-        // Loss and accuracy over every rank, for the log.
-        let mut totals = [loss_sum / args.micro_batches as f32, correct as f32];
-        collective.all_reduce(&mut totals, ReduceOp::Sum)?;
-        loss = totals[0] / world as f32;
-        accuracy = totals[1] / global_batch as f32;
-        if step == 0 {
-            // The first step pays for allocation and warm-up: throughput counts from here.
-            timed_from = Some((Instant::now(), 1));
-        }
-        let throughput = timed_from
-            .filter(|(_, from)| step + 1 > *from)
-            .map(|(t, from)| ((step + 1 - from) * global_batch) as f64 / t.elapsed().as_secs_f64());
-        if rank == 0 && (step % args.log_every.max(1) == 0 || step + 1 == total_steps) {
-            println!(
-                "{}",
-                json!({"event": "step", "step": step + 1, "loss": loss, "accuracy": accuracy,
-                       "learningRate": lr, "imagesPerSecond": throughput})
-            );
-        }
-    }
+        Ok(())
+    })?;
     let images_per_second = match timed_from {
         Some((t, from)) if total_steps > from => {
             ((total_steps - from) * global_batch) as f64 / t.elapsed().as_secs_f64()

@@ -166,7 +166,10 @@ fn settings_that_cannot_work_say_why() {
     for (args, expected) in [
         (vec!["--device", "cuda"], "CUDA engine is not in this build"),
         (vec!["--precision", "bf16"], "needs the CUDA engine"),
-        (vec!["--data-dir", "/data"], "not in this build yet"),
+        (
+            vec!["--data-dir", "/nonexistent-images"],
+            "listing /nonexistent-images",
+        ),
         (
             vec!["--batch-size", "30", "--micro-batches", "4"],
             "multiple of --micro-batches",

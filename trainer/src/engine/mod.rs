@@ -7,6 +7,7 @@
 
 pub mod checkpoint;
 pub mod data;
+pub mod image_folder;
 pub mod layers;
 pub mod model;
 pub mod optim;
