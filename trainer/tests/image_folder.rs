@@ -3,6 +3,8 @@
 
 use std::process::Command;
 
+mod common;
+
 use ringmaster_trainer::engine::image_folder::{ImageFolder, ImageFolderError, write_learnable};
 
 fn temp(name: &str) -> std::path::PathBuf {
@@ -87,12 +89,9 @@ fn training_from_a_jpeg_folder_learns() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
+    let lines = common::json_lines(&out.stdout);
     let first = lines[0]["loss"].as_f64().unwrap();
-    let summary = lines.iter().find(|l| l["event"] == "summary").unwrap();
+    let summary = &common::summary(&out.stdout);
     assert_eq!(summary["steps"], 8 * (192 / 32));
     assert!(
         summary["finalLoss"].as_f64().unwrap() < 0.5 * first,

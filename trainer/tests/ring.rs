@@ -5,13 +5,8 @@ use std::time::{Duration, Instant};
 use ringmaster_trainer::collective::{Collective, CollectiveError, ReduceOp, RingConfig, TcpRing};
 use ringmaster_trainer::world::World;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+mod common;
+use common::free_port;
 
 fn config(port: u16) -> RingConfig {
     RingConfig {

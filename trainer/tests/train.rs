@@ -3,6 +3,7 @@
 //! accumulates the same four micro-batches.
 
 mod common;
+use common::{json_lines, summary};
 
 use std::path::Path;
 use std::process::Command;
@@ -25,14 +26,6 @@ const SMALL: &[&str] = &[
     "--log-every",
     "1",
 ];
-
-fn summary(stdout: &[u8]) -> serde_json::Value {
-    String::from_utf8_lossy(stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find(|v| v["event"] == "summary")
-        .expect("a summary line")
-}
 
 fn trainer(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_ringmaster-trainer"))
@@ -62,10 +55,7 @@ fn training_on_learnable_data_drives_the_loss_down() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
+    let lines = json_lines(&out.stdout);
     let first_loss = lines[0]["loss"].as_f64().unwrap();
     let summary = summary(&out.stdout);
     let final_loss = summary["finalLoss"].as_f64().unwrap();

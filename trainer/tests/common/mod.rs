@@ -3,7 +3,8 @@
 
 use std::process::Command;
 
-fn free_port() -> u16 {
+/// A port on 127.0.0.1 that was free a moment ago.
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -52,4 +53,20 @@ fn which(program: &str) -> Option<std::path::PathBuf> {
         .split(':')
         .map(|dir| std::path::Path::new(dir).join(program))
         .find(|p| p.is_file())
+}
+
+/// The `{"event":"summary",…}` line of a trainer's output.
+pub fn summary(stdout: &[u8]) -> serde_json::Value {
+    json_lines(stdout)
+        .into_iter()
+        .find(|v| v["event"] == "summary")
+        .expect("a summary line")
+}
+
+/// Every JSON line of a trainer's output.
+pub fn json_lines(stdout: &[u8]) -> Vec<serde_json::Value> {
+    String::from_utf8_lossy(stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
 }
