@@ -18,6 +18,12 @@ use serde::{Deserialize, Serialize};
 use super::{Collective, CollectiveError, ReduceOp, segments};
 use crate::world::World;
 
+/// Messages up to this size are written before reading instead of from a second thread.
+/// It is Linux's default initial TCP send buffer (`tcp_wmem`), and the peer's kernel takes
+/// far more into its receive buffer without the peer reading, so every rank's write
+/// completes before any rank reads: no rank can block another.
+const SMALL_MESSAGE_BYTES: usize = 16 * 1024;
+
 /// Settings of the ring.
 #[derive(Clone, Debug)]
 pub struct RingConfig {
@@ -330,29 +336,42 @@ impl TcpRing {
             self.receive_buffer.resize(chunk, 0.0);
         }
         let buffer = &mut self.receive_buffer[..chunk];
-        let (sent, received) = std::thread::scope(|scope| {
-            let sender = scope.spawn(move || {
-                for part in send_slice.chunks(chunk) {
-                    next.write_all(bytemuck::cast_slice(part))?;
-                }
-                next.flush()
-            });
-            let received = (|| {
-                for part in receive_slice.chunks_mut(chunk) {
-                    let incoming = &mut buffer[..part.len()];
-                    prev.read_exact(bytemuck::cast_slice_mut(incoming))?;
-                    if reduce {
-                        for (mine, theirs) in part.iter_mut().zip(incoming.iter()) {
-                            *mine += *theirs;
-                        }
-                    } else {
-                        part.copy_from_slice(incoming);
+        let receive_all = |prev: &mut TcpStream, receive_slice: &mut [f32], buffer: &mut [f32]| {
+            for part in receive_slice.chunks_mut(chunk) {
+                let incoming = &mut buffer[..part.len()];
+                prev.read_exact(bytemuck::cast_slice_mut(incoming))?;
+                if reduce {
+                    for (mine, theirs) in part.iter_mut().zip(incoming.iter()) {
+                        *mine += *theirs;
                     }
+                } else {
+                    part.copy_from_slice(incoming);
                 }
-                Ok::<(), std::io::Error>(())
-            })();
-            (sender.join().expect("sender thread"), received)
-        });
+            }
+            Ok::<(), std::io::Error>(())
+        };
+        let (sent, received) = if std::mem::size_of_val(send_slice) <= SMALL_MESSAGE_BYTES {
+            // Small enough to sit in the kernel's socket buffers while the peer is busy: write
+            // it all, then read, and spare the thread (most of a small all-reduce's time).
+            let sent = next.write_all(bytemuck::cast_slice(send_slice));
+            let received = if sent.is_ok() {
+                receive_all(prev, receive_slice, buffer)
+            } else {
+                Ok(())
+            };
+            (sent, received)
+        } else {
+            std::thread::scope(|scope| {
+                let sender = scope.spawn(move || {
+                    for part in send_slice.chunks(chunk) {
+                        next.write_all(bytemuck::cast_slice(part))?;
+                    }
+                    next.flush()
+                });
+                let received = receive_all(prev, receive_slice, buffer);
+                (sender.join().expect("sender thread"), received)
+            })
+        };
         received.map_err(|e| self.peer_error("previous", e))?;
         sent.map_err(|e| self.peer_error("next", e))
     }
