@@ -83,13 +83,7 @@ impl Conv2d {
             .zip(input.data.par_chunks(c * h * w))
             .for_each(|(o, x)| {
                 let mut buf = Vec::new();
-                let cols: &[f32] = if pointwise {
-                    x
-                } else {
-                    buf.resize(ckk * ohw, 0.0);
-                    geo.im2col(x, &mut buf);
-                    &buf
-                };
+                let cols = geo.columns(pointwise, x, &mut buf);
                 // out[oc, ohw] = W[oc, ckk] * cols[ckk, ohw]
                 gemm(oc, ckk, ohw, weight, (ckk, 1), cols, (ohw, 1), 0.0, o, ohw);
             });
@@ -122,13 +116,7 @@ impl Conv2d {
                 || vec![0.0f32; oc * ckk],
                 |mut gw, ((dx, x), dy)| {
                     let mut buf = Vec::new();
-                    let cols: &[f32] = if pointwise {
-                        x
-                    } else {
-                        buf.resize(ckk * ohw, 0.0);
-                        geo.im2col(x, &mut buf);
-                        &buf
-                    };
+                    let cols = geo.columns(pointwise, x, &mut buf);
                     // dW[oc, ckk] += dy[oc, ohw] * cols^T[ohw, ckk]
                     gemm(
                         oc,
@@ -275,6 +263,18 @@ impl Geometry {
                 }
             }
         }
+    }
+
+    /// One image as the `[c·k·k, oh·ow]` matrix the GEMM multiplies: the image itself for a
+    /// pointwise conv, else its im2col written into `buf`.
+    fn columns<'a>(&self, pointwise: bool, x: &'a [f32], buf: &'a mut Vec<f32>) -> &'a [f32] {
+        if pointwise {
+            return x;
+        }
+        buf.clear();
+        buf.resize(self.c * self.k * self.k * self.oh * self.ow, 0.0);
+        self.im2col(x, buf);
+        buf
     }
 
     /// `cols` must be zeroed (the padding entries are never written).
