@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use ringmaster_trainer::collective::{Collective, RingConfig, SingleRank, TcpRing};
+use ringmaster_trainer::collective::{self, Collective, CollectiveKind, NcclProbe, RingConfig};
 use ringmaster_trainer::world::World;
 use ringmaster_trainer::{bench, launch, train};
 
@@ -62,6 +62,9 @@ enum Command {
 
 #[derive(clap::Args, Debug)]
 struct BenchArgs {
+    /// Which all-reduce to time.
+    #[arg(long, value_enum, default_value_t = CollectiveKind::Auto, env = "RINGMASTER_COLLECTIVE")]
+    collective: CollectiveKind,
     /// Smallest size per rank (4K, 1M, ...).
     #[arg(long, default_value = "4K", value_parser = bench::parse_size)]
     min_bytes: usize,
@@ -127,19 +130,15 @@ fn main() -> ExitCode {
     }
 }
 
-/// The collective for this process: a TCP ring when there are several ranks.
-fn collective(world: &World) -> Result<Box<dyn Collective>, String> {
-    if world.size == 1 {
-        return Ok(Box::new(SingleRank));
-    }
-    TcpRing::connect(world, RingConfig::from_env())
-        .map(|ring| Box::new(ring) as Box<dyn Collective>)
+/// The collective for this process, with the rank in its error.
+fn collective(world: &World, kind: CollectiveKind) -> Result<Box<dyn Collective>, String> {
+    collective::connect(world, kind, RingConfig::from_env())
         .map_err(|e| format!("rank {} of {}: {e}", world.rank, world.size))
 }
 
 fn run_training(args: &train::TrainArgs) -> Result<(), String> {
     let world = World::from_env().map_err(|e| e.to_string())?;
-    let mut collective = collective(&world)?;
+    let mut collective = collective(&world, args.collective)?;
     let summary =
         train::run(args, collective.as_mut()).map_err(|e| format!("rank {}: {e}", world.rank))?;
     if world.rank == 0 {
@@ -157,8 +156,9 @@ fn info() -> Result<(), String> {
         "localRank": world.local_rank,
         "rankSource": world.source,
         "cpuThreads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
-        "collectives": ["single", "tcp-ring"],
-        "gpu": "no CUDA engine in this build: CPU only",
+        "collectives": ["single", "tcp-ring", "nccl"],
+        "nccl": NcclProbe::detect(),
+        "engines": ["cpu"],
     });
     println!("{info}");
     Ok(())
@@ -166,7 +166,7 @@ fn info() -> Result<(), String> {
 
 fn bench_allreduce(args: BenchArgs) -> Result<(), String> {
     let world = World::from_env().map_err(|e| e.to_string())?;
-    let mut collective = collective(&world)?;
+    let mut collective = collective(&world, args.collective)?;
     if args.vanish_rank == Some(world.rank) {
         std::process::exit(0);
     }

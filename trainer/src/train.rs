@@ -10,7 +10,7 @@ use std::time::Instant;
 use clap::ValueEnum;
 use serde_json::json;
 
-use crate::collective::{Collective, CollectiveError, ReduceOp};
+use crate::collective::{Collective, CollectiveError, CollectiveKind, ReduceOp};
 use crate::engine::checkpoint::{self, CheckpointError};
 use crate::engine::data::{LearnableData, SyntheticData, shard};
 use crate::engine::image_folder::{ImageFolder, ImageFolderError};
@@ -90,6 +90,9 @@ pub struct TrainArgs {
     /// Channels of the first stage of the CIFAR ResNets.
     #[arg(long, default_value_t = 16)]
     pub width: usize,
+    /// How gradients are averaged over ranks.
+    #[arg(long, value_enum, default_value_t = CollectiveKind::Auto, env = "RINGMASTER_COLLECTIVE")]
+    pub collective: CollectiveKind,
     /// Where to compute.
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     pub device: Device,

@@ -18,7 +18,7 @@ use ringmaster_trainer::engine::layers::{
     BatchNorm2d, Conv2d, GlobalAvgPool, Linear, MaxPool2d, Relu, ResidualBlock,
     softmax_cross_entropy,
 };
-use ringmaster_trainer::engine::{Arch, Model, ParamStore, Tensor};
+use ringmaster_trainer::engine::{Arch, CpuBackend, Model, ParamStore, Tensor};
 
 trait Layer {
     fn fwd(&mut self, p: &mut ParamStore, x: &Tensor) -> Tensor;
@@ -29,10 +29,10 @@ macro_rules! impl_layer {
     ($($t:ty),*) => {$(
         impl Layer for $t {
             fn fwd(&mut self, p: &mut ParamStore, x: &Tensor) -> Tensor {
-                self.forward(p, x, true)
+                self.forward(&CpuBackend, p, x, true)
             }
             fn bwd(&mut self, p: &mut ParamStore, g: &Tensor) -> Tensor {
-                self.backward(p, g)
+                self.backward(&CpuBackend, p, g)
             }
         }
     )*};

@@ -1,10 +1,14 @@
 //! Collectives behind one trait: a single rank, a TCP ring, and (with GPUs) NCCL.
 
+mod nccl;
 mod ring;
 mod single;
 
+pub use nccl::{NcclCollective, NcclProbe};
 pub use ring::{RingConfig, TcpRing};
 pub use single::SingleRank;
+
+use crate::world::World;
 
 /// How values are combined.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,6 +40,21 @@ pub enum CollectiveError {
         direction: &'static str,
         seconds: u64,
     },
+    /// An operation on the GPU did not finish within the timeout (a peer died or hangs).
+    #[error("{operation} did not finish within {seconds} s: a peer is gone or stuck")]
+    Stalled {
+        operation: &'static str,
+        seconds: u64,
+    },
+    /// The backend cannot run on this machine.
+    #[error("{backend} is unavailable: {reason}")]
+    Unavailable {
+        backend: &'static str,
+        reason: String,
+    },
+    /// A CUDA or NCCL call failed.
+    #[error("GPU: {message}")]
+    Device { message: String },
 }
 
 /// Data-parallel collectives over the ranks of a job.
@@ -54,6 +73,39 @@ pub trait Collective: Send {
     fn barrier(&mut self) -> Result<(), CollectiveError> {
         let mut token = [0.0f32];
         self.all_reduce(&mut token, ReduceOp::Sum)
+    }
+}
+
+/// Which collective a process uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum CollectiveKind {
+    /// NCCL when the CUDA driver, a GPU and NCCL are found, else the TCP ring.
+    Auto,
+    /// The TCP ring (reduce-scatter + all-gather), on any machine.
+    TcpRing,
+    /// NCCL on the GPUs; an error when it cannot be used.
+    Nccl,
+}
+
+/// Connects this process to the job's collective: the identity for a single rank, else the
+/// kind asked for.
+pub fn connect(
+    world: &World,
+    kind: CollectiveKind,
+    config: RingConfig,
+) -> Result<Box<dyn Collective>, CollectiveError> {
+    if world.size == 1 {
+        return Ok(Box::new(SingleRank));
+    }
+    let nccl = match kind {
+        CollectiveKind::TcpRing => false,
+        CollectiveKind::Nccl => true,
+        CollectiveKind::Auto => NcclProbe::detect().available(),
+    };
+    if nccl {
+        Ok(Box::new(NcclCollective::connect(world, config)?))
+    } else {
+        Ok(Box::new(TcpRing::connect(world, config)?))
     }
 }
 

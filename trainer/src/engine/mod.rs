@@ -5,6 +5,7 @@
 //! training forward pass, and gradients are accumulated into one flat
 //! [`params::ParamStore`] so that data-parallel all-reduce works on a single buffer.
 
+pub mod backend;
 pub mod checkpoint;
 pub mod data;
 pub mod image_folder;
@@ -14,6 +15,7 @@ pub mod optim;
 pub mod params;
 pub mod tensor;
 
+pub use backend::{Backend, CpuBackend};
 pub use model::{Arch, Model, StepStats};
 pub use optim::{LrKind, LrSchedule, Sgd};
 pub use params::{ParamEntry, ParamStore};

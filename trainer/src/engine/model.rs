@@ -1,8 +1,11 @@
 //! ResNets: torchvision's ImageNet family and the CIFAR family of He et al.
 
+use std::sync::Arc;
+
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+use super::backend::{Backend, CpuBackend};
 use super::layers::{
     BatchNorm2d, Conv2d, GlobalAvgPool, Linear, MaxPool2d, Relu, ResidualBlock,
     softmax_cross_entropy,
@@ -57,12 +60,23 @@ pub struct Model {
     blocks: Vec<ResidualBlock>,
     pool: GlobalAvgPool,
     fc: Linear,
+    backend: Arc<dyn Backend>,
 }
 
 impl Model {
     /// Builds `arch` for `num_classes` classes, initialised deterministically from
     /// `seed`. Panics for a CIFAR depth that is not `6n + 2`.
     pub fn new(arch: Arch, num_classes: usize, seed: u64) -> Self {
+        Self::with_backend(arch, num_classes, seed, Arc::new(CpuBackend))
+    }
+
+    /// [`Model::new`] computing on `backend`.
+    pub fn with_backend(
+        arch: Arch,
+        num_classes: usize,
+        seed: u64,
+        backend: Arc<dyn Backend>,
+    ) -> Self {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let mut store = ParamStore::new();
         let (stem_conv, stem_bn, maxpool, stem_out) = match arch {
@@ -124,6 +138,7 @@ impl Model {
             blocks,
             pool: GlobalAvgPool::new(),
             fc,
+            backend,
         }
     }
 
@@ -155,34 +170,34 @@ impl Model {
     /// Logits `[N, classes]` for NCHW images with 3 channels, any size. `train` selects
     /// batch statistics (and caching for backward) over running statistics.
     pub fn forward(&mut self, images: &Tensor, train: bool) -> Tensor {
-        let p = &mut self.params;
-        let mut h = self.stem_conv.forward(p, images, train);
-        h = self.stem_bn.forward(p, &h, train);
-        h = self.stem_relu.forward(p, &h, train);
+        let (be, p) = (self.backend.as_ref(), &mut self.params);
+        let mut h = self.stem_conv.forward(be, p, images, train);
+        h = self.stem_bn.forward(be, p, &h, train);
+        h = self.stem_relu.forward(be, p, &h, train);
         if let Some(pool) = &mut self.maxpool {
-            h = pool.forward(p, &h, train);
+            h = pool.forward(be, p, &h, train);
         }
         for block in &mut self.blocks {
-            h = block.forward(p, &h, train);
+            h = block.forward(be, p, &h, train);
         }
-        h = self.pool.forward(p, &h, train);
-        self.fc.forward(p, &h, train)
+        h = self.pool.forward(be, p, &h, train);
+        self.fc.forward(be, p, &h, train)
     }
 
     fn backward(&mut self, grad_logits: &Tensor) {
-        let p = &mut self.params;
-        let mut g = self.fc.backward(p, grad_logits);
-        g = self.pool.backward(p, &g);
+        let (be, p) = (self.backend.as_ref(), &mut self.params);
+        let mut g = self.fc.backward(be, p, grad_logits);
+        g = self.pool.backward(be, p, &g);
         for block in self.blocks.iter_mut().rev() {
-            g = block.backward(p, &g);
+            g = block.backward(be, p, &g);
         }
         if let Some(pool) = &mut self.maxpool {
-            g = pool.backward(p, &g);
+            g = pool.backward(be, p, &g);
         }
-        g = self.stem_relu.backward(p, &g);
-        g = self.stem_bn.backward(p, &g);
+        g = self.stem_relu.backward(be, p, &g);
+        g = self.stem_bn.backward(be, p, &g);
         // The image gradient is not needed; computing it keeps the layer contract simple.
-        self.stem_conv.backward(p, &g);
+        self.stem_conv.backward(be, p, &g);
     }
 
     /// Sets every gradient to zero.

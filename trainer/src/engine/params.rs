@@ -90,6 +90,11 @@ impl ParamStore {
         self.values.len()
     }
 
+    /// A parameter's values and its gradients, borrowed together.
+    pub fn values_and_grads(&mut self, range: Range<usize>) -> (&[f32], &mut [f32]) {
+        (&self.values[range.clone()], &mut self.grads[range])
+    }
+
     /// Sets every gradient to zero.
     pub fn zero_grads(&mut self) {
         self.grads.iter_mut().for_each(|g| *g = 0.0);

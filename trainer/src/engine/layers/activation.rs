@@ -1,12 +1,13 @@
 //! Rectified linear unit.
 
+use crate::engine::backend::Backend;
 use crate::engine::params::ParamStore;
 use crate::engine::tensor::Tensor;
 
-/// `max(x, 0)`; caches which outputs were positive.
+/// `max(x, 0)`; caches its output, whose sign is all backward needs.
 #[derive(Debug, Clone, Default)]
 pub struct Relu {
-    mask: Option<(Vec<usize>, Vec<bool>)>,
+    output: Option<Tensor>,
 }
 
 impl Relu {
@@ -16,35 +17,33 @@ impl Relu {
     }
 
     /// Applies the ReLU.
-    pub fn forward(&mut self, _params: &mut ParamStore, input: &Tensor, train: bool) -> Tensor {
-        let out = Tensor {
-            shape: input.shape.clone(),
-            data: input.data.iter().map(|&x| x.max(0.0)).collect(),
-        };
-        self.mask = train.then(|| {
-            (
-                input.shape.clone(),
-                input.data.iter().map(|&x| x > 0.0).collect(),
-            )
-        });
+    pub fn forward(
+        &mut self,
+        be: &dyn Backend,
+        _params: &mut ParamStore,
+        input: &Tensor,
+        train: bool,
+    ) -> Tensor {
+        let mut out = Tensor::zeros(&input.shape);
+        be.relu_forward(&input.data, &mut out.data);
+        self.output = train.then(|| out.clone());
         out
     }
 
     /// Passes the gradient where the input was positive.
-    pub fn backward(&mut self, _params: &mut ParamStore, grad_output: &Tensor) -> Tensor {
-        let (shape, mask) = self
-            .mask
+    pub fn backward(
+        &mut self,
+        be: &dyn Backend,
+        _params: &mut ParamStore,
+        grad_output: &Tensor,
+    ) -> Tensor {
+        let output = self
+            .output
             .take()
             .expect("relu backward without a training forward");
-        assert_eq!(shape, grad_output.shape);
-        Tensor {
-            shape,
-            data: grad_output
-                .data
-                .iter()
-                .zip(&mask)
-                .map(|(&g, &m)| if m { g } else { 0.0 })
-                .collect(),
-        }
+        assert_eq!(output.shape, grad_output.shape);
+        let mut grad_input = Tensor::zeros(&output.shape);
+        be.relu_backward(&output.data, &grad_output.data, &mut grad_input.data);
+        grad_input
     }
 }

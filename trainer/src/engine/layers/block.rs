@@ -3,6 +3,7 @@
 use rand::Rng;
 
 use super::{BatchNorm2d, Conv2d, Relu};
+use crate::engine::backend::Backend;
 use crate::engine::params::ParamStore;
 use crate::engine::tensor::Tensor;
 
@@ -113,50 +114,61 @@ impl ResidualBlock {
     }
 
     /// Runs the block.
-    pub fn forward(&mut self, params: &mut ParamStore, input: &Tensor, train: bool) -> Tensor {
+    pub fn forward(
+        &mut self,
+        be: &dyn Backend,
+        params: &mut ParamStore,
+        input: &Tensor,
+        train: bool,
+    ) -> Tensor {
         let last = self.convs.len() - 1;
-        let mut h = self.convs[0].forward(params, input, train);
-        h = self.bns[0].forward(params, &h, train);
+        let mut h = self.convs[0].forward(be, params, input, train);
+        h = self.bns[0].forward(be, params, &h, train);
         for i in 1..=last {
-            h = self.relus[i - 1].forward(params, &h, train);
-            h = self.convs[i].forward(params, &h, train);
-            h = self.bns[i].forward(params, &h, train);
+            h = self.relus[i - 1].forward(be, params, &h, train);
+            h = self.convs[i].forward(be, params, &h, train);
+            h = self.bns[i].forward(be, params, &h, train);
         }
         match &mut self.downsample {
             Some((conv, bn)) => {
-                let s = conv.forward(params, input, train);
-                let s = bn.forward(params, &s, train);
-                add_assign(&mut h, &s);
+                let s = conv.forward(be, params, input, train);
+                let s = bn.forward(be, params, &s, train);
+                add(be, &mut h, &s);
             }
-            None => add_assign(&mut h, input),
+            None => add(be, &mut h, input),
         }
-        self.out_relu.forward(params, &h, train)
+        self.out_relu.forward(be, params, &h, train)
     }
 
     /// Back-propagates through both paths and sums their input gradients.
-    pub fn backward(&mut self, params: &mut ParamStore, grad_output: &Tensor) -> Tensor {
-        let g = self.out_relu.backward(params, grad_output);
+    pub fn backward(
+        &mut self,
+        be: &dyn Backend,
+        params: &mut ParamStore,
+        grad_output: &Tensor,
+    ) -> Tensor {
+        let g = self.out_relu.backward(be, params, grad_output);
         let last = self.convs.len() - 1;
-        let mut gh = self.bns[last].backward(params, &g);
-        gh = self.convs[last].backward(params, &gh);
+        let mut gh = self.bns[last].backward(be, params, &g);
+        gh = self.convs[last].backward(be, params, &gh);
         for i in (0..last).rev() {
-            gh = self.relus[i].backward(params, &gh);
-            gh = self.bns[i].backward(params, &gh);
-            gh = self.convs[i].backward(params, &gh);
+            gh = self.relus[i].backward(be, params, &gh);
+            gh = self.bns[i].backward(be, params, &gh);
+            gh = self.convs[i].backward(be, params, &gh);
         }
         match &mut self.downsample {
             Some((conv, bn)) => {
-                let s = bn.backward(params, &g);
-                let s = conv.backward(params, &s);
-                add_assign(&mut gh, &s);
+                let s = bn.backward(be, params, &g);
+                let s = conv.backward(be, params, &s);
+                add(be, &mut gh, &s);
             }
-            None => add_assign(&mut gh, &g),
+            None => add(be, &mut gh, &g),
         }
         gh
     }
 }
 
-fn add_assign(a: &mut Tensor, b: &Tensor) {
+fn add(be: &dyn Backend, a: &mut Tensor, b: &Tensor) {
     assert_eq!(a.shape, b.shape, "residual shapes differ");
-    a.data.iter_mut().zip(&b.data).for_each(|(x, y)| *x += y);
+    be.add_assign(&mut a.data, &b.data);
 }

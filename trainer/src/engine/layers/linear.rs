@@ -4,7 +4,7 @@ use std::ops::Range;
 
 use rand::Rng;
 
-use super::conv::gemm;
+use crate::engine::backend::{Backend, Matrix};
 use crate::engine::params::ParamStore;
 use crate::engine::tensor::{Tensor, fill_uniform_seeded};
 
@@ -49,34 +49,33 @@ impl Linear {
     }
 
     /// Applies the layer to `[N, in]`.
-    pub fn forward(&mut self, params: &mut ParamStore, input: &Tensor, train: bool) -> Tensor {
+    pub fn forward(
+        &mut self,
+        be: &dyn Backend,
+        params: &mut ParamStore,
+        input: &Tensor,
+        train: bool,
+    ) -> Tensor {
         let (n, i) = input.dims2();
         assert_eq!(i, self.in_features, "linear input features");
         let o = self.out_features;
-        let bias = &params.values[self.bias.clone()];
         let mut out = Tensor::zeros(&[n, o]);
-        for row in out.data.chunks_mut(o) {
-            row.copy_from_slice(bias);
-        }
+        be.broadcast_rows(&params.values[self.bias.clone()], &mut out.data);
+        // y[n, o] = x[n, i] * W^T[i, o] + y
         let weight = &params.values[self.weight.clone()];
-        gemm(
-            n,
-            i,
-            o,
-            &input.data,
-            (i, 1),
-            weight,
-            (1, i),
-            1.0,
-            &mut out.data,
-            o,
-        );
+        let (x, w_t) = (Matrix::rows(&input.data, i), Matrix::transposed(weight, i));
+        be.gemm(n, i, o, x, w_t, 1.0, &mut out.data);
         self.input = train.then(|| input.clone());
         out
     }
 
     /// Back-propagates through the last training forward pass.
-    pub fn backward(&mut self, params: &mut ParamStore, grad_output: &Tensor) -> Tensor {
+    pub fn backward(
+        &mut self,
+        be: &dyn Backend,
+        params: &mut ParamStore,
+        grad_output: &Tensor,
+    ) -> Tensor {
         let input = self
             .input
             .take()
@@ -86,36 +85,28 @@ impl Linear {
         assert_eq!(grad_output.shape, [n, o]);
         let dy = &grad_output.data;
         // dW[o, i] += dy^T[o, n] * x[n, i]
-        gemm(
+        let (dy_t, x) = (Matrix::transposed(dy, o), Matrix::rows(&input.data, i));
+        be.gemm(
             o,
             n,
             i,
-            dy,
-            (1, o),
-            &input.data,
-            (i, 1),
+            dy_t,
+            x,
             1.0,
             &mut params.grads[self.weight.clone()],
-            i,
         );
-        let db = &mut params.grads[self.bias.clone()];
-        for row in dy.chunks(o) {
-            db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
-        }
-        let weight = &params.values[self.weight.clone()];
+        be.sum_rows(dy, &mut params.grads[self.bias.clone()]);
         let mut grad_input = Tensor::zeros(&[n, i]);
         // dx[n, i] = dy[n, o] * W[o, i]
-        gemm(
+        let weight = Matrix::rows(&params.values[self.weight.clone()], i);
+        be.gemm(
             n,
             o,
             i,
-            dy,
-            (o, 1),
+            Matrix::rows(dy, o),
             weight,
-            (i, 1),
             0.0,
             &mut grad_input.data,
-            i,
         );
         grad_input
     }

@@ -1,7 +1,6 @@
 //! Max pooling (the ImageNet stem) and global average pooling (before the classifier).
 
-use rayon::prelude::*;
-
+use crate::engine::backend::{Backend, PoolShape};
 use crate::engine::params::ParamStore;
 use crate::engine::tensor::Tensor;
 
@@ -35,67 +34,54 @@ impl MaxPool2d {
         (o(h), o(w))
     }
 
+    fn shape(&self, n: usize, c: usize, h: usize, w: usize) -> PoolShape {
+        PoolShape {
+            planes: n * c,
+            h,
+            w,
+            kernel: self.kernel,
+            stride: self.stride,
+            padding: self.padding,
+        }
+    }
+
     /// Pools every plane.
-    pub fn forward(&mut self, _params: &mut ParamStore, input: &Tensor, train: bool) -> Tensor {
+    pub fn forward(
+        &mut self,
+        be: &dyn Backend,
+        _params: &mut ParamStore,
+        input: &Tensor,
+        train: bool,
+    ) -> Tensor {
         let (n, c, h, w) = input.dims4();
-        let (oh, ow) = self.output_size(h, w);
+        let shape = self.shape(n, c, h, w);
+        let (oh, ow) = shape.output_size();
         let mut out = Tensor::zeros(&[n, c, oh, ow]);
         let mut argmax = vec![0u32; out.len()];
-        let (k, s, p) = (self.kernel, self.stride, self.padding as isize);
-        out.data
-            .par_chunks_mut(oh * ow)
-            .zip(argmax.par_chunks_mut(oh * ow))
-            .zip(input.data.par_chunks(h * w))
-            .for_each(|((y, am), x)| {
-                for oy in 0..oh {
-                    for ox in 0..ow {
-                        let mut best = f32::NEG_INFINITY;
-                        let mut best_i = 0;
-                        for ky in 0..k {
-                            let iy = (oy * s + ky) as isize - p;
-                            if iy < 0 || iy >= h as isize {
-                                continue;
-                            }
-                            for kx in 0..k {
-                                let ix = (ox * s + kx) as isize - p;
-                                if ix < 0 || ix >= w as isize {
-                                    continue;
-                                }
-                                let i = iy as usize * w + ix as usize;
-                                if x[i] > best {
-                                    best = x[i];
-                                    best_i = i;
-                                }
-                            }
-                        }
-                        y[oy * ow + ox] = best;
-                        am[oy * ow + ox] = best_i as u32;
-                    }
-                }
-            });
+        be.max_pool_forward(&shape, &input.data, &mut out.data, &mut argmax);
         self.cache = train.then(|| (input.shape.clone(), argmax));
         out
     }
 
     /// Routes each output gradient to the input that won the max.
-    pub fn backward(&mut self, _params: &mut ParamStore, grad_output: &Tensor) -> Tensor {
-        let (shape, argmax) = self
+    pub fn backward(
+        &mut self,
+        be: &dyn Backend,
+        _params: &mut ParamStore,
+        grad_output: &Tensor,
+    ) -> Tensor {
+        let (input_shape, argmax) = self
             .cache
             .take()
             .expect("max-pool backward without a training forward");
-        let (_, _, h, w) = (shape[0], shape[1], shape[2], shape[3]);
-        let (_, _, oh, ow) = grad_output.dims4();
-        let mut grad_input = Tensor::zeros(&shape);
-        grad_input
-            .data
-            .par_chunks_mut(h * w)
-            .zip(grad_output.data.par_chunks(oh * ow))
-            .zip(argmax.par_chunks(oh * ow))
-            .for_each(|((dx, dy), am)| {
-                for (&g, &i) in dy.iter().zip(am) {
-                    dx[i as usize] += g;
-                }
-            });
+        let shape = self.shape(
+            input_shape[0],
+            input_shape[1],
+            input_shape[2],
+            input_shape[3],
+        );
+        let mut grad_input = Tensor::zeros(&input_shape);
+        be.max_pool_backward(&shape, &argmax, &grad_output.data, &mut grad_input.data);
         grad_input
     }
 }
@@ -114,31 +100,33 @@ impl GlobalAvgPool {
     }
 
     /// Averages every plane.
-    pub fn forward(&mut self, _params: &mut ParamStore, input: &Tensor, train: bool) -> Tensor {
+    pub fn forward(
+        &mut self,
+        be: &dyn Backend,
+        _params: &mut ParamStore,
+        input: &Tensor,
+        train: bool,
+    ) -> Tensor {
         let (n, c, h, w) = input.dims4();
-        let hw = h * w;
-        let data = input
-            .data
-            .chunks(hw)
-            .map(|p| p.iter().sum::<f32>() / hw as f32)
-            .collect();
+        let mut out = Tensor::zeros(&[n, c]);
+        be.global_avg_pool_forward(h * w, &input.data, &mut out.data);
         self.input_shape = train.then(|| input.shape.clone());
-        Tensor::from_vec(&[n, c], data)
+        out
     }
 
     /// Spreads each gradient evenly over its plane.
-    pub fn backward(&mut self, _params: &mut ParamStore, grad_output: &Tensor) -> Tensor {
+    pub fn backward(
+        &mut self,
+        be: &dyn Backend,
+        _params: &mut ParamStore,
+        grad_output: &Tensor,
+    ) -> Tensor {
         let shape = self
             .input_shape
             .take()
             .expect("average-pool backward without a training forward");
-        let hw = shape[2] * shape[3];
         let mut grad_input = Tensor::zeros(&shape);
-        grad_input
-            .data
-            .chunks_mut(hw)
-            .zip(&grad_output.data)
-            .for_each(|(dx, &g)| dx.fill(g / hw as f32));
+        be.global_avg_pool_backward(shape[2] * shape[3], &grad_output.data, &mut grad_input.data);
         grad_input
     }
 }

@@ -1,0 +1,227 @@
+//! NCCL all-reduce through `cudarc`, with the CUDA driver and NCCL loaded at run time.
+//!
+//! The trainer is built without a CUDA toolkit and runs on machines without GPUs; this module
+//! only touches CUDA when [`NcclCollective::connect`] is called, and first checks that
+//! `libcuda` and `libnccl` can be loaded, so a missing library is an error that says what to
+//! install instead of a panic inside `cudarc`.
+//!
+//! Wiring: NCCL needs every rank to hold the same 128-byte unique id, made by rank 0. The ids
+//! travel over the TCP ring's rendezvous (`RINGMASTER_RENDEZVOUS`), which stays open as the
+//! bootstrap channel for broadcasts of host data and for barriers. Each rank drives the GPU
+//! `local_rank % device_count` of its node.
+//!
+//! A peer that dies mid-collective makes NCCL wait for ever; this collective waits on a CUDA
+//! event with the ring's timeout instead, returns [`CollectiveError::PeerTimeout`], and the
+//! communicator is aborted when dropped.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::nccl::{Comm, Id};
+
+use super::{Collective, CollectiveError, ReduceOp, RingConfig, TcpRing};
+use crate::world::World;
+
+/// What the machine offers for NCCL, found without initialising anything that could panic.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NcclProbe {
+    /// `libcuda` (the driver) could be loaded.
+    pub driver_loaded: bool,
+    /// `libnccl` could be loaded.
+    pub nccl_loaded: bool,
+    /// GPUs the driver sees (0 when it is not loaded or has none).
+    pub devices: usize,
+    /// Why NCCL cannot be used here, when it cannot.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unavailable: Option<String>,
+}
+
+impl NcclProbe {
+    /// Looks for the libraries and GPUs.
+    pub fn detect() -> Self {
+        // SAFETY: these only try `dlopen` on cudarc's candidate names and drop the handle.
+        let driver_loaded = unsafe { cudarc::driver::sys::is_culib_present() };
+        let nccl_loaded = unsafe { cudarc::nccl::sys::is_culib_present() };
+        let devices = if driver_loaded {
+            CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+        } else {
+            0
+        };
+        let unavailable = if !driver_loaded {
+            Some(
+                "the CUDA driver library (libcuda.so) is not loadable: no NVIDIA driver on this \
+                 machine, or the container was started without the GPU runtime"
+                    .to_string(),
+            )
+        } else if devices == 0 {
+            Some("the CUDA driver sees no GPU".to_string())
+        } else if !nccl_loaded {
+            Some(nccl_missing_hint())
+        } else {
+            None
+        };
+        Self {
+            driver_loaded,
+            nccl_loaded,
+            devices,
+            unavailable,
+        }
+    }
+
+    /// Whether NCCL can be used.
+    pub fn available(&self) -> bool {
+        self.unavailable.is_none()
+    }
+}
+
+/// cudarc looks for `libnccl.so` (and `.so.<cuda major>`), not `libnccl.so.2`, the only name
+/// the NVIDIA pip wheel and some distribution packages install.
+fn nccl_missing_hint() -> String {
+    // SAFETY: dlopen of a plain shared library name; the handle is dropped at once.
+    let versioned = unsafe { libloading::Library::new("libnccl.so.2") }.is_ok();
+    if versioned {
+        "NCCL is installed as libnccl.so.2 only; link it as libnccl.so in a directory on \
+         LD_LIBRARY_PATH (ln -s libnccl.so.2 libnccl.so)"
+            .to_string()
+    } else {
+        "NCCL (libnccl.so) is not on the library path: install libnccl2 or the nvidia-nccl \
+         wheel and add its lib directory to LD_LIBRARY_PATH"
+            .to_string()
+    }
+}
+
+/// An NCCL communicator that may move between threads.
+struct SendComm(Comm);
+
+// SAFETY: an NCCL communicator may be used from any thread as long as no two threads use it
+// at once (NCCL's thread-safety rule); `NcclCollective` owns it and needs `&mut self` for
+// every call, so one thread at a time is guaranteed.
+unsafe impl Send for SendComm {}
+
+/// A rank of an NCCL communicator; host data is staged through one device buffer.
+pub struct NcclCollective {
+    bootstrap: TcpRing,
+    stream: Arc<CudaStream>,
+    comm: SendComm,
+    staging: Option<CudaSlice<f32>>,
+    timeout: Duration,
+}
+
+impl NcclCollective {
+    /// Joins the job's NCCL communicator; fails with the reason when NCCL is unavailable.
+    pub fn connect(world: &World, config: RingConfig) -> Result<Self, CollectiveError> {
+        let probe = NcclProbe::detect();
+        if let Some(reason) = probe.unavailable {
+            return Err(CollectiveError::Unavailable {
+                backend: "nccl",
+                reason,
+            });
+        }
+        let timeout = config.timeout;
+        let mut bootstrap = TcpRing::connect(world, config)?;
+        let cuda = |what: &str, e: &dyn std::fmt::Debug| CollectiveError::Device {
+            message: format!("{what}: {e:?}"),
+        };
+        let ordinal = world.local_rank % probe.devices;
+        let context = CudaContext::new(ordinal).map_err(|e| cuda("open GPU", &e))?;
+        let stream = context
+            .new_stream()
+            .map_err(|e| cuda("create a CUDA stream", &e))?;
+
+        // Rank 0's unique id, sent bit for bit through the ring's broadcast of f32 words.
+        let mut words = [0f32; 32];
+        if world.rank == 0 {
+            let id = Id::new().map_err(|e| cuda("make an NCCL unique id", &e))?;
+            let bytes: Vec<u8> = id.internal().iter().map(|&c| c as u8).collect();
+            bytemuck::cast_slice_mut::<f32, u8>(&mut words).copy_from_slice(&bytes);
+        }
+        bootstrap.broadcast(&mut words, 0)?;
+        let mut internal = [0 as std::ffi::c_char; 128];
+        for (dst, src) in internal
+            .iter_mut()
+            .zip(bytemuck::cast_slice::<f32, u8>(&words))
+        {
+            *dst = *src as std::ffi::c_char;
+        }
+        let comm = Comm::from_rank(stream.clone(), world.rank, world.size, Id::uninit(internal))
+            .map_err(|e| cuda("join the NCCL communicator", &e))?;
+        Ok(Self {
+            bootstrap,
+            stream,
+            comm: SendComm(comm),
+            staging: None,
+            timeout,
+        })
+    }
+
+    /// Waits for the stream's work with the timeout; a dead peer leaves NCCL spinning.
+    fn wait(&self) -> Result<(), CollectiveError> {
+        let event = self
+            .stream
+            .record_event(None)
+            .map_err(|e| CollectiveError::Device {
+                message: format!("record a CUDA event: {e:?}"),
+            })?;
+        let start = Instant::now();
+        while !event.is_complete() {
+            if start.elapsed() > self.timeout {
+                return Err(CollectiveError::Stalled {
+                    operation: "ncclAllReduce",
+                    seconds: self.timeout.as_secs(),
+                });
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        Ok(())
+    }
+}
+
+impl Collective for NcclCollective {
+    fn rank(&self) -> usize {
+        self.comm.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.comm.0.world_size()
+    }
+    fn name(&self) -> &'static str {
+        "nccl"
+    }
+    fn all_reduce(&mut self, data: &mut [f32], op: ReduceOp) -> Result<(), CollectiveError> {
+        let device = |what: &str, e: &dyn std::fmt::Debug| CollectiveError::Device {
+            message: format!("{what}: {e:?}"),
+        };
+        if self.staging.as_ref().is_none_or(|s| s.len() != data.len()) {
+            self.staging = Some(
+                self.stream
+                    .alloc_zeros::<f32>(data.len())
+                    .map_err(|e| device("allocate the staging buffer", &e))?,
+            );
+        }
+        let staging = self.staging.as_mut().expect("allocated above");
+        self.stream
+            .memcpy_htod(data, staging)
+            .map_err(|e| device("copy to the GPU", &e))?;
+        let nccl_op = match op {
+            ReduceOp::Sum => cudarc::nccl::ReduceOp::Sum,
+            ReduceOp::Average => cudarc::nccl::ReduceOp::Avg,
+        };
+        self.comm
+            .0
+            .all_reduce_in_place(staging, &nccl_op)
+            .map_err(|e| device("ncclAllReduce", &e))?;
+        self.wait()?;
+        let staging = self.staging.as_ref().expect("allocated above");
+        self.stream
+            .memcpy_dtoh(staging, data)
+            .map_err(|e| device("copy from the GPU", &e))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| device("synchronize", &e))
+    }
+    fn broadcast(&mut self, data: &mut [f32], root: usize) -> Result<(), CollectiveError> {
+        // Broadcasts happen once per run (initial weights); the bootstrap ring is enough.
+        self.bootstrap.broadcast(data, root)
+    }
+}

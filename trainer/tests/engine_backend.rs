@@ -1,0 +1,171 @@
+//! The layers do no arithmetic of their own: a backend that counts its calls and delegates
+//! to the CPU backend sees every kernel of a ResNet step, and gives bit-identical results.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use ringmaster_trainer::engine::backend::{
+    BatchNormConfig, BatchNormSaved, ConvShape, Matrix, PoolShape,
+};
+use ringmaster_trainer::engine::data::SyntheticData;
+use ringmaster_trainer::engine::{Arch, Backend, CpuBackend, Model};
+
+/// Counts calls per operation, then lets the CPU backend compute.
+#[derive(Debug, Default)]
+struct Counting {
+    calls: Mutex<BTreeMap<&'static str, usize>>,
+}
+
+impl Counting {
+    fn hit(&self, op: &'static str) {
+        *self.calls.lock().unwrap().entry(op).or_default() += 1;
+    }
+    fn count(&self, op: &str) -> usize {
+        self.calls.lock().unwrap().get(op).copied().unwrap_or(0)
+    }
+}
+
+impl Backend for Counting {
+    fn name(&self) -> &'static str {
+        "counting"
+    }
+    fn gemm(&self, m: usize, k: usize, n: usize, a: Matrix, b: Matrix, beta: f32, c: &mut [f32]) {
+        self.hit("gemm");
+        CpuBackend.gemm(m, k, n, a, b, beta, c)
+    }
+    fn conv2d_forward(&self, s: &ConvShape, x: &[f32], w: &[f32], y: &mut [f32]) {
+        self.hit("conv2d_forward");
+        CpuBackend.conv2d_forward(s, x, w, y)
+    }
+    fn conv2d_backward(
+        &self,
+        s: &ConvShape,
+        x: &[f32],
+        w: &[f32],
+        dy: &[f32],
+        dx: &mut [f32],
+        dw: &mut [f32],
+    ) {
+        self.hit("conv2d_backward");
+        CpuBackend.conv2d_backward(s, x, w, dy, dx, dw)
+    }
+    fn batch_norm_forward_training(
+        &self,
+        dims: (usize, usize, usize),
+        config: BatchNormConfig,
+        x: &[f32],
+        gamma: &[f32],
+        beta: &[f32],
+        rm: &mut [f32],
+        rv: &mut [f32],
+        y: &mut [f32],
+    ) -> BatchNormSaved {
+        self.hit("batch_norm_forward_training");
+        CpuBackend.batch_norm_forward_training(dims, config, x, gamma, beta, rm, rv, y)
+    }
+    fn batch_norm_forward_inference(
+        &self,
+        dims: (usize, usize, usize),
+        config: BatchNormConfig,
+        x: &[f32],
+        gamma: &[f32],
+        beta: &[f32],
+        rm: &[f32],
+        rv: &[f32],
+        y: &mut [f32],
+    ) {
+        self.hit("batch_norm_forward_inference");
+        CpuBackend.batch_norm_forward_inference(dims, config, x, gamma, beta, rm, rv, y)
+    }
+    fn batch_norm_backward(
+        &self,
+        dims: (usize, usize, usize),
+        saved: &BatchNormSaved,
+        gamma: &[f32],
+        dy: &[f32],
+        dx: &mut [f32],
+        dgamma: &mut [f32],
+        dbeta: &mut [f32],
+    ) {
+        self.hit("batch_norm_backward");
+        CpuBackend.batch_norm_backward(dims, saved, gamma, dy, dx, dgamma, dbeta)
+    }
+    fn relu_forward(&self, x: &[f32], y: &mut [f32]) {
+        self.hit("relu_forward");
+        CpuBackend.relu_forward(x, y)
+    }
+    fn relu_backward(&self, y: &[f32], dy: &[f32], dx: &mut [f32]) {
+        self.hit("relu_backward");
+        CpuBackend.relu_backward(y, dy, dx)
+    }
+    fn max_pool_forward(&self, s: &PoolShape, x: &[f32], y: &mut [f32], am: &mut [u32]) {
+        self.hit("max_pool_forward");
+        CpuBackend.max_pool_forward(s, x, y, am)
+    }
+    fn max_pool_backward(&self, s: &PoolShape, am: &[u32], dy: &[f32], dx: &mut [f32]) {
+        self.hit("max_pool_backward");
+        CpuBackend.max_pool_backward(s, am, dy, dx)
+    }
+    fn global_avg_pool_forward(&self, len: usize, x: &[f32], y: &mut [f32]) {
+        self.hit("global_avg_pool_forward");
+        CpuBackend.global_avg_pool_forward(len, x, y)
+    }
+    fn global_avg_pool_backward(&self, len: usize, dy: &[f32], dx: &mut [f32]) {
+        self.hit("global_avg_pool_backward");
+        CpuBackend.global_avg_pool_backward(len, dy, dx)
+    }
+    fn broadcast_rows(&self, bias: &[f32], y: &mut [f32]) {
+        self.hit("broadcast_rows");
+        CpuBackend.broadcast_rows(bias, y)
+    }
+    fn sum_rows(&self, x: &[f32], sums: &mut [f32]) {
+        self.hit("sum_rows");
+        CpuBackend.sum_rows(x, sums)
+    }
+    fn add_assign(&self, a: &mut [f32], b: &[f32]) {
+        self.hit("add_assign");
+        CpuBackend.add_assign(a, b)
+    }
+}
+
+#[test]
+fn a_resnet18_step_runs_every_kernel_through_the_backend() {
+    let counting = Arc::new(Counting::default());
+    let mut counted = Model::with_backend(Arch::ResNet18, 10, 7, counting.clone());
+    let mut reference = Model::new(Arch::ResNet18, 10, 7);
+    let data = SyntheticData::new(10, 32, 4, 1);
+    let (images, labels) = data.batch(&[0, 1, 2, 3]);
+
+    let a = counted.train_step(&images, &labels, 0.1);
+    let b = reference.train_step(&images, &labels, 0.1);
+    assert_eq!(a.loss.to_bits(), b.loss.to_bits());
+    assert_eq!(counted.params().grads, reference.params().grads);
+    assert_eq!(counted.params().buffers, reference.params().buffers);
+
+    // ResNet-18: stem conv + 8 blocks × 2 convs + 3 projection shortcuts = 20 convs, each
+    // followed by batch norm; ReLUs: stem + 8 × (1 inner + 1 after the add) = 17; 8 adds.
+    let expected = [
+        ("conv2d_forward", 20),
+        ("conv2d_backward", 20),
+        ("batch_norm_forward_training", 20),
+        ("batch_norm_backward", 20),
+        ("relu_forward", 17),
+        ("relu_backward", 17),
+        ("add_assign", 16),
+        ("max_pool_forward", 1),
+        ("max_pool_backward", 1),
+        ("global_avg_pool_forward", 1),
+        ("global_avg_pool_backward", 1),
+        ("broadcast_rows", 1),
+        ("sum_rows", 1),
+        ("gemm", 3),
+        ("batch_norm_forward_inference", 0),
+    ];
+    for (op, n) in expected {
+        assert_eq!(counting.count(op), n, "{op}");
+    }
+
+    let before = counting.count("batch_norm_forward_inference");
+    counted.evaluate(&images, &labels);
+    assert_eq!(counting.count("batch_norm_forward_inference"), before + 20);
+}
