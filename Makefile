@@ -24,7 +24,7 @@ lint: ## cargo fmt --check and clippy with warnings denied
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
 .PHONY: unit
-unit: mpi ## Unit tests, validate-step fixture tests, CRD freshness, the trainer (with mpirun)
+unit: mpi azurite ## Unit tests, validate-step fixture tests, CRD freshness, the trainer (with mpirun)
 	$(CARGO) test --locked -p ringmaster -- --test-threads=$(TEST_THREADS)
 	$(CARGO) test --locked -p ringmaster-e2e --lib --bins
 	$(CARGO) test --locked -p ringmaster-trainer -- --test-threads=$(TEST_THREADS)
@@ -35,6 +35,15 @@ mpi: ## Install Debian's Open MPI when mpirun is missing (the trainer's multi-ra
 	  echo "installing Debian's openmpi-bin for the multi-rank tests"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq openmpi-bin >/dev/null; }
+
+.PHONY: azurite
+AZURITE_VERSION ?= 3.37.0
+azurite: ## Install Azurite (Microsoft's Blob Storage emulator, npm) into the cache; the stager's tests start it on loopback
+	@test -x $(RINGMASTER_CACHE)/azurite-$(AZURITE_VERSION)/node_modules/.bin/azurite-blob || { \
+	  command -v npm >/dev/null 2>&1 || { echo "npm is needed for Azurite: apt-get install nodejs npm" >&2; exit 1; }; \
+	  echo "installing azurite@$(AZURITE_VERSION) (npm)"; \
+	  mkdir -p $(RINGMASTER_CACHE)/azurite-$(AZURITE_VERSION); \
+	  npm install --prefix $(RINGMASTER_CACHE)/azurite-$(AZURITE_VERSION) --no-audit --no-fund --loglevel=error azurite@$(AZURITE_VERSION) >/dev/null; }
 
 .PHONY: e2e
 e2e: ## End-to-end tests on the local cluster (started and stopped around them; KEEP_CLUSTER=1 keeps it)

@@ -11,5 +11,6 @@ pub mod crdgen;
 pub mod kube_client;
 pub mod metrics;
 pub mod server;
+pub mod stage;
 pub mod telemetry;
 pub mod validation;

@@ -29,6 +29,12 @@ enum Command {
     /// Run the operator: the TrainingJob and DataStage controllers, with metrics and health
     /// endpoints. Connects with the in-cluster ServiceAccount, or $KUBECONFIG / ~/.kube/config.
     Run(RunArgs),
+    /// Copy every blob under a prefix of an Azure Blob container into a folder: parallel,
+    /// resumable (files already there and intact are skipped), atomic per file. What a
+    /// DataStage's Job runs; works on a workstation too. Credentials come from the
+    /// environment only: $AZURE_STORAGE_SAS_TOKEN, $AZURE_STORAGE_ACCOUNT_KEY, workload or
+    /// managed identity. Prints a JSON summary.
+    Stage(ringmaster::stage::StageArgs),
     /// Print the CustomResourceDefinitions as YAML (or write one file each with --output-dir).
     Crd {
         /// Write `<name>.yaml` per CRD into this folder instead of printing.
@@ -69,6 +75,23 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Crd { output_dir } => print_crds(output_dir),
+        Command::Stage(args) => {
+            telemetry::init(LogFormat::Text);
+            let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
+            match runtime.block_on(ringmaster::stage::run(&args)) {
+                Ok(summary) => {
+                    println!(
+                        "{}",
+                        serde_json::to_string(&summary).expect("summary serializes")
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(error) => {
+                    eprintln!("ringmaster stage: {error}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Run(args) => {
             telemetry::init(args.log_format);
             let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");

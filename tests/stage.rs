@@ -1,0 +1,340 @@
+//! `ringmaster stage` against Azurite (the real emulator, on loopback): what it copies,
+//! what it refuses, and how it resumes.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use object_store::azure::MicrosoftAzureBuilder;
+use object_store::path::Path as ObjectPath;
+use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+use ringmaster::stage::progress::Reporter;
+use ringmaster::stage::{AuthMethod, ProgressMode, StageArgs, StageError, VerifyMode, copy};
+
+#[path = "support/azurite.rs"]
+mod azurite;
+use azurite::Azurite;
+
+const CONTAINER: &str = "datasets";
+
+fn writer(azurite: &Azurite) -> Arc<dyn ObjectStore> {
+    ringmaster::stage::install_tls_provider();
+    Arc::new(
+        MicrosoftAzureBuilder::new()
+            .with_account(azurite::ACCOUNT)
+            .with_access_key(azurite::KEY)
+            .with_container_name(CONTAINER)
+            .with_endpoint(azurite.endpoint())
+            .with_allow_http(true)
+            .build()
+            .unwrap(),
+    )
+}
+
+async fn create_container(azurite: &Azurite) {
+    // Create Container is not in object_store: a raw request with an account SAS.
+    let sas = azurite::account_sas("racwdl");
+    let url = format!("{}/{CONTAINER}?restype=container&{sas}", azurite.endpoint());
+    let status = reqwest_put(&url, &[]).await;
+    assert!(status == 201 || status == 409, "create container: {status}");
+}
+
+/// A raw HTTP/1.1 PUT on loopback (keeps the tests free of another HTTP client).
+async fn reqwest_put(url: &str, headers: &[(&str, &str)]) -> u16 {
+    let url = url.strip_prefix("http://").unwrap();
+    let (host, path) = url.split_once('/').unwrap();
+    let mut request = format!(
+        "PUT /{path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 1\r\nConnection: close\r\n"
+    );
+    for (k, v) in headers {
+        request.push_str(&format!("{k}: {v}\r\n"));
+    }
+    request.push_str("\r\nx");
+    let host = host.to_string();
+    tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(host).unwrap();
+        s.write_all(request.as_bytes()).unwrap();
+        let mut response = String::new();
+        let _ = s.read_to_string(&mut response);
+        response
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0)
+    })
+    .await
+    .unwrap()
+}
+
+/// Uploads `files` (name → bytes) in parallel.
+async fn upload(store: &Arc<dyn ObjectStore>, files: &BTreeMap<String, Vec<u8>>) {
+    futures::stream::iter(files.iter())
+        .for_each_concurrent(32, |(name, data)| {
+            let store = store.clone();
+            async move {
+                store
+                    .put(
+                        &ObjectPath::parse(name).unwrap(),
+                        PutPayload::from(data.clone()),
+                    )
+                    .await
+                    .unwrap_or_else(|e| panic!("upload {name}: {e}"));
+            }
+        })
+        .await;
+}
+
+/// The dataset of the tests: 1,000 small files in nested folders, three multi-MiB files, a
+/// zero-byte file and non-ASCII names under `ds/`, and one blob outside the prefix.
+fn dataset() -> BTreeMap<String, Vec<u8>> {
+    let mut files = BTreeMap::new();
+    for i in 0..1000 {
+        let data: Vec<u8> = (0..(100 + i * 7)).map(|b| (b * 31 + i) as u8).collect();
+        files.insert(format!("ds/train/class-{:02}/img-{i:04}.bin", i % 10), data);
+    }
+    for i in 0..3 {
+        let data: Vec<u8> = (0..(3 << 20) + i * 4099)
+            .map(|b| (b % 251) as u8 ^ i as u8)
+            .collect();
+        files.insert(format!("ds/big/shard-{i}.bin"), data);
+    }
+    files.insert("ds/empty.txt".into(), Vec::new());
+    files.insert("ds/ünïcødé/файл-数据 (1).txt".into(), b"non-ascii".to_vec());
+    files.insert("ds/a/b/c/d/deep.txt".into(), b"deep".to_vec());
+    files.insert("outside/not-me.txt".into(), b"no".to_vec());
+    files
+}
+
+fn args(azurite: &Azurite, destination: &Path) -> StageArgs {
+    StageArgs {
+        account: azurite::ACCOUNT.into(),
+        container: CONTAINER.into(),
+        prefix: "ds/".into(),
+        endpoint: Some(azurite.endpoint()),
+        destination: destination.to_path_buf(),
+        parallelism: 16,
+        verify: VerifyMode::Md5,
+        auth: AuthMethod::SasToken,
+        report_to: None,
+        progress: ProgressMode::None,
+        progress_interval: 1.0,
+        attempts: 3,
+    }
+}
+
+/// Stages with a SAS token or account key given directly (the CLI reads them from the
+/// environment; tests run in parallel threads, so they do not touch it).
+async fn stage(
+    args: &StageArgs,
+    sas: Option<&str>,
+    key: Option<&str>,
+) -> Result<ringmaster::stage::Summary, StageError> {
+    ringmaster::stage::install_tls_provider();
+    let mut builder = MicrosoftAzureBuilder::new()
+        .with_account(&args.account)
+        .with_container_name(&args.container)
+        .with_endpoint(args.endpoint.clone().unwrap())
+        .with_allow_http(true)
+        .with_retry(object_store::RetryConfig {
+            max_retries: 1,
+            ..Default::default()
+        });
+    if let Some(sas) = sas {
+        builder = builder.with_config(object_store::azure::AzureConfigKey::SasKey, sas);
+    }
+    if let Some(key) = key {
+        builder = builder.with_access_key(key);
+    }
+    copy(Arc::new(builder.build().unwrap()), args, &Reporter::Log).await
+}
+
+fn assert_tree_matches(destination: &Path, files: &BTreeMap<String, Vec<u8>>) {
+    let mut expected = 0;
+    for (name, data) in files {
+        let local = destination.join(name.strip_prefix("ds/").unwrap_or(name));
+        if name.starts_with("ds/") {
+            expected += 1;
+            let got = std::fs::read(&local).unwrap_or_else(|e| {
+                let near = std::fs::read_dir(local.parent().unwrap().parent().unwrap())
+                    .map(|d| d.map(|e| e.unwrap().file_name()).collect::<Vec<_>>());
+                panic!("{}: {e}; beside it: {near:?}", local.display())
+            });
+            assert!(got == *data, "{name} differs");
+        } else {
+            assert!(
+                !local.exists(),
+                "{name} is outside the prefix but was copied"
+            );
+        }
+    }
+    let on_disk = walk(destination);
+    assert_eq!(
+        on_disk, expected,
+        "files under the destination (bookkeeping excluded)"
+    );
+}
+
+fn walk(dir: &Path) -> usize {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name() != ".ringmaster-stage")
+        .map(|e| {
+            if e.file_type().unwrap().is_dir() {
+                walk(&e.path())
+            } else {
+                1
+            }
+        })
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_a_prefix_with_a_sas_token_then_skips_and_repairs() {
+    let azurite = Azurite::start();
+    create_container(&azurite).await;
+    let files = dataset();
+    upload(&writer(&azurite), &files).await;
+    let dest = tempfile::tempdir().unwrap();
+    let args = args(&azurite, dest.path());
+    let sas = azurite::container_sas(azurite::KEY, CONTAINER, "rl");
+
+    let first = stage(&args, Some(&sas), None).await.expect("first copy");
+    let in_prefix = files.keys().filter(|n| n.starts_with("ds/")).count() as u64;
+    assert_eq!(first.files, in_prefix);
+    assert_eq!(first.downloaded_files, in_prefix);
+    assert_eq!(first.skipped_files, 0);
+    assert_tree_matches(dest.path(), &files);
+    let manifest =
+        std::fs::read_to_string(dest.path().join(".ringmaster-stage/manifest.jsonl")).unwrap();
+    assert_eq!(manifest.lines().count() as u64, in_prefix);
+    assert!(!dest.path().join(".ringmaster-stage/tmp").exists());
+
+    let second = stage(&args, Some(&sas), None).await.unwrap();
+    assert_eq!(
+        (second.downloaded_files, second.skipped_files),
+        (0, in_prefix)
+    );
+
+    // Same size, other content: MD5 verification catches it; a deleted file comes back.
+    let corrupt = dest.path().join("big/shard-1.bin");
+    let mut data = std::fs::read(&corrupt).unwrap();
+    data[12345] ^= 0xff;
+    std::fs::write(&corrupt, data).unwrap();
+    std::fs::remove_file(dest.path().join("train/class-03/img-0013.bin")).unwrap();
+    let third = stage(&args, Some(&sas), None).await.unwrap();
+    assert_eq!(third.downloaded_files, 2);
+    assert_tree_matches(dest.path(), &files);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_key_or_token_is_a_clear_error_and_copies_nothing() {
+    let azurite = Azurite::start();
+    create_container(&azurite).await;
+    upload(&writer(&azurite), &dataset()).await;
+    let dest = tempfile::tempdir().unwrap();
+    let args = args(&azurite, dest.path());
+    let wrong_key = "d3Jvbmcta2V5LXdyb25nLWtleS13cm9uZy1rZXktd3Jvbmcta2V5LXdyb25nLWtleQ==";
+    let forged = azurite::container_sas(wrong_key, CONTAINER, "rl");
+    for (sas, key) in [(None, Some(wrong_key)), (Some(forged.as_str()), None)] {
+        let err = stage(&args, sas, key).await.unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, StageError::List { .. }), "{text}");
+        assert!(text.contains("credential was refused"), "{text}");
+        assert!(
+            !text.contains(wrong_key) && !text.contains("sig="),
+            "secret in: {text}"
+        );
+        assert_eq!(walk(dest.path()), 0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blob_named_dot_dot_is_refused_before_anything_is_copied() {
+    let azurite = Azurite::start();
+    create_container(&azurite).await;
+    upload(&writer(&azurite), &dataset()).await;
+    // `../x` cannot be written through object_store (it escapes `..`): a raw request, with
+    // the dots percent-encoded so no client normalises them away.
+    let sas = azurite::account_sas("racwdl");
+    let url = format!(
+        "{}/{CONTAINER}/ds/%2E%2E/%2E%2E/x?{sas}",
+        azurite.endpoint()
+    );
+    let status = reqwest_put(&url, &[("x-ms-blob-type", "BlockBlob")]).await;
+    assert_eq!(status, 201, "Azurite took the blob");
+    let dest = tempfile::tempdir().unwrap();
+    let args = args(&azurite, dest.path());
+    let read_sas = azurite::container_sas(azurite::KEY, CONTAINER, "rl");
+    let err = stage(&args, Some(&read_sas), None).await.unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, StageError::UnsafeNames { .. }), "{text}");
+    assert!(text.contains(".."), "{text}");
+    assert_eq!(walk(dest.path()), 0);
+    assert!(!dest.path().parent().unwrap().join("x").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_mid_copy_the_rerun_copies_only_the_rest() {
+    let azurite = Azurite::start();
+    create_container(&azurite).await;
+    let files = dataset();
+    upload(&writer(&azurite), &files).await;
+    let dest = tempfile::tempdir().unwrap();
+    let sas = azurite::container_sas(azurite::KEY, CONTAINER, "rl");
+    let manifest = dest.path().join(".ringmaster-stage/manifest.jsonl");
+
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ringmaster"))
+        .args([
+            "stage",
+            "--account",
+            azurite::ACCOUNT,
+            "--container",
+            CONTAINER,
+        ])
+        .args([
+            "--prefix",
+            "ds/",
+            "--endpoint",
+            &azurite.endpoint(),
+            "--parallelism",
+            "2",
+        ])
+        .args(["--progress", "none"])
+        .arg("--destination")
+        .arg(dest.path())
+        .env("AZURE_STORAGE_SAS_TOKEN", &sas)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let done = std::fs::read_to_string(&manifest).map_or(0, |m| m.lines().count());
+        if done >= 100 {
+            break;
+        }
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "stager ended before it was killed"
+        );
+        assert!(Instant::now() < deadline, "stager made no progress");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let recorded = std::fs::read_to_string(&manifest).unwrap().lines().count() as u64;
+
+    let args = args(&azurite, dest.path());
+    let rerun = stage(&args, Some(&sas), None).await.unwrap();
+    // Every file the killed run finished and recorded is skipped (the last line may be torn).
+    assert!(
+        rerun.skipped_files >= recorded - 1,
+        "{rerun:?}, {recorded} recorded"
+    );
+    assert_eq!(rerun.skipped_files + rerun.downloaded_files, rerun.files);
+    assert!(rerun.downloaded_files < rerun.files);
+    assert_tree_matches(dest.path(), &files);
+}

@@ -1,0 +1,151 @@
+//! Azurite, Microsoft's Blob Storage emulator (npm `azurite`, installed by `make azurite`),
+//! started on a free loopback port for one test and stopped when dropped.
+
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+/// Azurite's published development account.
+pub const ACCOUNT: &str = "devstoreaccount1";
+/// Azurite's published development key (not a secret).
+pub const KEY: &str =
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
+
+/// A running Azurite blob service.
+pub struct Azurite {
+    child: Child,
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+    _data: tempfile::TempDir,
+}
+
+/// Where `make azurite` puts the `azurite-blob` script.
+pub fn azurite_blob() -> PathBuf {
+    if let Ok(path) = std::env::var("RINGMASTER_AZURITE_BLOB") {
+        return PathBuf::from(path);
+    }
+    let cache = std::env::var("RINGMASTER_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/ringmaster")
+        });
+    cache.join("azurite-3.37.0/node_modules/.bin/azurite-blob")
+}
+
+impl Azurite {
+    /// Starts Azurite and waits until it accepts connections.
+    pub fn start() -> Self {
+        let bin = azurite_blob();
+        assert!(
+            bin.exists(),
+            "{} is missing: run `make azurite` (make test does it)",
+            bin.display()
+        );
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let data = tempfile::tempdir().unwrap();
+        let child = Command::new(bin)
+            .args(["--blobHost", "127.0.0.1", "--blobPort", &port.to_string()])
+            .args(["--skipApiVersionCheck", "--loose", "--silent"])
+            .arg("--location")
+            .arg(data.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start azurite-blob");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "Azurite did not listen on {port} in 60 s"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Self {
+            child,
+            port,
+            _data: data,
+        }
+    }
+
+    /// The account's blob endpoint, as a DataStage's `endpoint` takes it.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}/{ACCOUNT}", self.port)
+    }
+}
+
+impl Drop for Azurite {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A service SAS for `container` (version 2021-08-06) signed with `key`: `permissions`
+/// such as `rl` (read + list), valid until 2099.
+pub fn container_sas(key: &str, container: &str, permissions: &str) -> String {
+    let version = "2021-08-06";
+    let expiry = "2099-01-01T00:00:00Z";
+    let resource = format!("/blob/{ACCOUNT}/{container}");
+    // signedPermissions, start, expiry, canonicalizedResource, identifier, IP, protocol,
+    // version, resource, snapshot time, encryption scope, rscc, rscd, rsce, rscl, rsct.
+    let to_sign = [
+        permissions,
+        "",
+        expiry,
+        &resource,
+        "",
+        "",
+        "",
+        version,
+        "c",
+        "",
+        "",
+        "",
+        "",
+        "",
+        "",
+        "",
+    ]
+    .join("\n");
+    let key = base64::engine::general_purpose::STANDARD
+        .decode(key)
+        .unwrap();
+    let mut mac = Hmac::<Sha256>::new_from_slice(&key).unwrap();
+    mac.update(to_sign.as_bytes());
+    let sig = base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes());
+    let enc = |s: &str| form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>();
+    format!(
+        "sv={version}&sr=c&sp={permissions}&se={}&sig={}",
+        enc(expiry),
+        enc(&sig)
+    )
+}
+
+/// An account SAS (blob service; service, container and object level) signed with the
+/// development key, for test set-up such as creating containers.
+pub fn account_sas(permissions: &str) -> String {
+    let version = "2021-08-06";
+    let expiry = "2099-01-01T00:00:00Z";
+    let to_sign = format!("{ACCOUNT}\n{permissions}\nb\nsco\n\n{expiry}\n\n\n{version}\n\n");
+    let key = base64::engine::general_purpose::STANDARD
+        .decode(KEY)
+        .unwrap();
+    let mut mac = Hmac::<Sha256>::new_from_slice(&key).unwrap();
+    mac.update(to_sign.as_bytes());
+    let sig = base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes());
+    let enc = |s: &str| form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>();
+    format!(
+        "sv={version}&ss=b&srt=sco&sp={permissions}&se={}&sig={}",
+        enc(expiry),
+        enc(&sig)
+    )
+}
