@@ -66,6 +66,10 @@ struct RunArgs {
         default_value_t = 10.0
     )]
     restart_backoff_seconds: f64,
+    /// Image of a DataStage's copy Job; it runs `ringmaster stage`, so it is the operator's
+    /// own image (the Helm chart passes it).
+    #[arg(long, env = "RINGMASTER_STAGER_IMAGE", default_value = ringmaster::controller::DEFAULT_STAGER_IMAGE)]
+    stager_image: String,
     /// Name of this replica in Events (the pod name in a Deployment).
     #[arg(long, env = "POD_NAME")]
     instance: Option<String>,
@@ -149,6 +153,7 @@ async fn run(args: RunArgs) -> Result<(), String> {
             restart_backoff: std::time::Duration::from_secs_f64(
                 args.restart_backoff_seconds.max(0.0),
             ),
+            stager_image: args.stager_image,
         },
     ));
     let scope = Scope {

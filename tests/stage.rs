@@ -122,6 +122,7 @@ fn args(azurite: &Azurite, destination: &Path) -> StageArgs {
         progress: ProgressMode::None,
         progress_interval: 1.0,
         attempts: 3,
+        termination_message: None,
     }
 }
 

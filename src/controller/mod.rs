@@ -64,6 +64,13 @@ pub enum Error {
         #[source]
         source: training_job::apply::ApplyError,
     },
+    /// Making a DataStage's volume, claim, RBAC or Job failed.
+    #[error("DataStage {name}: {source}")]
+    StageApply {
+        name: String,
+        #[source]
+        source: data_stage::apply::ApplyError,
+    },
     /// Deleting an object failed.
     #[error("deleting {kind} {name}: {source}")]
     Delete {
@@ -80,7 +87,7 @@ impl Error {
         match self {
             Error::WriteStatus { .. } => "write_status",
             Error::Read { .. } => "read",
-            Error::Apply { .. } => "apply",
+            Error::Apply { .. } | Error::StageApply { .. } => "apply",
             Error::Delete { .. } => "delete",
         }
     }
@@ -89,6 +96,7 @@ impl Error {
     pub fn kind(&self) -> &'static str {
         match self {
             Error::WriteStatus { kind, .. } => kind,
+            Error::StageApply { .. } => data_stage::CONTROLLER,
             Error::Read { .. } | Error::Apply { .. } | Error::Delete { .. } => {
                 training_job::CONTROLLER
             }
@@ -101,12 +109,21 @@ impl Error {
 pub struct OperatorConfig {
     /// Wait before a failed gang is started again; doubles with each restart (at most 5 min).
     pub restart_backoff: Duration,
+    /// The image a DataStage's copy Job runs `ringmaster stage` in (the operator's own).
+    pub stager_image: String,
 }
+
+/// The operator image of this version, which also runs the stager.
+pub const DEFAULT_STAGER_IMAGE: &str = concat!(
+    "ghcr.io/ringmaster-dev/ringmaster:",
+    env!("CARGO_PKG_VERSION")
+);
 
 impl Default for OperatorConfig {
     fn default() -> Self {
         Self {
             restart_backoff: Duration::from_secs(10),
+            stager_image: DEFAULT_STAGER_IMAGE.to_string(),
         }
     }
 }
@@ -223,6 +240,30 @@ fn kind_label<K: Resource<DynamicType = ()>>() -> &'static str {
         "DataStage" => data_stage::CONTROLLER,
         _ => "unknown",
     }
+}
+
+/// Whether the API server answered 404.
+pub(crate) fn is_not_found(error: &kube::Error) -> bool {
+    matches!(error, kube::Error::Api(status) if status.code == 404)
+}
+
+/// Whether the API server answered 409 (exists, or a conflicting write).
+pub(crate) fn is_conflict(error: &kube::Error) -> bool {
+    matches!(error, kube::Error::Api(status) if status.code == 409)
+}
+
+/// Server-side apply of `object` as `ringmaster`, taking over fields from other managers.
+pub(crate) async fn server_side_apply<K>(api: &Api<K>, object: &K) -> Result<(), kube::Error>
+where
+    K: Resource + serde::Serialize + Clone + DeserializeOwned + Debug,
+{
+    api.patch(
+        &object.name_any(),
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(object),
+    )
+    .await
+    .map(|_| ())
 }
 
 /// The current time as a Kubernetes timestamp (the one clock read of a reconciliation).
@@ -367,7 +408,19 @@ pub async fn run(
             kube::runtime::controller::Config::default().debounce(Duration::from_millis(200)),
         )
         .graceful_shutdown_on(shutdown.clone().cancelled_owned());
+    // Only the children made for DataStages are cached.
+    let stage_children = watcher::Config::default()
+        .labels(data_stage::build::STAGE_LABEL)
+        .any_semantic();
     let stages = Controller::new(scope.api::<DeserializeGuard<DataStage>>(&ctx.client), watch)
+        .owns(
+            scope.api::<k8s_openapi::api::batch::v1::Job>(&ctx.client),
+            stage_children.clone(),
+        )
+        .owns(
+            scope.api::<k8s_openapi::api::core::v1::PersistentVolumeClaim>(&ctx.client),
+            stage_children,
+        )
         .graceful_shutdown_on(shutdown.clone().cancelled_owned());
 
     let stage_store = stages.store();

@@ -117,6 +117,10 @@ pub struct StageArgs {
     /// Seconds between progress reports.
     #[arg(long, default_value_t = 2.0)]
     pub progress_interval: f64,
+    /// Also write the error (or the JSON summary) to this file: a pod's termination message,
+    /// which Kubernetes shows in the pod's status.
+    #[arg(long)]
+    pub termination_message: Option<PathBuf>,
     /// Attempts per file for errors in the middle of a download (each request is also
     /// retried with backoff on throttling and server errors).
     #[arg(long, default_value_t = 4)]

@@ -234,6 +234,7 @@ impl Operator {
             Some("e2e".into()),
             OperatorConfig {
                 restart_backoff: Duration::from_millis(500),
+                ..OperatorConfig::default()
             },
         ));
         let scope = Scope {

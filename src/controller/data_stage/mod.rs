@@ -1,12 +1,17 @@
 //! The DataStage controller: validate → build → apply → status.
 //!
-//! This version carries the validate and status steps; the volume, claim and copy Job are
-//! not in it yet, and the status says so.
+//! A valid DataStage gets a PersistentVolume and claim (or uses the user's claim), a
+//! ServiceAccount with a Role that may only patch this DataStage's status, and a Job that
+//! runs `ringmaster stage` once the claim is bound. The status follows the claim and the
+//! Job; the stager itself writes `status.progress` while it copies.
 
+pub mod apply;
+pub mod build;
 pub mod status;
 pub mod validate;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kube::Resource;
 use kube::core::error_boundary::DeserializeGuard;
@@ -14,11 +19,16 @@ use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
 
 use super::{Context, Error, is_warning, now, object_key};
-use crate::api::DataStage;
+use crate::api::{DataStage, DataStagePhase};
 use crate::validation::FieldErrors;
+use status::{ClaimState, CopyState};
 
 /// The controller's name in metrics and logs.
 pub const CONTROLLER: &str = "datastage";
+
+/// How often a DataStage waiting for a claim it does not own is looked at again (changes
+/// of claims we own wake it at once).
+const BINDING_RECHECK: Duration = Duration::from_secs(10);
 
 /// Reconciles one DataStage.
 pub async fn reconcile(
@@ -26,18 +36,18 @@ pub async fn reconcile(
     ctx: Arc<Context>,
 ) -> Result<Action, Error> {
     let _timer = ctx.metrics.reconcile_started(CONTROLLER);
-    let validated = match &object.0 {
-        Ok(stage) => validate::validate(stage),
-        Err(invalid) => Err(FieldErrors::one(
-            "",
-            format!(
-                "the object does not match the DataStage schema: {}",
-                invalid.error
-            ),
-        )),
+    let key = object_key(object.as_ref());
+    let stage_error = |source| Error::StageApply {
+        name: key.clone(),
+        source,
     };
-    if let Err(errors) = &validated {
-        tracing::info!(stage = %object_key(object.as_ref()), %errors, "invalid DataStage spec");
+    if let Ok(raw) = &object.0
+        && raw.meta().deletion_timestamp.is_some()
+    {
+        apply::finalize(&ctx.client, raw)
+            .await
+            .map_err(stage_error)?;
+        return Ok(Action::await_change());
     }
     let old = object
         .0
@@ -45,38 +55,99 @@ pub async fn reconcile(
         .ok()
         .and_then(|stage| stage.status.clone())
         .unwrap_or_default();
-    let new = status::after_validation(
-        &old,
-        object.meta().generation,
-        validated.as_ref().map(|_| ()),
-        &now(),
-    );
-    if new != old {
-        let value = serde_json::to_value(&new).expect("status serializes");
-        ctx.write_status(
-            object.as_ref(),
-            &old.conditions,
-            &new.conditions,
-            value,
-            is_warning,
-        )
-        .await?;
-        // Allowed-but-risky settings are said once per change of the spec, with the status.
-        if let Ok(stage) = &validated {
-            for warning in &stage.warnings {
-                let event = Event {
-                    type_: EventType::Warning,
-                    reason: "InsecureAuth".into(),
-                    note: Some(warning.clone()),
-                    action: "Validate".into(),
-                    secondary: None,
-                };
-                if let Err(error) = ctx.recorder.publish(&event, &object.object_ref(&())).await {
-                    tracing::warn!(%error, "could not publish Event");
-                }
+    let generation = object.meta().generation;
+    let (raw, stage) = match validated(&object) {
+        Ok(pair) => pair,
+        Err(errors) => {
+            tracing::info!(stage = %key, %errors, "invalid DataStage spec");
+            let new = status::invalid(&old, generation, &errors, &now());
+            write(&ctx, &object, &old, &new).await?;
+            ctx.succeeded(&key);
+            return Ok(Action::await_change());
+        }
+    };
+
+    apply::ensure_finalizer(&ctx.client, raw, &stage)
+        .await
+        .map_err(stage_error)?;
+    apply::storage_and_rbac(&ctx.client, &stage)
+        .await
+        .map_err(stage_error)?;
+    let claim = apply::claim_state(&ctx.client, &stage)
+        .await
+        .map_err(stage_error)?;
+    let inputs = build::BuildInputs {
+        stager_image: ctx.config.stager_image.clone(),
+    };
+    let copy = if old.phase == DataStagePhase::Ready {
+        // Done once: a Job deleted later (by hand or a TTL) does not copy again.
+        CopyState::Succeeded {
+            start: old.start_time.clone(),
+            completion: old.completion_time.clone(),
+        }
+    } else {
+        apply::copy_state(&ctx.client, &stage, &inputs, claim == ClaimState::Bound)
+            .await
+            .map_err(stage_error)?
+    };
+    let claim_name = build::Names::of(&stage).claim;
+    let new = status::observed(&old, generation, &claim_name, &claim, &copy, &now());
+    let first_look = old.observed_generation != generation;
+    write(&ctx, &object, &old, &new).await?;
+    // Allowed-but-risky settings are said once per change of the spec.
+    if first_look {
+        for warning in &stage.warnings {
+            let event = Event {
+                type_: EventType::Warning,
+                reason: "InsecureAuth".into(),
+                note: Some(warning.clone()),
+                action: "Validate".into(),
+                secondary: None,
+            };
+            if let Err(error) = ctx.recorder.publish(&event, &object.object_ref(&())).await {
+                tracing::warn!(%error, "could not publish Event");
             }
         }
     }
-    ctx.succeeded(&object_key(object.as_ref()));
-    Ok(Action::await_change())
+    ctx.succeeded(&key);
+    Ok(match (&claim, &copy) {
+        (ClaimState::Bound, _) => Action::await_change(),
+        _ => Action::requeue(BINDING_RECHECK),
+    })
+}
+
+/// The object and its validated form, or what is wrong with it (including an object that
+/// does not even match the schema's types).
+fn validated(
+    object: &DeserializeGuard<DataStage>,
+) -> Result<(&DataStage, validate::ValidatedDataStage), FieldErrors> {
+    match &object.0 {
+        Ok(stage) => validate::validate(stage).map(|v| (stage, v)),
+        Err(invalid) => Err(FieldErrors::one(
+            "",
+            format!(
+                "the object does not match the DataStage schema: {}",
+                invalid.error
+            ),
+        )),
+    }
+}
+
+/// Writes the status when it changed. `progress` is the stager's: never written here, so
+/// this field manager never owns it and cannot overwrite a newer report.
+async fn write(
+    ctx: &Context,
+    object: &DeserializeGuard<DataStage>,
+    old: &crate::api::DataStageStatus,
+    new: &crate::api::DataStageStatus,
+) -> Result<(), Error> {
+    if new == old {
+        return Ok(());
+    }
+    let mut value = serde_json::to_value(new).expect("status serializes");
+    if let Some(map) = value.as_object_mut() {
+        map.remove("progress");
+    }
+    ctx.write_status(object, &old.conditions, &new.conditions, value, is_warning)
+        .await
 }

@@ -3,15 +3,14 @@
 //! the Service, workers, then the launcher. Everything is owned by the job.
 
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
-use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
-use kube::{Api, Client, Resource, ResourceExt};
-use serde::Serialize;
+use kube::api::{DeleteParams, PostParams};
+use kube::{Api, Client, ResourceExt};
 
 use super::build::{self, BuildInputs, SshKeys};
 use super::names;
 use super::plan::Plan;
 use super::validate::ValidatedTrainingJob;
-use crate::controller::FIELD_MANAGER;
+use crate::controller::{is_conflict, is_not_found, server_side_apply};
 
 /// Errors carrying out a plan.
 #[derive(Debug, thiserror::Error)]
@@ -42,27 +41,6 @@ fn kube_error(
         name,
         source,
     }
-}
-
-fn is_not_found(error: &kube::Error) -> bool {
-    matches!(error, kube::Error::Api(status) if status.code == 404)
-}
-
-fn is_conflict(error: &kube::Error) -> bool {
-    matches!(error, kube::Error::Api(status) if status.code == 409)
-}
-
-async fn server_side_apply<K>(api: &Api<K>, object: &K) -> Result<(), kube::Error>
-where
-    K: Resource + Serialize + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
-{
-    api.patch(
-        &object.name_any(),
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(object),
-    )
-    .await
-    .map(|_| ())
 }
 
 /// Deletes pods; a pod already gone is fine.

@@ -1,0 +1,273 @@
+//! Apply and observe steps of the DataStage controller: the children are applied
+//! server-side (the Job is created once: its template is immutable), then the claim and the
+//! Job are read back. The PersistentVolume is cluster-scoped and cannot be owned by the
+//! DataStage, so a finalizer deletes it (never the data: reclaim policy Retain).
+
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client, ResourceExt};
+
+use super::build::{self, BuildInputs, Names};
+use super::status::{ClaimState, CopyState};
+use super::validate::ValidatedDataStage;
+use crate::api::DataStage;
+use crate::controller::{is_conflict, is_not_found, server_side_apply};
+
+/// The finalizer that deletes a DataStage's PersistentVolume object.
+pub const FINALIZER: &str = "ringmaster.dev/volume";
+
+/// Errors applying or reading a DataStage's children.
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyError {
+    /// The API server refused a call.
+    #[error("{action} {kind} {name}: {source}")]
+    Kube {
+        action: &'static str,
+        kind: &'static str,
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
+}
+
+fn kube_error(
+    action: &'static str,
+    kind: &'static str,
+    name: &str,
+) -> impl FnOnce(kube::Error) -> ApplyError {
+    let name = name.to_string();
+    move |source| ApplyError::Kube {
+        action,
+        kind,
+        name,
+        source,
+    }
+}
+
+/// Writes `finalizers` with a merge patch that carries `resource_version`, so it fails
+/// (and the reconcile is retried) when the list changed underneath.
+async fn set_finalizers(
+    api: &Api<DataStage>,
+    name: &str,
+    resource_version: Option<String>,
+    finalizers: Vec<String>,
+) -> Result<(), kube::Error> {
+    let patch = serde_json::json!({
+        "metadata": {"finalizers": finalizers, "resourceVersion": resource_version}
+    });
+    api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map(|_| ())
+}
+
+/// Makes sure the finalizer is on the DataStage (only when it has a volume of ours).
+pub async fn ensure_finalizer(
+    client: &Client,
+    object: &DataStage,
+    stage: &ValidatedDataStage,
+) -> Result<(), ApplyError> {
+    let finalizers = object.finalizers();
+    if build::volume(stage).is_none() || finalizers.iter().any(|f| f == FINALIZER) {
+        return Ok(());
+    }
+    let api: Api<DataStage> = Api::namespaced(client.clone(), &stage.namespace);
+    let mut wanted = finalizers.to_vec();
+    wanted.push(FINALIZER.to_string());
+    set_finalizers(&api, &stage.name, object.resource_version(), wanted)
+        .await
+        .map_err(kube_error("add the finalizer to", "DataStage", &stage.name))
+}
+
+/// On deletion: deletes the volume object (the data stays), then drops the finalizer.
+pub async fn finalize(client: &Client, stage: &DataStage) -> Result<(), ApplyError> {
+    let name = stage.name_any();
+    if let Some(volume) = volume_of(stage) {
+        let volumes: Api<PersistentVolume> = Api::all(client.clone());
+        match volumes.delete(&volume, &Default::default()).await {
+            Ok(_) => {}
+            Err(e) if is_not_found(&e) => {}
+            Err(e) => return Err(kube_error("delete", "PersistentVolume", &volume)(e)),
+        }
+    }
+    if !stage.finalizers().iter().any(|f| f == FINALIZER) {
+        return Ok(());
+    }
+    let api: Api<DataStage> =
+        Api::namespaced(client.clone(), &stage.namespace().unwrap_or_default());
+    let rest = stage
+        .finalizers()
+        .iter()
+        .filter(|f| *f != FINALIZER)
+        .cloned()
+        .collect();
+    match set_finalizers(&api, &name, stage.resource_version(), rest).await {
+        Ok(()) => Ok(()),
+        Err(e) if is_not_found(&e) => Ok(()),
+        Err(e) => Err(kube_error("remove the finalizer from", "DataStage", &name)(
+            e,
+        )),
+    }
+}
+
+/// Applies the ServiceAccount, Role, RoleBinding, volume and claim.
+pub async fn storage_and_rbac(
+    client: &Client,
+    stage: &ValidatedDataStage,
+) -> Result<(), ApplyError> {
+    let ns = &stage.namespace;
+    if let Some(account) = build::service_account(stage) {
+        let api: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
+        server_side_apply(&api, &account).await.map_err(kube_error(
+            "apply",
+            "ServiceAccount",
+            &account.name_any(),
+        ))?;
+    }
+    let role = build::role(stage);
+    server_side_apply(&Api::<Role>::namespaced(client.clone(), ns), &role)
+        .await
+        .map_err(kube_error("apply", "Role", &role.name_any()))?;
+    let binding = build::role_binding(stage);
+    server_side_apply(
+        &Api::<RoleBinding>::namespaced(client.clone(), ns),
+        &binding,
+    )
+    .await
+    .map_err(kube_error("apply", "RoleBinding", &binding.name_any()))?;
+    if let Some(volume) = build::volume(stage) {
+        server_side_apply(&Api::<PersistentVolume>::all(client.clone()), &volume)
+            .await
+            .map_err(kube_error("apply", "PersistentVolume", &volume.name_any()))?;
+    }
+    if let Some(claim) = build::claim(stage) {
+        let api: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+        server_side_apply(&api, &claim).await.map_err(kube_error(
+            "apply",
+            "PersistentVolumeClaim",
+            &claim.name_any(),
+        ))?;
+    }
+    Ok(())
+}
+
+/// Reads the claim.
+pub async fn claim_state(
+    client: &Client,
+    stage: &ValidatedDataStage,
+) -> Result<ClaimState, ApplyError> {
+    let name = Names::of(stage).claim;
+    let api: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), &stage.namespace);
+    let claim =
+        api.get_opt(&name)
+            .await
+            .map_err(kube_error("read", "PersistentVolumeClaim", &name))?;
+    Ok(match claim {
+        None => ClaimState::Missing,
+        Some(claim) => match claim.status.and_then(|s| s.phase).as_deref() {
+            Some("Bound") => ClaimState::Bound,
+            phase => ClaimState::Unbound(phase.unwrap_or("Pending").to_string()),
+        },
+    })
+}
+
+/// Reads the copy Job, creating it first when `start` and it does not exist.
+pub async fn copy_state(
+    client: &Client,
+    stage: &ValidatedDataStage,
+    inputs: &BuildInputs,
+    start: bool,
+) -> Result<CopyState, ApplyError> {
+    let name = Names::of(stage).job;
+    let jobs: Api<Job> = Api::namespaced(client.clone(), &stage.namespace);
+    let mut job = jobs
+        .get_opt(&name)
+        .await
+        .map_err(kube_error("read", "Job", &name))?;
+    if job.is_none() && start {
+        let built = build::job(stage, inputs);
+        job = match jobs.create(&PostParams::default(), &built).await {
+            Ok(job) => Some(job),
+            // Made by an earlier reconcile whose answer was lost: read it.
+            Err(e) if is_conflict(&e) => jobs
+                .get_opt(&name)
+                .await
+                .map_err(kube_error("read", "Job", &name))?,
+            Err(e) => return Err(kube_error("create", "Job", &name)(e)),
+        };
+    }
+    let Some(job) = job else {
+        return Ok(CopyState::NotStarted);
+    };
+    let status = job.status.unwrap_or_default();
+    let condition = |type_: &str| {
+        status
+            .conditions
+            .iter()
+            .flatten()
+            .find(|c| c.type_ == type_ && c.status == "True")
+            .cloned()
+    };
+    if condition("Complete").is_some() {
+        return Ok(CopyState::Succeeded {
+            start: status.start_time,
+            completion: status.completion_time,
+        });
+    }
+    if let Some(failed) = condition("Failed") {
+        let why = stager_message(client, stage, &name).await;
+        let job_message = failed.message.unwrap_or_default();
+        let message = match why {
+            Some(why) => format!("{why} ({job_message})"),
+            None => job_message,
+        };
+        return Ok(CopyState::Failed { message });
+    }
+    Ok(CopyState::Running {
+        start: status.start_time,
+    })
+}
+
+/// The last failed stager pod's termination message (the stager's own error), if any.
+/// Read once, when the Job has failed.
+async fn stager_message(client: &Client, stage: &ValidatedDataStage, job: &str) -> Option<String> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &stage.namespace);
+    let list = pods
+        .list(&ListParams::default().labels(&format!("batch.kubernetes.io/job-name={job}")))
+        .await
+        .ok()?;
+    list.items
+        .iter()
+        .filter_map(|pod| {
+            let terminated = pod
+                .status
+                .as_ref()?
+                .container_statuses
+                .as_ref()?
+                .iter()
+                .find_map(|c| c.state.as_ref()?.terminated.clone())?;
+            if terminated.exit_code == 0 {
+                return None;
+            }
+            let text = terminated
+                .message
+                .filter(|m| !m.trim().is_empty())
+                .or(terminated.reason)
+                .unwrap_or_else(|| format!("exit code {}", terminated.exit_code));
+            Some((
+                terminated.finished_at,
+                format!("pod {}: {}", pod.name_any(), text.trim()),
+            ))
+        })
+        .max_by(|a, b| a.0.cmp(&b.0))
+        .map(|(_, text)| text)
+}
+
+/// The volume name of a DataStage from its object alone (for deletion, when the spec may
+/// no longer validate): only NFS and Azure Files destinations have one.
+pub fn volume_of(stage: &DataStage) -> Option<String> {
+    let dest = &stage.spec.destination;
+    (dest.existing_claim.is_none())
+        .then(|| format!("ringmaster-{}", stage.uid().unwrap_or_default()))
+}

@@ -1,0 +1,203 @@
+//! The DataStage build and status steps from the samples: the children's contents and the
+//! phase each observed state gives.
+
+#[path = "common/mod.rs"]
+mod fixtures;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use ringmaster::api::{DataStagePhase, DataStageStatus};
+use ringmaster::controller::data_stage::build::{self, BuildInputs, Names};
+use ringmaster::controller::data_stage::status::{self, ClaimState, CopyState};
+use ringmaster::controller::data_stage::validate::{ValidatedDataStage, validate_value};
+use serde_json::{Value, json};
+
+fn sample(file: &str, edit: impl FnOnce(&mut Value)) -> ValidatedDataStage {
+    let path = fixtures::root().join("config/samples").join(file);
+    let mut object = fixtures::ringmaster_objects(&path).remove(0);
+    object["metadata"]["namespace"] = json!("ml");
+    object["metadata"]["uid"] = json!("0b5e7c1a-0000-4000-8000-0000000000ds");
+    edit(&mut object);
+    validate_value(&object, None).unwrap_or_else(|e| panic!("{file}: {e}"))
+}
+
+fn imagenet() -> ValidatedDataStage {
+    sample("datastage-imagenet-azure-sas.yaml", |_| {})
+}
+
+fn value<T: serde::Serialize>(v: &T) -> Value {
+    serde_json::to_value(v).unwrap()
+}
+
+fn inputs() -> BuildInputs {
+    BuildInputs {
+        stager_image: "example.azurecr.io/ringmaster:test".into(),
+    }
+}
+
+fn env(container: &Value, name: &str) -> Value {
+    container["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == name)
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
+#[test]
+fn nfs_volume_is_retained_pre_bound_and_mounted_read_write_by_the_copy_job() {
+    let stage = imagenet();
+    let names = Names::of(&stage);
+    let pv = value(&build::volume(&stage).unwrap());
+    assert_eq!(pv["metadata"]["name"], names.volume);
+    assert_eq!(pv["spec"]["nfs"], json!({"server": "10.0.0.4", "path": "/export/datasets"}));
+    assert_eq!(pv["spec"]["persistentVolumeReclaimPolicy"], "Retain");
+    assert_eq!(pv["spec"]["capacity"]["storage"], "200Gi");
+    assert_eq!(pv["spec"]["accessModes"], json!(["ReadWriteMany"]));
+    assert_eq!(pv["spec"]["mountOptions"][1], "nconnect=8");
+    assert_eq!(pv["spec"]["claimRef"], json!({"namespace": "ml", "name": names.claim}));
+    assert!(pv["metadata"]["ownerReferences"].is_null(), "a PV cannot be owned by a namespaced object");
+
+    let pvc = value(&build::claim(&stage).unwrap());
+    assert_eq!(pvc["metadata"]["name"], "imagenet-data");
+    assert_eq!(pvc["spec"]["volumeName"], names.volume);
+    assert_eq!(pvc["spec"]["storageClassName"], "");
+    assert_eq!(pvc["metadata"]["ownerReferences"][0]["kind"], "DataStage");
+
+    let job = value(&build::job(&stage, &inputs()));
+    let pod = &job["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    assert_eq!(c["image"], "example.azurecr.io/ringmaster:test");
+    assert_eq!(c["args"][0], "stage");
+    assert_eq!(c["volumeMounts"], json!([{"name": "data", "mountPath": "/data"}]));
+    assert!(c["volumeMounts"][0]["readOnly"].is_null());
+    assert_eq!(pod["volumes"][0]["persistentVolumeClaim"]["claimName"], "imagenet-data");
+    assert_eq!(env(c, "RINGMASTER_STAGE_DESTINATION")["value"], "/data/imagenet");
+    assert_eq!(env(c, "RINGMASTER_STAGE_PREFIX")["value"], "ILSVRC2012/");
+    assert_eq!(env(c, "RINGMASTER_STAGE_ENDPOINT")["value"], "https://mydatasets.blob.core.windows.net");
+    assert_eq!(env(c, "RINGMASTER_STAGE_PARALLELISM")["value"], "32");
+    assert_eq!(env(c, "RINGMASTER_DATASTAGE")["value"], "ml/imagenet");
+    assert_eq!(
+        env(c, "AZURE_STORAGE_SAS_TOKEN")["valueFrom"]["secretKeyRef"],
+        json!({"name": "imagenet-sas", "key": "sasToken"})
+    );
+    assert!(env(c, "AZURE_STORAGE_ACCOUNT_KEY").is_null());
+    assert_eq!(pod["serviceAccountName"], names.stager);
+    assert_eq!(pod["restartPolicy"], "Never");
+    assert_eq!(job["spec"]["backoffLimit"], 3);
+    assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true);
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+}
+
+#[test]
+fn the_stager_may_patch_only_its_own_datastage_status() {
+    let stage = imagenet();
+    let role = value(&build::role(&stage));
+    assert_eq!(
+        role["rules"],
+        json!([{
+            "apiGroups": ["ringmaster.dev"],
+            "resources": ["datastages/status"],
+            "resourceNames": ["imagenet"],
+            "verbs": ["get", "patch"],
+        }])
+    );
+    let binding = value(&build::role_binding(&stage));
+    assert_eq!(binding["subjects"][0]["name"], Names::of(&stage).stager);
+    assert_eq!(binding["roleRef"]["name"], Names::of(&stage).stager);
+    assert!(build::service_account(&stage).is_some());
+}
+
+#[test]
+fn azure_files_nfs_uses_the_csi_driver() {
+    let stage = sample("datastage-imagenet-azure-sas.yaml", |o| {
+        o["spec"]["destination"] = json!({"azureFileNfs": {"storageAccount": "premiumfiles", "shareName": "datasets", "resourceGroup": "rg-ml"}});
+    });
+    let pv = value(&build::volume(&stage).unwrap());
+    let csi = &pv["spec"]["csi"];
+    assert_eq!(csi["driver"], "file.csi.azure.com");
+    assert_eq!(csi["volumeAttributes"]["protocol"], "nfs");
+    assert_eq!(csi["volumeAttributes"]["shareName"], "datasets");
+    assert_eq!(csi["volumeAttributes"]["resourceGroup"], "rg-ml");
+    assert!(csi["volumeHandle"].as_str().unwrap().starts_with("rg-ml#premiumfiles#datasets#"));
+    assert!(pv["spec"]["nfs"].is_null());
+}
+
+#[test]
+fn an_existing_claim_gets_no_volume_and_is_mounted_as_is() {
+    let stage = sample("datastage-azurite.yaml", |_| {});
+    assert!(build::volume(&stage).is_none() && build::claim(&stage).is_none());
+    let job = value(&build::job(&stage, &inputs()));
+    let c = &job["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(job["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"], "tiny-images");
+    assert_eq!(
+        env(c, "AZURE_STORAGE_ACCOUNT_KEY")["valueFrom"]["secretKeyRef"]["name"],
+        "azurite-account-key"
+    );
+    assert_eq!(env(c, "RINGMASTER_STAGE_AUTH")["value"], "account-key");
+}
+
+#[test]
+fn workload_identity_runs_as_the_users_service_account() {
+    let stage = sample("datastage-imagenet-azure-sas.yaml", |o| {
+        o["spec"]["source"]["azureBlob"]["auth"] = json!({"workloadIdentity": {"serviceAccountName": "blob-reader"}});
+    });
+    assert!(build::service_account(&stage).is_none());
+    let job = value(&build::job(&stage, &inputs()));
+    let template = &job["spec"]["template"];
+    assert_eq!(template["spec"]["serviceAccountName"], "blob-reader");
+    assert_eq!(template["metadata"]["labels"]["azure.workload.identity/use"], "true");
+    assert_eq!(value(&build::role_binding(&stage))["subjects"][0]["name"], "blob-reader");
+}
+
+fn condition<'a>(status: &'a Value, type_: &str) -> &'a Value {
+    status["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == type_)
+        .unwrap_or_else(|| panic!("no {type_} in {status:#}"))
+}
+
+#[test]
+fn phases_follow_the_claim_and_the_job_and_keep_the_stagers_progress() {
+    let now = Time(Timestamp::from_second(1_800_000_000).unwrap());
+    let mut old = DataStageStatus::default();
+    old.progress = Some(ringmaster::api::Progress {
+        files_done: 7,
+        ..Default::default()
+    });
+    let step = |old: &DataStageStatus, claim: ClaimState, copy: CopyState| {
+        status::observed(old, Some(1), "imagenet-data", &claim, &copy, &now)
+    };
+    let binding = step(&old, ClaimState::Unbound("Pending".into()), CopyState::NotStarted);
+    assert_eq!(binding.phase, DataStagePhase::Binding);
+    assert_eq!(binding.progress.as_ref().unwrap().files_done, 7);
+    let v = value(&binding);
+    assert_eq!(condition(&v, "VolumeBound")["status"], "False");
+    assert_eq!(condition(&v, "Reconciling")["status"], "True");
+
+    let missing = step(&old, ClaimState::Missing, CopyState::NotStarted);
+    assert_eq!(missing.phase, DataStagePhase::Pending);
+    assert_eq!(condition(&value(&missing), "VolumeBound")["reason"], "ClaimNotFound");
+
+    let copying = step(&binding, ClaimState::Bound, CopyState::Running { start: Some(now.clone()) });
+    assert_eq!(copying.phase, DataStagePhase::Copying);
+    assert_eq!(copying.start_time, Some(now.clone()));
+
+    let ready = step(&copying, ClaimState::Bound, CopyState::Succeeded { start: None, completion: Some(now.clone()) });
+    assert_eq!(ready.phase, DataStagePhase::Ready);
+    assert_eq!(ready.claim_name.as_deref(), Some("imagenet-data"));
+    assert_eq!(ready.start_time, Some(now.clone()), "kept from Copying");
+    let v = value(&ready);
+    assert_eq!(condition(&v, "Ready")["status"], "True");
+    assert_eq!(condition(&v, "Stalled")["status"], "False");
+
+    let failed = step(&copying, ClaimState::Bound, CopyState::Failed { message: "pod x: listing … credential was refused".into() });
+    assert_eq!(failed.phase, DataStagePhase::Failed);
+    let v = value(&failed);
+    assert_eq!(condition(&v, "Ready")["reason"], "CopyFailed");
+    assert!(condition(&v, "Ready")["message"].as_str().unwrap().contains("credential was refused"));
+    assert_eq!(condition(&v, "Stalled")["status"], "True");
+}
