@@ -46,7 +46,7 @@ azurite: ## Install Azurite (Microsoft's Blob Storage emulator, npm) into the ca
 	  npm install --prefix $(RINGMASTER_CACHE)/azurite-$(AZURITE_VERSION) --no-audit --no-fund --loglevel=error azurite@$(AZURITE_VERSION) >/dev/null; }
 
 .PHONY: e2e
-e2e: ## End-to-end tests on the local cluster (started and stopped around them; KEEP_CLUSTER=1 keeps it)
+e2e: azurite ## End-to-end tests on the local cluster (started and stopped around them; KEEP_CLUSTER=1 keeps it)
 	TEST_THREADS=$(TEST_THREADS) e2e/test.sh
 
 .PHONY: run
@@ -85,6 +85,13 @@ bench-allreduce: mpi ## Benchmark: TCP-ring all-reduce vs Open MPI's MPI_Allredu
 	$(CARGO) build --release --locked -p ringmaster-trainer
 	TRAINER=$(CARGO_TARGET_DIR)/release/ringmaster-trainer trainer/bench/allreduce-vs-mpi.sh
 	TRAINER=$(CARGO_TARGET_DIR)/release/ringmaster-trainer MPI_BTL=self,tcp trainer/bench/allreduce-vs-mpi.sh
+
+.PHONY: bench-stage
+bench-stage: azurite ## Benchmark: `ringmaster stage` from Azurite to disk (1,000 × 1 MiB, 4 × 256 MiB) next to the Python SDK's parallel download_blob
+	$(CARGO) build --release --locked -p ringmaster --bin ringmaster
+	@test -x $(RINGMASTER_CACHE)/pysdk/bin/python || python3 -m venv $(RINGMASTER_CACHE)/pysdk
+	@$(RINGMASTER_CACHE)/pysdk/bin/python -c 'import azure.storage.blob' 2>/dev/null || $(RINGMASTER_CACHE)/pysdk/bin/pip install -q azure-storage-blob
+	$(RINGMASTER_CACHE)/pysdk/bin/python bench/stage-vs-sdk.py $(CARGO_TARGET_DIR)/release/ringmaster $(RINGMASTER_CACHE)/azurite-$(AZURITE_VERSION)/node_modules/.bin/azurite-blob
 
 .PHONY: bench-trainer
 bench-trainer: ## Benchmark: CPU images/s of ResNet-18 at 64×64 and ResNet-50 at 224×224, batch 32 (release)

@@ -51,13 +51,22 @@ fn nfs_volume_is_retained_pre_bound_and_mounted_read_write_by_the_copy_job() {
     let names = Names::of(&stage);
     let pv = value(&build::volume(&stage).unwrap());
     assert_eq!(pv["metadata"]["name"], names.volume);
-    assert_eq!(pv["spec"]["nfs"], json!({"server": "10.0.0.4", "path": "/export/datasets"}));
+    assert_eq!(
+        pv["spec"]["nfs"],
+        json!({"server": "10.0.0.4", "path": "/export/datasets"})
+    );
     assert_eq!(pv["spec"]["persistentVolumeReclaimPolicy"], "Retain");
     assert_eq!(pv["spec"]["capacity"]["storage"], "200Gi");
     assert_eq!(pv["spec"]["accessModes"], json!(["ReadWriteMany"]));
     assert_eq!(pv["spec"]["mountOptions"][1], "nconnect=8");
-    assert_eq!(pv["spec"]["claimRef"], json!({"namespace": "ml", "name": names.claim}));
-    assert!(pv["metadata"]["ownerReferences"].is_null(), "a PV cannot be owned by a namespaced object");
+    assert_eq!(
+        pv["spec"]["claimRef"],
+        json!({"namespace": "ml", "name": names.claim})
+    );
+    assert!(
+        pv["metadata"]["ownerReferences"].is_null(),
+        "a PV cannot be owned by a namespaced object"
+    );
 
     let pvc = value(&build::claim(&stage).unwrap());
     assert_eq!(pvc["metadata"]["name"], "imagenet-data");
@@ -70,12 +79,24 @@ fn nfs_volume_is_retained_pre_bound_and_mounted_read_write_by_the_copy_job() {
     let c = &pod["containers"][0];
     assert_eq!(c["image"], "example.azurecr.io/ringmaster:test");
     assert_eq!(c["args"][0], "stage");
-    assert_eq!(c["volumeMounts"], json!([{"name": "data", "mountPath": "/data"}]));
+    assert_eq!(
+        c["volumeMounts"],
+        json!([{"name": "data", "mountPath": "/data"}])
+    );
     assert!(c["volumeMounts"][0]["readOnly"].is_null());
-    assert_eq!(pod["volumes"][0]["persistentVolumeClaim"]["claimName"], "imagenet-data");
-    assert_eq!(env(c, "RINGMASTER_STAGE_DESTINATION")["value"], "/data/imagenet");
+    assert_eq!(
+        pod["volumes"][0]["persistentVolumeClaim"]["claimName"],
+        "imagenet-data"
+    );
+    assert_eq!(
+        env(c, "RINGMASTER_STAGE_DESTINATION")["value"],
+        "/data/imagenet"
+    );
     assert_eq!(env(c, "RINGMASTER_STAGE_PREFIX")["value"], "ILSVRC2012/");
-    assert_eq!(env(c, "RINGMASTER_STAGE_ENDPOINT")["value"], "https://mydatasets.blob.core.windows.net");
+    assert_eq!(
+        env(c, "RINGMASTER_STAGE_ENDPOINT")["value"],
+        "https://mydatasets.blob.core.windows.net"
+    );
     assert_eq!(env(c, "RINGMASTER_STAGE_PARALLELISM")["value"], "32");
     assert_eq!(env(c, "RINGMASTER_DATASTAGE")["value"], "ml/imagenet");
     assert_eq!(
@@ -120,7 +141,12 @@ fn azure_files_nfs_uses_the_csi_driver() {
     assert_eq!(csi["volumeAttributes"]["protocol"], "nfs");
     assert_eq!(csi["volumeAttributes"]["shareName"], "datasets");
     assert_eq!(csi["volumeAttributes"]["resourceGroup"], "rg-ml");
-    assert!(csi["volumeHandle"].as_str().unwrap().starts_with("rg-ml#premiumfiles#datasets#"));
+    assert!(
+        csi["volumeHandle"]
+            .as_str()
+            .unwrap()
+            .starts_with("rg-ml#premiumfiles#datasets#")
+    );
     assert!(pv["spec"]["nfs"].is_null());
 }
 
@@ -130,7 +156,10 @@ fn an_existing_claim_gets_no_volume_and_is_mounted_as_is() {
     assert!(build::volume(&stage).is_none() && build::claim(&stage).is_none());
     let job = value(&build::job(&stage, &inputs()));
     let c = &job["spec"]["template"]["spec"]["containers"][0];
-    assert_eq!(job["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"], "tiny-images");
+    assert_eq!(
+        job["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"],
+        "tiny-images"
+    );
     assert_eq!(
         env(c, "AZURE_STORAGE_ACCOUNT_KEY")["valueFrom"]["secretKeyRef"]["name"],
         "azurite-account-key"
@@ -141,14 +170,21 @@ fn an_existing_claim_gets_no_volume_and_is_mounted_as_is() {
 #[test]
 fn workload_identity_runs_as_the_users_service_account() {
     let stage = sample("datastage-imagenet-azure-sas.yaml", |o| {
-        o["spec"]["source"]["azureBlob"]["auth"] = json!({"workloadIdentity": {"serviceAccountName": "blob-reader"}});
+        o["spec"]["source"]["azureBlob"]["auth"] =
+            json!({"workloadIdentity": {"serviceAccountName": "blob-reader"}});
     });
     assert!(build::service_account(&stage).is_none());
     let job = value(&build::job(&stage, &inputs()));
     let template = &job["spec"]["template"];
     assert_eq!(template["spec"]["serviceAccountName"], "blob-reader");
-    assert_eq!(template["metadata"]["labels"]["azure.workload.identity/use"], "true");
-    assert_eq!(value(&build::role_binding(&stage))["subjects"][0]["name"], "blob-reader");
+    assert_eq!(
+        template["metadata"]["labels"]["azure.workload.identity/use"],
+        "true"
+    );
+    assert_eq!(
+        value(&build::role_binding(&stage))["subjects"][0]["name"],
+        "blob-reader"
+    );
 }
 
 fn condition<'a>(status: &'a Value, type_: &str) -> &'a Value {
@@ -163,15 +199,21 @@ fn condition<'a>(status: &'a Value, type_: &str) -> &'a Value {
 #[test]
 fn phases_follow_the_claim_and_the_job_and_keep_the_stagers_progress() {
     let now = Time(Timestamp::from_second(1_800_000_000).unwrap());
-    let mut old = DataStageStatus::default();
-    old.progress = Some(ringmaster::api::Progress {
-        files_done: 7,
+    let old = DataStageStatus {
+        progress: Some(ringmaster::api::Progress {
+            files_done: 7,
+            ..Default::default()
+        }),
         ..Default::default()
-    });
+    };
     let step = |old: &DataStageStatus, claim: ClaimState, copy: CopyState| {
         status::observed(old, Some(1), "imagenet-data", &claim, &copy, &now)
     };
-    let binding = step(&old, ClaimState::Unbound("Pending".into()), CopyState::NotStarted);
+    let binding = step(
+        &old,
+        ClaimState::Unbound("Pending".into()),
+        CopyState::NotStarted,
+    );
     assert_eq!(binding.phase, DataStagePhase::Binding);
     assert_eq!(binding.progress.as_ref().unwrap().files_done, 7);
     let v = value(&binding);
@@ -180,13 +222,29 @@ fn phases_follow_the_claim_and_the_job_and_keep_the_stagers_progress() {
 
     let missing = step(&old, ClaimState::Missing, CopyState::NotStarted);
     assert_eq!(missing.phase, DataStagePhase::Pending);
-    assert_eq!(condition(&value(&missing), "VolumeBound")["reason"], "ClaimNotFound");
+    assert_eq!(
+        condition(&value(&missing), "VolumeBound")["reason"],
+        "ClaimNotFound"
+    );
 
-    let copying = step(&binding, ClaimState::Bound, CopyState::Running { start: Some(now.clone()) });
+    let copying = step(
+        &binding,
+        ClaimState::Bound,
+        CopyState::Running {
+            start: Some(now.clone()),
+        },
+    );
     assert_eq!(copying.phase, DataStagePhase::Copying);
     assert_eq!(copying.start_time, Some(now.clone()));
 
-    let ready = step(&copying, ClaimState::Bound, CopyState::Succeeded { start: None, completion: Some(now.clone()) });
+    let ready = step(
+        &copying,
+        ClaimState::Bound,
+        CopyState::Succeeded {
+            start: None,
+            completion: Some(now.clone()),
+        },
+    );
     assert_eq!(ready.phase, DataStagePhase::Ready);
     assert_eq!(ready.claim_name.as_deref(), Some("imagenet-data"));
     assert_eq!(ready.start_time, Some(now.clone()), "kept from Copying");
@@ -194,10 +252,21 @@ fn phases_follow_the_claim_and_the_job_and_keep_the_stagers_progress() {
     assert_eq!(condition(&v, "Ready")["status"], "True");
     assert_eq!(condition(&v, "Stalled")["status"], "False");
 
-    let failed = step(&copying, ClaimState::Bound, CopyState::Failed { message: "pod x: listing … credential was refused".into() });
+    let failed = step(
+        &copying,
+        ClaimState::Bound,
+        CopyState::Failed {
+            message: "pod x: listing … credential was refused".into(),
+        },
+    );
     assert_eq!(failed.phase, DataStagePhase::Failed);
     let v = value(&failed);
     assert_eq!(condition(&v, "Ready")["reason"], "CopyFailed");
-    assert!(condition(&v, "Ready")["message"].as_str().unwrap().contains("credential was refused"));
+    assert!(
+        condition(&v, "Ready")["message"]
+            .as_str()
+            .unwrap()
+            .contains("credential was refused")
+    );
     assert_eq!(condition(&v, "Stalled")["status"], "True");
 }

@@ -33,40 +33,8 @@ fn writer(azurite: &Azurite) -> Arc<dyn ObjectStore> {
     )
 }
 
-async fn create_container(azurite: &Azurite) {
-    // Create Container is not in object_store: a raw request with an account SAS.
-    let sas = azurite::account_sas("racwdl");
-    let url = format!("{}/{CONTAINER}?restype=container&{sas}", azurite.endpoint());
-    let status = reqwest_put(&url, &[]).await;
-    assert!(status == 201 || status == 409, "create container: {status}");
-}
-
-/// A raw HTTP/1.1 PUT on loopback (keeps the tests free of another HTTP client).
-async fn reqwest_put(url: &str, headers: &[(&str, &str)]) -> u16 {
-    let url = url.strip_prefix("http://").unwrap();
-    let (host, path) = url.split_once('/').unwrap();
-    let mut request = format!(
-        "PUT /{path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 1\r\nConnection: close\r\n"
-    );
-    for (k, v) in headers {
-        request.push_str(&format!("{k}: {v}\r\n"));
-    }
-    request.push_str("\r\nx");
-    let host = host.to_string();
-    tokio::task::spawn_blocking(move || {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(host).unwrap();
-        s.write_all(request.as_bytes()).unwrap();
-        let mut response = String::new();
-        let _ = s.read_to_string(&mut response);
-        response
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0)
-    })
-    .await
-    .unwrap()
+fn create_container(azurite: &Azurite) {
+    azurite.create_container(CONTAINER);
 }
 
 /// Uploads `files` (name → bytes) in parallel.
@@ -196,7 +164,7 @@ fn walk(dir: &Path) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn copies_a_prefix_with_a_sas_token_then_skips_and_repairs() {
     let azurite = Azurite::start();
-    create_container(&azurite).await;
+    create_container(&azurite);
     let files = dataset();
     upload(&writer(&azurite), &files).await;
     let dest = tempfile::tempdir().unwrap();
@@ -234,7 +202,7 @@ async fn copies_a_prefix_with_a_sas_token_then_skips_and_repairs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_key_or_token_is_a_clear_error_and_copies_nothing() {
     let azurite = Azurite::start();
-    create_container(&azurite).await;
+    create_container(&azurite);
     upload(&writer(&azurite), &dataset()).await;
     let dest = tempfile::tempdir().unwrap();
     let args = args(&azurite, dest.path());
@@ -256,16 +224,11 @@ async fn a_wrong_key_or_token_is_a_clear_error_and_copies_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_blob_named_dot_dot_is_refused_before_anything_is_copied() {
     let azurite = Azurite::start();
-    create_container(&azurite).await;
+    create_container(&azurite);
     upload(&writer(&azurite), &dataset()).await;
     // `../x` cannot be written through object_store (it escapes `..`): a raw request, with
     // the dots percent-encoded so no client normalises them away.
-    let sas = azurite::account_sas("racwdl");
-    let url = format!(
-        "{}/{CONTAINER}/ds/%2E%2E/%2E%2E/x?{sas}",
-        azurite.endpoint()
-    );
-    let status = reqwest_put(&url, &[("x-ms-blob-type", "BlockBlob")]).await;
+    let status = azurite.put_blob(CONTAINER, "ds/%2E%2E/%2E%2E/x", b"x");
     assert_eq!(status, 201, "Azurite took the blob");
     let dest = tempfile::tempdir().unwrap();
     let args = args(&azurite, dest.path());
@@ -281,7 +244,7 @@ async fn a_blob_named_dot_dot_is_refused_before_anything_is_copied() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_mid_copy_the_rerun_copies_only_the_rest() {
     let azurite = Azurite::start();
-    create_container(&azurite).await;
+    create_container(&azurite);
     let files = dataset();
     upload(&writer(&azurite), &files).await;
     let dest = tempfile::tempdir().unwrap();

@@ -69,15 +69,16 @@ async fn valid_resources_are_marked_valid_and_a_stage_says_it_does_not_copy_yet(
         || async { stages.get("tiny-images").await.unwrap().status.is_some() },
     )
     .await;
-    // The copy is not in this version: the status says so instead of pretending.
+    // The sample stages into a claim that does not exist here: it waits and says why.
     let status = serde_json::to_value(stages.get("tiny-images").await.unwrap().status).unwrap();
     assert_eq!(status["phase"], "Pending");
-    let ready = condition(&status, "Ready").unwrap();
+    let bound = condition(&status, "VolumeBound").unwrap();
     assert_eq!(
-        (ready["status"].as_str(), ready["reason"].as_str()),
-        (Some("False"), Some("NotImplemented"))
+        (bound["status"].as_str(), bound["reason"].as_str()),
+        (Some("False"), Some("ClaimNotFound"))
     );
-    assert_eq!(condition(&status, "Stalled").unwrap()["status"], "True");
+    assert_eq!(condition(&status, "Ready").unwrap()["status"], "False");
+    assert_eq!(condition(&status, "Reconciling").unwrap()["status"], "True");
     // Account-key auth is allowed, and warned about in an Event.
     eventually(
         Duration::from_secs(30),

@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Stager throughput from Azurite to local disk next to the official Python SDK.
+
+Runs Azurite (the npm emulator, on loopback), uploads 1,000 x 1 MiB and 4 x 256 MiB blobs,
+then copies each set to a fresh local folder twice: with `ringmaster stage` and with
+azure-storage-blob's parallel `download_blob` (a thread pool of the same width, each blob
+downloaded with max_concurrency=4 as its docs suggest for large blobs). Prints MiB/s.
+
+azcopy is what the issue asked to compare with; the Go module proxy this project can reach
+answers 403 for github.com/Azure/azure-storage-azcopy, so it cannot be built here.
+
+Usage: stage-vs-sdk.py RINGMASTER_BINARY AZURITE_BLOB_SCRIPT [--small N] [--large N]
+"""
+import argparse
+import concurrent.futures
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+from azure.storage.blob import BlobServiceClient
+
+ACCOUNT = "devstoreaccount1"
+KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+CONTAINER = "bench"
+PARALLELISM = 16
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port):
+    for _ in range(600):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit("Azurite did not start")
+
+
+def upload(container, prefix, count, size):
+    block = os.urandom(size)
+
+    def put(i):
+        container.upload_blob(f"{prefix}/blob-{i:05d}.bin", block, overwrite=True, max_concurrency=4)
+
+    with concurrent.futures.ThreadPoolExecutor(PARALLELISM) as pool:
+        list(pool.map(put, range(count)))
+
+
+def sdk_download(container, prefix, dest):
+    names = [b.name for b in container.list_blobs(name_starts_with=prefix + "/")]
+
+    def get(name):
+        path = os.path.join(dest, name[len(prefix) + 1:])
+        with open(path, "wb") as f:
+            container.download_blob(name, max_concurrency=4).readinto(f)
+        return os.path.getsize(path)
+
+    with concurrent.futures.ThreadPoolExecutor(PARALLELISM) as pool:
+        return sum(pool.map(get, names))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("ringmaster")
+    parser.add_argument("azurite")
+    parser.add_argument("--small", type=int, default=1000)
+    parser.add_argument("--large", type=int, default=4)
+    args = parser.parse_args()
+
+    work = tempfile.mkdtemp(prefix="ringmaster-bench-")
+    port = free_port()
+    azurite = subprocess.Popen(
+        [args.azurite, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--silent",
+         "--skipApiVersionCheck", "--loose", "--location", os.path.join(work, "azurite")],
+        stdout=subprocess.DEVNULL)
+    try:
+        wait_port(port)
+        endpoint = f"http://127.0.0.1:{port}/{ACCOUNT}"
+        service = BlobServiceClient(account_url=endpoint, credential={"account_name": ACCOUNT, "account_key": KEY})
+        container = service.create_container(CONTAINER)
+        sets = [("small", args.small, 1 << 20), ("large", args.large, 256 << 20)]
+        t = time.time()
+        for prefix, count, size in sets:
+            upload(container, prefix, count, size)
+        print(f"# uploaded in {time.time() - t:.1f} s")
+        print(f"# {'set':<22} {'tool':<28} {'seconds':>8} {'MiB/s':>8}")
+        for prefix, count, size in sets:
+            label = f"{count} x {size >> 20} MiB"
+            for tool in ("ringmaster stage", "python azure-storage-blob"):
+                dest = os.path.join(work, "out")
+                shutil.rmtree(dest, ignore_errors=True)
+                os.makedirs(dest)
+                subprocess.run(["sync"], check=True)
+                t = time.time()
+                if tool == "ringmaster stage":
+                    env = dict(os.environ, AZURE_STORAGE_ACCOUNT_KEY=KEY)
+                    subprocess.run(
+                        [args.ringmaster, "stage", "--account", ACCOUNT, "--container", CONTAINER,
+                         "--prefix", prefix + "/", "--endpoint", endpoint, "--destination", dest,
+                         "--parallelism", str(PARALLELISM), "--progress", "none"],
+                        env=env, check=True, stdout=subprocess.DEVNULL)
+                    total = count * size
+                else:
+                    total = sdk_download(container, prefix, dest)
+                seconds = time.time() - t
+                assert total == count * size, (tool, total)
+                print(f"  {label:<22} {tool:<28} {seconds:8.2f} {total / seconds / (1 << 20):8.1f}")
+    finally:
+        azurite.terminate()
+        azurite.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,401 @@
+//! DataStage end to end on the local control plane: the real PV controller binds the
+//! claim, the real Job controller runs the copy Job (its pod driven by KWOK), the stager
+//! reports progress as the Job's ServiceAccount (run here against Azurite), and a
+//! TrainingJob waiting on the data starts once it is Ready.
+
+mod common;
+
+#[path = "../../tests/support/azurite.rs"]
+mod azurite;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{Operator, TestNamespace, apply, client, ensure_crds, eventually};
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod, Secret};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client, ResourceExt};
+use ringmaster::api::{DataStage, TrainingJob};
+use ringmaster::stage::progress::Reporter;
+use ringmaster::stage::{AuthMethod, ProgressMode, StageArgs, VerifyMode};
+use serde_json::{Value, json};
+
+const CONTAINER: &str = "datasets";
+
+fn stage_object(name: &str, endpoint: &str, backoff_limit: u32) -> Value {
+    json!({
+        "apiVersion": "ringmaster.dev/v1alpha1",
+        "kind": "DataStage",
+        "metadata": {"name": name},
+        "spec": {
+            "source": {"azureBlob": {
+                "account": azurite::ACCOUNT,
+                "container": CONTAINER,
+                "prefix": "tiny/",
+                "endpoint": endpoint,
+                "auth": {"sasTokenSecretRef": {"name": "blob-sas", "key": "sasToken"}},
+            }},
+            "destination": {"nfs": {"server": "nfs.example.internal", "path": "/export/datasets"}, "subPath": name},
+            "capacity": "1Gi",
+            "parallelism": 4,
+            "backoffLimit": backoff_limit,
+        }
+    })
+}
+
+async fn stage_status(client: &Client, ns: &str, name: &str) -> Value {
+    let api: Api<DataStage> = Api::namespaced(client.clone(), ns);
+    api.get_opt(name)
+        .await
+        .unwrap()
+        .and_then(|s| s.status)
+        .map(|s| serde_json::to_value(s).unwrap())
+        .unwrap_or(Value::Null)
+}
+
+fn condition(status: &Value, type_: &str) -> Value {
+    status["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| c["type"] == type_)
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
+async fn wait_stage_phase(client: &Client, ns: &str, name: &str, phase: &str) -> Value {
+    let mut last = Value::Null;
+    for _ in 0..300 {
+        last = stage_status(client, ns, name).await;
+        if last["phase"] == phase {
+            return last;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("DataStage {name} never reached {phase}: {last:#}");
+}
+
+async fn sas_secret(client: &Client, ns: &str, sas: &str) {
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": {"name": "blob-sas"},
+        "stringData": {"sasToken": sas},
+    }))
+    .unwrap();
+    secrets
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap();
+}
+
+/// The copy Job's pod, once the Job controller made it.
+async fn stager_pod(client: &Client, ns: &str, job: &str) -> Pod {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let selector = format!("batch.kubernetes.io/job-name={job}");
+    for _ in 0..150 {
+        if let Some(pod) = pods
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .next()
+        {
+            return pod;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("no pod for Job {job}");
+}
+
+/// Makes KWOK end the pod with `code` and `message`.
+async fn end_pod(client: &Client, ns: &str, pod: &str, code: i32, message: &str) {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let patch = json!({"metadata": {"annotations": {
+        "kwok.ringmaster.dev/exit-code": code.to_string(),
+        "kwok.ringmaster.dev/termination-message": message,
+    }}});
+    pods.patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+}
+
+/// A client that authenticates as `namespace/service_account` with a fresh token.
+async fn client_as(admin: &Client, ns: &str, service_account: &str) -> Client {
+    let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+        Api::namespaced(admin.clone(), ns);
+    let request: k8s_openapi::api::authentication::v1::TokenRequest =
+        serde_json::from_value(json!({"spec": {"expirationSeconds": 600}})).unwrap();
+    let token = accounts
+        .create_token_request(service_account, &PostParams::default(), &request)
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .token
+        .expect("a token");
+    let kubeconfig =
+        kube::config::Kubeconfig::read_from(ringmaster_e2e::cluster::kubeconfig_path()).unwrap();
+    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .unwrap();
+    config.auth_info = kube::config::AuthInfo {
+        token: Some(token.into()),
+        ..Default::default()
+    };
+    Client::try_from(config).unwrap()
+}
+
+#[tokio::test]
+async fn a_datastage_binds_copies_with_progress_and_feeds_a_waiting_training_job() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "ds-ok").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    let azurite = azurite::Azurite::start();
+    azurite.create_container(CONTAINER);
+    for i in 0..40 {
+        let data = vec![i as u8; 1000 + i * 10];
+        assert_eq!(
+            azurite.put_blob(
+                CONTAINER,
+                &format!("tiny/train/c{}/img-{i}.bin", i % 4),
+                &data
+            ),
+            201
+        );
+    }
+    let sas = azurite::container_sas(azurite::KEY, CONTAINER, "rl");
+    sas_secret(&client, &ns.name, &sas).await;
+
+    let job = json!({
+        "apiVersion": "ringmaster.dev/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "fed"},
+        "spec": {
+            "workers": 1,
+            "image": "ringmaster-trainer:e2e",
+            "trainer": {"model": "resnet18", "steps": 10},
+            "dataStageRef": {"name": "tiny"},
+        }
+    });
+    apply(&client, &job, &ns.name, false).await.unwrap();
+    apply(
+        &client,
+        &stage_object("tiny", &azurite.endpoint(), 2),
+        &ns.name,
+        false,
+    )
+    .await
+    .unwrap();
+
+    // The volume, pre-bound and retained; the real PV controller binds the claim.
+    let stages: Api<DataStage> = Api::namespaced(client.clone(), &ns.name);
+    let uid = stages.get("tiny").await.unwrap().uid().unwrap();
+    let volumes: Api<PersistentVolume> = Api::all(client.clone());
+    let volume_name = format!("ringmaster-{uid}");
+    let status = wait_stage_phase(&client, &ns.name, "tiny", "Copying").await;
+    assert_eq!(status["claimName"], "tiny-data");
+    assert_eq!(condition(&status, "VolumeBound")["status"], "True");
+    let volume = volumes.get(&volume_name).await.unwrap();
+    let spec = volume.spec.unwrap();
+    assert_eq!(
+        spec.persistent_volume_reclaim_policy.as_deref(),
+        Some("Retain")
+    );
+    assert_eq!(spec.nfs.unwrap().server, "nfs.example.internal");
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), &ns.name);
+    let claim = claims.get("tiny-data").await.unwrap();
+    assert_eq!(claim.status.unwrap().phase.as_deref(), Some("Bound"));
+
+    // The copy Job: the claim read-write at /data, the SAS from the Secret by reference.
+    let jobs: Api<Job> = Api::namespaced(client.clone(), &ns.name);
+    let copy_job = serde_json::to_value(jobs.get("tiny-stage").await.unwrap()).unwrap();
+    let pod_spec = &copy_job["spec"]["template"]["spec"];
+    let container = &pod_spec["containers"][0];
+    assert_eq!(
+        pod_spec["volumes"][0]["persistentVolumeClaim"]["claimName"],
+        "tiny-data"
+    );
+    assert_eq!(container["volumeMounts"][0]["mountPath"], "/data");
+    let env = container["env"].as_array().unwrap();
+    let sas_env = env
+        .iter()
+        .find(|e| e["name"] == "AZURE_STORAGE_SAS_TOKEN")
+        .unwrap();
+    assert_eq!(
+        sas_env["valueFrom"]["secretKeyRef"],
+        json!({"name": "blob-sas", "key": "sasToken"})
+    );
+    assert!(
+        !copy_job.to_string().contains(&sas),
+        "the token is referenced, never copied"
+    );
+
+    // What the pod would do, as the pod's ServiceAccount: copy from Azurite, report progress.
+    let stager_client = client_as(&client, &ns.name, "tiny-stager").await;
+    let dest = tempfile::tempdir().unwrap();
+    let args = StageArgs {
+        account: azurite::ACCOUNT.into(),
+        container: CONTAINER.into(),
+        prefix: "tiny/".into(),
+        endpoint: Some(azurite.endpoint()),
+        destination: dest.path().to_path_buf(),
+        parallelism: 4,
+        verify: VerifyMode::Md5,
+        auth: AuthMethod::SasToken,
+        report_to: Some(format!("{}/tiny", ns.name)),
+        progress: ProgressMode::Log,
+        progress_interval: 0.2,
+        attempts: 2,
+        termination_message: None,
+    };
+    ringmaster::stage::install_tls_provider();
+    let store = object_store::azure::MicrosoftAzureBuilder::new()
+        .with_account(azurite::ACCOUNT)
+        .with_container_name(CONTAINER)
+        .with_endpoint(azurite.endpoint())
+        .with_allow_http(true)
+        .with_config(object_store::azure::AzureConfigKey::SasKey, &sas)
+        .build()
+        .unwrap();
+    let reporter = Reporter::Status {
+        api: Box::new(Api::namespaced(stager_client.clone(), &ns.name)),
+        name: "tiny".into(),
+    };
+    let summary = ringmaster::stage::copy(Arc::new(store), &args, &reporter)
+        .await
+        .unwrap();
+    assert_eq!(summary.files, 40);
+    let status = stage_status(&client, &ns.name, "tiny").await;
+    assert_eq!(status["progress"]["filesDone"], 40, "{status:#}");
+    assert_eq!(status["progress"]["percent"], "100.0%");
+    assert!(!status.to_string().contains(&sas));
+
+    // The stager's token may patch this DataStage's status and nothing else.
+    let other = stage_object("other", &azurite.endpoint(), 0);
+    apply(&client, &other, &ns.name, false).await.unwrap();
+    let as_stager: Api<DataStage> = Api::namespaced(stager_client.clone(), &ns.name);
+    let patch = json!({"status": {"progress": {"filesDone": 1}}});
+    let denied = as_stager
+        .patch_status("other", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(denied, kube::Error::Api(ref s) if s.code == 403),
+        "{denied}"
+    );
+    let secrets: Api<Secret> = Api::namespaced(stager_client, &ns.name);
+    let denied = secrets.get("blob-sas").await.unwrap_err();
+    assert!(
+        matches!(denied, kube::Error::Api(ref s) if s.code == 403),
+        "{denied}"
+    );
+
+    // The TrainingJob waited; the Job's pod succeeds (KWOK) → Ready → the job starts.
+    let trainings: Api<TrainingJob> = Api::namespaced(client.clone(), &ns.name);
+    eventually(
+        Duration::from_secs(30),
+        "the training job waiting for data",
+        || async {
+            trainings
+                .get("fed")
+                .await
+                .unwrap()
+                .status
+                .is_some_and(|s| serde_json::to_value(s.phase).unwrap() == "WaitingForData")
+        },
+    )
+    .await;
+    let pod = stager_pod(&client, &ns.name, "tiny-stage").await;
+    end_pod(
+        &client,
+        &ns.name,
+        &pod.name_any(),
+        0,
+        &serde_json::to_string(&summary).unwrap(),
+    )
+    .await;
+    let status = wait_stage_phase(&client, &ns.name, "tiny", "Ready").await;
+    assert_eq!(condition(&status, "Ready")["status"], "True");
+    assert!(status["completionTime"].is_string());
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
+    eventually(
+        Duration::from_secs(60),
+        "the training job's worker with the data",
+        || async {
+            pods.get_opt("fed-worker-0")
+                .await
+                .unwrap()
+                .is_some_and(|p| {
+                    serde_json::to_value(p.spec).unwrap()["volumes"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .any(|v| {
+                            v["persistentVolumeClaim"]
+                                == json!({"claimName": "tiny-data", "readOnly": true})
+                        })
+                })
+        },
+    )
+    .await;
+
+    // Deleting the DataStage deletes the volume object (the data on the share stays) once
+    // no pod uses the claim: the training job goes first.
+    trainings
+        .delete("fed", &DeleteParams::default())
+        .await
+        .unwrap();
+    stages
+        .delete("tiny", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(30), "the DataStage gone", || async {
+        stages.get_opt("tiny").await.unwrap().is_none()
+    })
+    .await;
+    eventually(
+        Duration::from_secs(60),
+        "the claim and the PV gone",
+        || async {
+            claims.get_opt("tiny-data").await.unwrap().is_none()
+                && volumes.get_opt(&volume_name).await.unwrap().is_none()
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_failed_copy_makes_the_datastage_failed_with_the_stagers_reason() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "ds-fail").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    sas_secret(&client, &ns.name, "sv=2021-08-06&sig=wrong").await;
+    apply(
+        &client,
+        &stage_object("broken", "http://127.0.0.1:9/devstoreaccount1", 0),
+        &ns.name,
+        false,
+    )
+    .await
+    .unwrap();
+    wait_stage_phase(&client, &ns.name, "broken", "Copying").await;
+    let pod = stager_pod(&client, &ns.name, "broken-stage").await;
+    let reason = "listing datasets/tiny/ in account devstoreaccount1: the credential was refused";
+    end_pod(&client, &ns.name, &pod.name_any(), 1, reason).await;
+    let status = wait_stage_phase(&client, &ns.name, "broken", "Failed").await;
+    let ready = condition(&status, "Ready");
+    assert_eq!(ready["reason"], "CopyFailed");
+    assert!(
+        ready["message"]
+            .as_str()
+            .unwrap()
+            .contains("credential was refused"),
+        "{status:#}"
+    );
+    assert_eq!(condition(&status, "Stalled")["status"], "True");
+    assert!(!status.to_string().contains("sig=wrong"));
+}
