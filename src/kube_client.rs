@@ -21,6 +21,7 @@ pub enum ClientError {
 
 /// A client from the inferred configuration whose requests are counted in `metrics`.
 pub async fn connect(metrics: &Metrics) -> Result<Client, ClientError> {
+    crate::tls::install_provider();
     let config = Config::infer().await?;
     counted(config, metrics)
 }

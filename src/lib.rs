@@ -5,6 +5,7 @@
 //! checks the validate steps share; `crdgen` prints the CRDs; `metrics`, `server` and
 //! `telemetry` are the operator's plumbing.
 
+pub mod aks;
 pub mod api;
 pub mod controller;
 pub mod crdgen;
@@ -13,4 +14,5 @@ pub mod metrics;
 pub mod server;
 pub mod stage;
 pub mod telemetry;
+pub mod tls;
 pub mod validation;

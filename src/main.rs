@@ -70,6 +70,27 @@ struct RunArgs {
     /// own image (the Helm chart passes it).
     #[arg(long, env = "RINGMASTER_STAGER_IMAGE", default_value = ringmaster::controller::DEFAULT_STAGER_IMAGE)]
     stager_image: String,
+    /// Subscription of the AKS cluster whose agent pools TrainingJobs with
+    /// `nodePool.provisioner: aks` create (all three AKS settings, or none).
+    #[arg(long, env = "RINGMASTER_AKS_SUBSCRIPTION", requires_all = ["aks_resource_group", "aks_cluster"])]
+    aks_subscription: Option<String>,
+    /// Resource group of the AKS cluster.
+    #[arg(long, env = "RINGMASTER_AKS_RESOURCE_GROUP", requires_all = ["aks_subscription", "aks_cluster"])]
+    aks_resource_group: Option<String>,
+    /// Name of the AKS cluster.
+    #[arg(long, env = "RINGMASTER_AKS_CLUSTER", requires_all = ["aks_subscription", "aks_resource_group"])]
+    aks_cluster: Option<String>,
+    /// Azure Resource Manager endpoint (sovereign clouds; the simulated AKS in tests).
+    #[arg(
+        long,
+        env = "RINGMASTER_ARM_ENDPOINT",
+        default_value = "https://management.azure.com"
+    )]
+    arm_endpoint: String,
+    /// Read the ARM bearer token from this file at each call instead of workload or managed
+    /// identity (for the simulated AKS, or a token from `az account get-access-token`).
+    #[arg(long, env = "RINGMASTER_ARM_TOKEN_FILE")]
+    arm_token_file: Option<PathBuf>,
     /// Name of this replica in Events (the pod name in a Deployment).
     #[arg(long, env = "POD_NAME")]
     instance: Option<String>,
@@ -77,6 +98,7 @@ struct RunArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    ringmaster::tls::install_provider();
     match cli.command {
         Command::Crd { output_dir } => print_crds(output_dir),
         Command::Stage(args) => {
@@ -110,6 +132,32 @@ fn main() -> ExitCode {
     }
 }
 
+/// The ARM client when the AKS settings are given.
+fn arm_client(args: &RunArgs) -> Result<Option<ringmaster::aks::ArmClient>, String> {
+    use ringmaster::aks::{ArmClient, ArmConfig, TokenSource};
+    let (Some(subscription), Some(resource_group), Some(cluster)) = (
+        args.aks_subscription.clone(),
+        args.aks_resource_group.clone(),
+        args.aks_cluster.clone(),
+    ) else {
+        return Ok(None);
+    };
+    let tokens = match &args.arm_token_file {
+        Some(path) => TokenSource::File(path.clone()),
+        None => TokenSource::from_environment().map_err(|e| e.to_string())?,
+    };
+    let config = ArmConfig {
+        endpoint: args.arm_endpoint.clone(),
+        subscription,
+        resource_group,
+        cluster,
+    };
+    tracing::info!(endpoint = %config.endpoint, cluster = %config.cluster, tokens = ?tokens, "AKS agent pools enabled");
+    ArmClient::new(config, tokens)
+        .map(Some)
+        .map_err(|e| e.to_string())
+}
+
 fn print_crds(output_dir: Option<PathBuf>) -> ExitCode {
     let result = match output_dir {
         Some(dir) => crdgen::write_dir(&dir).map(|paths| {
@@ -129,6 +177,7 @@ fn print_crds(output_dir: Option<PathBuf>) -> ExitCode {
 }
 
 async fn run(args: RunArgs) -> Result<(), String> {
+    let arm = arm_client(&args)?;
     let listener = server::bind(args.metrics_bind_address)
         .await
         .map_err(|e| e.to_string())?;
@@ -154,6 +203,7 @@ async fn run(args: RunArgs) -> Result<(), String> {
                 args.restart_backoff_seconds.max(0.0),
             ),
             stager_image: args.stager_image,
+            arm,
         },
     ));
     let scope = Scope {

@@ -348,3 +348,40 @@ fn the_trainer_accepts_the_command_the_operator_builds() {
         );
     }
 }
+
+#[test]
+fn a_job_with_its_own_aks_pool_puts_workers_and_launcher_there() {
+    let job = sample("trainingjob-resnet50-nd96asr-v4.yaml", |_| {});
+    let pool = job.node_pool.as_ref().unwrap().pool_name.clone().unwrap();
+    for pod in [
+        value(&build::worker_pod(&job, 0, &inputs())),
+        value(&build::launcher_pod(&job, &inputs())),
+    ] {
+        assert_eq!(
+            pod["spec"]["nodeSelector"]["kubernetes.azure.com/agentpool"],
+            pool
+        );
+        assert!(
+            pod["spec"]["tolerations"]
+                .as_array()
+                .unwrap()
+                .contains(&json!({"key": "ringmaster.dev/pool", "operator": "Equal", "value": pool, "effect": "NoSchedule"})),
+            "{pod:#}"
+        );
+    }
+    let request = ringmaster::controller::training_job::pool::request(
+        &job,
+        job.node_pool.as_ref().unwrap(),
+        &pool,
+    );
+    assert_eq!(
+        (request.count, request.vm_size.as_str()),
+        (2, "Standard_ND96asr_v4")
+    );
+    assert_eq!(
+        request.node_taints,
+        vec![format!("ringmaster.dev/pool={pool}:NoSchedule")]
+    );
+    assert_eq!(request.node_labels["ringmaster.dev/pool"], pool);
+    assert!(request.gpu_driver_install && !request.spot);
+}

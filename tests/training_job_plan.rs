@@ -11,7 +11,7 @@ use k8s_openapi::jiff::Timestamp;
 use ringmaster::api::{TrainingJobPhase as Phase, TrainingJobStatus};
 use ringmaster::controller::training_job::observe::Observed;
 use ringmaster::controller::training_job::plan::{
-    self, DataState, Plan, PlanInputs, condition_types, reasons,
+    self, DataState, Plan, PlanInputs, PoolState, condition_types, reasons,
 };
 use ringmaster::controller::training_job::status;
 use ringmaster::controller::training_job::validate::{ValidatedTrainingJob, validate_value};
@@ -80,6 +80,7 @@ struct Scenario {
     status: TrainingJobStatus,
     pods: Vec<Pod>,
     data: DataState,
+    pool: PoolState,
     now: Time,
 }
 
@@ -90,6 +91,7 @@ impl Scenario {
             status: TrainingJobStatus::default(),
             pods: Vec::new(),
             data: DataState::NotNeeded,
+            pool: PoolState::NotNeeded,
             now: at(0),
         }
     }
@@ -108,6 +110,7 @@ impl Scenario {
             status: &self.status,
             observed: &observed,
             data: &self.data,
+            pool: &self.pool,
             now: &self.now,
             restart_backoff: Duration::from_secs(10),
         })
@@ -383,6 +386,49 @@ fn a_job_waits_for_its_data() {
     let p = s.step();
     assert_eq!((p.phase, p.create_workers.len()), (Phase::Starting, 2));
     assert_eq!(s.condition(condition_types::DATA_READY).0, "True");
+}
+
+#[test]
+fn a_job_waits_for_its_node_pool_and_fails_with_azures_reason() {
+    let mut s = Scenario::new(job(|_| {}));
+    s.pool = PoolState::Provisioning {
+        message: "agent pool resnet18a1b2 is Creating".into(),
+    };
+    let p = s.step();
+    assert_eq!(
+        (p.phase, p.create_workers.len()),
+        (Phase::ProvisioningNodes, 0)
+    );
+    assert!(p.requeue_after.is_some(), "ARM is polled, not watched");
+    let (status, reason, message) = s.condition(condition_types::NODES_READY);
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("False", "ProvisioningNodes")
+    );
+    assert_eq!(message, "agent pool resnet18a1b2 is Creating");
+
+    s.pool = PoolState::Ready {
+        message: "agent pool resnet18a1b2: 2 nodes Ready".into(),
+    };
+    let p = s.step();
+    assert_eq!((p.phase, p.create_workers.len()), (Phase::Starting, 2));
+    assert_eq!(s.condition(condition_types::NODES_READY).0, "True");
+
+    let mut failing = Scenario::new(job(|_| {}));
+    failing.pool = PoolState::Failed {
+        message: "Azure refused agent pool x: InsufficientVCPUQuota: no quota".into(),
+    };
+    let p = failing.step();
+    assert_eq!(p.phase, Phase::Failed);
+    let (_, reason, message) = failing.condition(condition_types::FAILED);
+    assert_eq!(reason, "NodePoolFailed");
+    assert!(message.contains("InsufficientVCPUQuota"));
+    // Failed stays Failed with its reason on the next look.
+    failing.step();
+    assert_eq!(
+        failing.condition(condition_types::FAILED).1,
+        "NodePoolFailed"
+    );
 }
 
 #[test]

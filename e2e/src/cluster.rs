@@ -30,6 +30,7 @@ pub fn kubeconfig_path() -> PathBuf {
 
 /// A client for the local cluster, as its admin.
 pub async fn client() -> Result<Client, ClusterError> {
+    ringmaster::tls::install_provider();
     let path = kubeconfig_path();
     let shown = path.display().to_string();
     let kubeconfig = Kubeconfig::read_from(&path).map_err(|source| ClusterError::NoKubeconfig {

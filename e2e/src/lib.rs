@@ -3,3 +3,4 @@
 
 pub mod cluster;
 pub mod nodes;
+pub mod simulated_aks;

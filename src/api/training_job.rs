@@ -682,6 +682,10 @@ pub struct NodePoolStatus {
     /// Nodes of the pool that are Ready with their GPUs allocatable.
     #[serde(default)]
     pub ready_nodes: i32,
+    /// URL of Azure's long-running operation for the pool's last create or delete (its
+    /// failure message is read from there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operation: Option<String>,
 }
 
 /// The trainer's summary, read from the launcher's termination message.

@@ -71,6 +71,13 @@ pub enum Error {
         #[source]
         source: data_stage::apply::ApplyError,
     },
+    /// A TrainingJob's agent pool could not be looked after.
+    #[error("TrainingJob {name}: {source}")]
+    Pool {
+        name: String,
+        #[source]
+        source: training_job::pool::PoolError,
+    },
     /// Deleting an object failed.
     #[error("deleting {kind} {name}: {source}")]
     Delete {
@@ -88,6 +95,7 @@ impl Error {
             Error::WriteStatus { .. } => "write_status",
             Error::Read { .. } => "read",
             Error::Apply { .. } | Error::StageApply { .. } => "apply",
+            Error::Pool { .. } => "node_pool",
             Error::Delete { .. } => "delete",
         }
     }
@@ -97,9 +105,10 @@ impl Error {
         match self {
             Error::WriteStatus { kind, .. } => kind,
             Error::StageApply { .. } => data_stage::CONTROLLER,
-            Error::Read { .. } | Error::Apply { .. } | Error::Delete { .. } => {
-                training_job::CONTROLLER
-            }
+            Error::Read { .. }
+            | Error::Apply { .. }
+            | Error::Delete { .. }
+            | Error::Pool { .. } => training_job::CONTROLLER,
         }
     }
 }
@@ -111,6 +120,9 @@ pub struct OperatorConfig {
     pub restart_backoff: Duration,
     /// The image a DataStage's copy Job runs `ringmaster stage` in (the operator's own).
     pub stager_image: String,
+    /// Azure Resource Manager, for TrainingJobs that bring their own AKS agent pool; `None`
+    /// when the operator has no AKS settings.
+    pub arm: Option<crate::aks::ArmClient>,
 }
 
 /// The operator image of this version, which also runs the stager.
@@ -124,6 +136,7 @@ impl Default for OperatorConfig {
         Self {
             restart_backoff: Duration::from_secs(10),
             stager_image: DEFAULT_STAGER_IMAGE.to_string(),
+            arm: None,
         }
     }
 }

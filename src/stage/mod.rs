@@ -190,11 +190,7 @@ pub struct Summary {
     pub bytes_per_second: f64,
 }
 
-/// Makes `ring` (the provider kube uses) the process's TLS provider, which the Blob client
-/// needs before it is built; calling it again is harmless.
-pub fn install_tls_provider() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-}
+pub use crate::tls::install_provider as install_tls_provider;
 
 /// Builds the Blob client for `args`, with credentials from the environment.
 pub fn blob_store(args: &StageArgs) -> Result<Arc<dyn ObjectStore>, StageError> {
@@ -265,6 +261,7 @@ async fn reporter(args: &StageArgs) -> Result<Reporter, StageError> {
         let (namespace, name) = target
             .split_once('/')
             .ok_or_else(|| StageError::Report(format!("{target}: expected NAMESPACE/NAME")))?;
+        crate::tls::install_provider();
         let client = kube::Client::try_default()
             .await
             .map_err(|e| StageError::Report(format!("{target}: {e}")))?;

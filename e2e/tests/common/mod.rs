@@ -218,6 +218,19 @@ impl Operator {
     /// Starts the controllers (watching `namespace`) and the HTTP endpoints; returns once the
     /// caches have synced.
     pub async fn start(client: &Client, namespace: &str) -> Self {
+        Self::start_with(
+            client,
+            namespace,
+            OperatorConfig {
+                restart_backoff: Duration::from_millis(500),
+                ..OperatorConfig::default()
+            },
+        )
+        .await
+    }
+
+    /// [`Operator::start`] with settings of the test's choosing.
+    pub async fn start_with(client: &Client, namespace: &str, config: OperatorConfig) -> Self {
         let shutdown = CancellationToken::new();
         let metrics = Metrics::new();
         let ready = Arc::new(AtomicBool::new(false));
@@ -232,10 +245,7 @@ impl Operator {
             client.clone(),
             metrics,
             Some("e2e".into()),
-            OperatorConfig {
-                restart_backoff: Duration::from_millis(500),
-                ..OperatorConfig::default()
-            },
+            config,
         ));
         let scope = Scope {
             namespace: Some(namespace.to_string()),

@@ -316,9 +316,9 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
         for (k, v) in &pool.node_selector {
             node_selector.insert(k.clone(), json!(v));
         }
-        if let Some(pool_name) = &pool.pool_name {
-            node_selector.insert("kubernetes.azure.com/agentpool".into(), json!(pool_name));
-            tolerations.push(json!({"key": "ringmaster.dev/pool", "operator": "Equal", "value": pool_name, "effect": "NoSchedule"}));
+        if let Some((selector, toleration)) = own_pool_placement(job) {
+            node_selector.extend(selector);
+            tolerations.push(toleration);
         }
     }
     let mut pod = json!({
@@ -383,6 +383,17 @@ fn rank_env(job: &ValidatedTrainingJob) -> Vec<Value> {
         .collect()
 }
 
+/// The node selector and toleration that put a pod on the job's own AKS pool.
+fn own_pool_placement(
+    job: &ValidatedTrainingJob,
+) -> Option<(serde_json::Map<String, Value>, Value)> {
+    let pool_name = job.node_pool.as_ref()?.pool_name.as_ref()?;
+    let mut selector = serde_json::Map::new();
+    selector.insert("kubernetes.azure.com/agentpool".into(), json!(pool_name));
+    let toleration = json!({"key": "ringmaster.dev/pool", "operator": "Equal", "value": pool_name, "effect": "NoSchedule"});
+    Some((selector, toleration))
+}
+
 /// The launcher pod of gang `inputs.attempt`: runs the MPI launcher over the hostfile.
 pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
     let (ssh_vol, ssh_mount) = ssh_volume(job);
@@ -404,12 +415,19 @@ pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
     env.extend(job.worker.env.iter().map(as_value));
     env.push(json!({"name": "OMPI_ALLOW_RUN_AS_ROOT", "value": "1"}));
     env.push(json!({"name": "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "value": "1"}));
+    // A job with its own pool runs its launcher there too: it needs no other capacity.
+    let (node_selector, tolerations) = match own_pool_placement(job) {
+        Some((selector, toleration)) => (Value::Object(selector), json!([toleration])),
+        None => (json!({}), json!([])),
+    };
     let mut pod = json!({
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": metadata(job, &names::launcher_pod(&job.name), names::pod_labels(&job.name, LAUNCHER_ROLE, inputs.attempt)),
         "spec": {
             "restartPolicy": "Never",
+            "nodeSelector": node_selector,
+            "tolerations": tolerations,
             "securityContext": {"fsGroup": POD_FS_GROUP},
             "volumes": volumes,
             "containers": [{

@@ -6,6 +6,7 @@ pub mod build;
 pub mod names;
 pub mod observe;
 pub mod plan;
+pub mod pool;
 pub mod status;
 pub mod validate;
 
@@ -49,7 +50,19 @@ pub async fn reconcile(
             );
             report_invalid(&ctx, &object, &errors).await?
         }
-        Ok(job) if job.meta().deletion_timestamp.is_some() => Action::await_change(),
+        Ok(job) if job.meta().deletion_timestamp.is_some() => {
+            let waiting = pool::finalize(&ctx.client, ctx.config.arm.as_ref(), job)
+                .await
+                .map_err(|source| Error::Pool {
+                    name: key.clone(),
+                    source,
+                })?;
+            if waiting {
+                Action::requeue(std::time::Duration::from_secs(10))
+            } else {
+                Action::await_change()
+            }
+        }
         Ok(job) => match validate::validate(job) {
             Err(errors) => report_invalid(&ctx, &object, &errors).await?,
             Ok(validated) => run(&ctx, &object, job, &validated).await?,
@@ -147,16 +160,33 @@ async fn run(
     let pods = pods_of(ctx, job);
     let pod_refs: Vec<&Pod> = pods.iter().map(AsRef::as_ref).collect();
     let observed = Observed::sort(&pod_refs, validated.workers, old.restarts);
+    let gang_exists = observed.workers.iter().any(Option::is_some) || observed.launcher.is_some();
+    let pool = pool::look(
+        &ctx.client,
+        ctx.config.arm.as_ref(),
+        job,
+        validated,
+        gang_exists,
+    )
+    .await
+    .map_err(|source| Error::Pool {
+        name: format!("{}/{}", validated.namespace, validated.name),
+        source,
+    })?;
     let plan = plan::plan(&PlanInputs {
         job: validated,
         generation,
         status: &old,
         observed: &observed,
         data: &data,
+        pool: &pool.state,
         now: &now,
         restart_backoff: ctx.config.restart_backoff,
     });
-    let new = status::from_plan(&old, generation, &plan, &observed, &now);
+    let mut new = status::from_plan(&old, generation, &plan, &observed, &now);
+    if pool.status.is_some() {
+        new.node_pool = pool.status.clone();
+    }
     let inputs = BuildInputs {
         attempt: plan.restarts,
         data_claim: match &data {
@@ -210,9 +240,10 @@ async fn run(
         }
         return Ok(Action::await_change());
     }
-    Ok(match plan.requeue_after {
-        Some(after) => Action::requeue(after),
-        None => Action::await_change(),
+    Ok(match (plan.requeue_after, pool.requeue) {
+        (Some(a), Some(b)) => Action::requeue(a.min(b)),
+        (Some(after), None) | (None, Some(after)) => Action::requeue(after),
+        (None, None) => Action::await_change(),
     })
 }
 

@@ -7,9 +7,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use super::observe::{Exit, Observed, PodLife, PodState};
 use super::validate::ValidatedTrainingJob;
-use crate::api::{
-    CleanPodPolicy, Provisioner, TrainingJobPhase, TrainingJobStatus, TrainingResult,
-};
+use crate::api::{CleanPodPolicy, TrainingJobPhase, TrainingJobStatus, TrainingResult};
 use crate::controller::conditions::DesiredCondition;
 
 /// Condition types of a TrainingJob beyond the shared ones.
@@ -45,8 +43,10 @@ pub mod reasons {
     pub const DATA_READY: &str = "DataReady";
     /// Waiting for nodes.
     pub const PROVISIONING: &str = "ProvisioningNodes";
-    /// Creating AKS agent pools is not in this version.
-    pub const POOL_NOT_IMPLEMENTED: &str = "AgentPoolsNotImplemented";
+    /// The job's nodes are Ready.
+    pub const NODES_READY: &str = "NodesReady";
+    /// The AKS agent pool could not be made (ARM's message says why).
+    pub const NODE_POOL_FAILED: &str = "NodePoolFailed";
     /// The gang failed and is being replaced.
     pub const RESTARTING: &str = "Restarting";
     /// Suspended by runPolicy.suspend.
@@ -79,6 +79,19 @@ pub enum DataState {
     Waiting { message: String },
 }
 
+/// The job's nodes, when it brings its own (an AKS agent pool).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PoolState {
+    /// Existing nodes (or none named): nothing to wait for.
+    NotNeeded,
+    /// Being made or not yet Ready; what is happening, for the condition.
+    Provisioning { message: String },
+    /// Enough Ready nodes with the GPUs allocatable.
+    Ready { message: String },
+    /// Azure refused or failed to make it.
+    Failed { message: String },
+}
+
 /// Everything the plan reads.
 pub struct PlanInputs<'a> {
     /// The spec.
@@ -91,6 +104,8 @@ pub struct PlanInputs<'a> {
     pub observed: &'a Observed,
     /// The DataStage.
     pub data: &'a DataState,
+    /// The node pool.
+    pub pool: &'a PoolState,
     /// Now.
     pub now: &'a Time,
     /// Wait before the first restart; doubles each restart.
@@ -356,6 +371,7 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
             let reason = match failed.reason.as_str() {
                 reasons::DEADLINE_EXCEEDED => reasons::DEADLINE_EXCEEDED,
                 reasons::LAUNCHER_FAILED => reasons::LAUNCHER_FAILED,
+                reasons::NODE_POOL_FAILED => reasons::NODE_POOL_FAILED,
                 _ => reasons::BACKOFF_LIMIT_EXCEEDED,
             };
             plan.say(
@@ -423,23 +439,35 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
         _ => {}
     }
 
-    if let Some(pool) = &job.node_pool
-        && pool.provisioner == Provisioner::Aks
-    {
-        plan.phase = P::ProvisioningNodes;
-        let detail = format!(
-            "agent pool {} ({}) is needed, and creating AKS agent pools is not in this version of Ringmaster: use nodePool.provisioner existing",
-            pool.pool_name.as_deref().unwrap_or_default(),
-            pool.vm_size.as_deref().unwrap_or_default()
-        );
-        plan.say(
+    match inputs.pool {
+        PoolState::Provisioning { message } if !gang_exists => {
+            plan.phase = P::ProvisioningNodes;
+            plan.say(
+                condition_types::NODES_READY,
+                false,
+                reasons::PROVISIONING,
+                message.clone(),
+            );
+            phase_conditions(&mut plan, message);
+            plan.requeue(Duration::from_secs(10));
+            return plan;
+        }
+        PoolState::Failed { message } => {
+            return finish(
+                plan,
+                inputs,
+                P::Failed,
+                reasons::NODE_POOL_FAILED,
+                message.clone(),
+            );
+        }
+        PoolState::Ready { message } => plan.say(
             condition_types::NODES_READY,
-            false,
-            reasons::POOL_NOT_IMPLEMENTED,
-            detail.clone(),
-        );
-        phase_conditions(&mut plan, &detail);
-        return plan;
+            true,
+            reasons::NODES_READY,
+            message.clone(),
+        ),
+        _ => {}
     }
 
     // Failures of the current gang.

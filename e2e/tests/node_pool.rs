@@ -1,0 +1,407 @@
+//! TrainingJobs that bring their own AKS agent pool, against the **simulated AKS**
+//! (`ringmaster_e2e::simulated_aks`: a local server with ARM's agent-pool semantics that
+//! adds KWOK nodes shaped like the VM size when a pool succeeds).
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use common::{Operator, TestNamespace, apply, client, ensure_crds, eventually};
+use k8s_openapi::api::core::v1::{Event, Node, Pod};
+use kube::api::{DeleteParams, ListParams};
+use kube::{Api, Client, ResourceExt};
+use ringmaster::aks::{ArmClient, ArmConfig, TokenSource, arm::API_VERSION};
+use ringmaster::api::TrainingJob;
+use ringmaster::controller::OperatorConfig;
+use ringmaster_e2e::simulated_aks::{ArmFailure, SimulatedAks};
+use serde_json::{Value, json};
+
+/// Every log line the operators of this test binary write, to grep for secrets.
+fn logs() -> &'static Arc<Mutex<Vec<u8>>> {
+    static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+    LOGS.get_or_init(|| {
+        let buffer = Arc::new(Mutex::new(Vec::new()));
+        let writer = buffer.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_env_filter("debug")
+            .with_writer(move || LogWriter(writer.clone()))
+            .finish();
+        let _ = tracing::subscriber::set_global_default(subscriber);
+        buffer
+    })
+}
+
+struct LogWriter(Arc<Mutex<Vec<u8>>>);
+
+impl Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The simulated AKS, an operator that uses it, and the token they share.
+struct Setup {
+    aks: SimulatedAks,
+    operator: Operator,
+    token: String,
+    _token_file: tempfile::NamedTempFile,
+}
+
+async fn setup(client: &Client, ns: &str, create_delay: Duration) -> Setup {
+    logs();
+    let token = format!("eyJ0eXAiOiJKV1QiLCJhbGciOiJSUzI1NiJ9.simulated-{ns}.s1gn4tur3");
+    let mut token_file = tempfile::NamedTempFile::new().unwrap();
+    token_file.write_all(token.as_bytes()).unwrap();
+    let aks = SimulatedAks::start(
+        client.clone(),
+        &token,
+        API_VERSION,
+        create_delay,
+        Duration::from_millis(500),
+    )
+    .await
+    .unwrap();
+    let operator = start_operator(client, ns, &aks, token_file.path()).await;
+    Setup {
+        aks,
+        operator,
+        token,
+        _token_file: token_file,
+    }
+}
+
+async fn start_operator(
+    client: &Client,
+    ns: &str,
+    aks: &SimulatedAks,
+    token_file: &std::path::Path,
+) -> Operator {
+    let arm = ArmClient::new(
+        ArmConfig {
+            endpoint: aks.endpoint(),
+            subscription: "00000000-0000-0000-0000-000000000000".into(),
+            resource_group: "rg-ml".into(),
+            cluster: "aks-gpu".into(),
+        },
+        TokenSource::File(token_file.to_path_buf()),
+    )
+    .unwrap();
+    Operator::start_with(
+        client,
+        ns,
+        OperatorConfig {
+            restart_backoff: Duration::from_millis(500),
+            arm: Some(arm),
+            ..OperatorConfig::default()
+        },
+    )
+    .await
+}
+
+/// A 2-worker GPU job with InfiniBand in its own Standard_ND96asr_v4 pool.
+fn gpu_job(name: &str, edit: impl FnOnce(&mut Value)) -> Value {
+    let mut job = json!({
+        "apiVersion": "ringmaster.dev/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": name},
+        "spec": {
+            "workers": 2,
+            "gpusPerWorker": 8,
+            "image": "ringmaster-trainer:e2e",
+            "trainer": {"model": "resnet50", "steps": 10},
+            "infiniband": {"enabled": true},
+            "nodePool": {"provisioner": "aks", "vmSize": "Standard_ND96asr_v4"},
+            "launcher": {"annotations": {
+                "kwok.ringmaster.dev/exit-code": "0",
+                "kwok.ringmaster.dev/exit-after": "2s",
+                "kwok.ringmaster.dev/termination-message": "{\"imagesPerSecond\":2500.0,\"steps\":10}",
+            }},
+        }
+    });
+    edit(&mut job["spec"]);
+    job
+}
+
+async fn status(client: &Client, ns: &str, name: &str) -> Value {
+    let api: Api<TrainingJob> = Api::namespaced(client.clone(), ns);
+    api.get_opt(name)
+        .await
+        .unwrap()
+        .and_then(|j| j.status)
+        .map(|s| serde_json::to_value(s).unwrap())
+        .unwrap_or(Value::Null)
+}
+
+async fn wait_phase(client: &Client, ns: &str, name: &str, phase: &str, secs: u64) -> Value {
+    let mut last = Value::Null;
+    for _ in 0..secs * 5 {
+        last = status(client, ns, name).await;
+        if last["phase"] == phase {
+            return last;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("{name} never reached {phase}: {last:#}");
+}
+
+fn condition(status: &Value, type_: &str) -> Value {
+    status["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| c["type"] == type_)
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
+async fn pool_nodes(client: &Client, pool: &str) -> BTreeSet<String> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    nodes
+        .list(&ListParams::default().labels(&format!("kubernetes.azure.com/agentpool={pool}")))
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .map(|n| n.name_any())
+        .collect()
+}
+
+/// Neither the status, nor the namespace's Events, nor any log line has the token.
+async fn assert_token_nowhere(client: &Client, ns: &str, token: &str) {
+    let jobs: Api<TrainingJob> = Api::namespaced(client.clone(), ns);
+    for job in jobs.list(&ListParams::default()).await.unwrap() {
+        assert!(
+            !serde_json::to_string(&job).unwrap().contains(token),
+            "token in {}",
+            job.name_any()
+        );
+    }
+    let events: Api<Event> = Api::namespaced(client.clone(), ns);
+    for event in events.list(&ListParams::default()).await.unwrap() {
+        assert!(!serde_json::to_string(&event).unwrap().contains(token));
+    }
+    let logs = String::from_utf8_lossy(&logs().lock().unwrap()).to_string();
+    assert!(!logs.is_empty(), "the log capture works");
+    assert!(!logs.contains(token), "token in the operator's logs");
+    assert!(!logs.contains("s1gn4tur3"));
+}
+
+#[tokio::test]
+async fn a_job_makes_its_pool_runs_on_exactly_its_nodes_and_gives_it_back() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "pool-ok").await;
+    let s = setup(&client, &ns.name, Duration::from_secs(2)).await;
+    s.aks.throttle_next(2);
+    apply(&client, &gpu_job("bert", |_| {}), &ns.name, false)
+        .await
+        .unwrap();
+
+    let st = wait_phase(&client, &ns.name, "bert", "ProvisioningNodes", 30).await;
+    let pool = st["nodePool"]["name"].as_str().unwrap().to_string();
+    assert!(pool.starts_with("bert"), "{pool}");
+    let jobs: Api<TrainingJob> = Api::namespaced(client.clone(), &ns.name);
+    assert!(
+        jobs.get("bert")
+            .await
+            .unwrap()
+            .finalizers()
+            .contains(&"ringmaster.dev/agent-pool".to_string())
+    );
+
+    // The workers run on the pool's nodes (selector and toleration of its taint).
+    wait_phase(&client, &ns.name, "bert", "Running", 90).await;
+    let nodes = pool_nodes(&client, &pool).await;
+    assert_eq!(nodes.len(), 2);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
+    for name in ["bert-worker-0", "bert-worker-1", "bert-launcher"] {
+        let spec = pods.get(name).await.unwrap().spec.unwrap();
+        let node = spec.node_name.clone().unwrap_or_default();
+        assert!(nodes.contains(&node), "{name} on {node}, not in {nodes:?}");
+        assert_eq!(
+            spec.node_selector.unwrap()["kubernetes.azure.com/agentpool"],
+            pool
+        );
+    }
+
+    let st = wait_phase(&client, &ns.name, "bert", "Succeeded", 90).await;
+    assert_eq!(condition(&st, "NodesReady")["status"], "True");
+    assert!(s.aks.throttled() >= 2, "throttled requests were retried");
+    assert_eq!(s.aks.puts(&pool), 1, "one PUT");
+
+    // Given back after Succeeded: pool deleted, nodes gone, finalizer released.
+    eventually(Duration::from_secs(60), "the pool deleted", || async {
+        !s.aks.pools().contains_key(&pool) && pool_nodes(&client, &pool).await.is_empty()
+    })
+    .await;
+    eventually(
+        Duration::from_secs(30),
+        "the finalizer released",
+        || async { jobs.get("bert").await.unwrap().finalizers().is_empty() },
+    )
+    .await;
+    assert_token_nowhere(&client, &ns.name, &s.token).await;
+    drop(s.operator);
+}
+
+#[tokio::test]
+async fn quota_failure_fails_the_job_with_azures_message() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "pool-quota").await;
+    let s = setup(&client, &ns.name, Duration::from_secs(1)).await;
+    s.aks.fail_next_put(ArmFailure {
+        status: 400,
+        code: "InsufficientVCPUQuota".into(),
+        message: "Insufficient regional vcpu quota left for location eastus. left regional vcpu quota 0, requested quota 192.".into(),
+    });
+    apply(&client, &gpu_job("quota", |_| {}), &ns.name, false)
+        .await
+        .unwrap();
+    let st = wait_phase(&client, &ns.name, "quota", "Failed", 30).await;
+    let failed = condition(&st, "Failed");
+    assert_eq!(failed["reason"], "NodePoolFailed");
+    let message = failed["message"].as_str().unwrap();
+    assert!(
+        message.contains("InsufficientVCPUQuota") && message.contains("requested quota 192"),
+        "{message}"
+    );
+    assert!(message.contains("request more"), "a hint: {message}");
+
+    // A pool that fails while being made (capacity) also fails the job, with the operation's reason.
+    s.aks.fail_next_async(ArmFailure {
+        status: 200,
+        code: "AllocationFailed".into(),
+        message: "Allocation failed. We do not have sufficient capacity for the requested VM size in this region.".into(),
+    });
+    apply(&client, &gpu_job("capacity", |_| {}), &ns.name, false)
+        .await
+        .unwrap();
+    let st = wait_phase(&client, &ns.name, "capacity", "Failed", 60).await;
+    let message = condition(&st, "Failed")["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        message.contains("AllocationFailed") && message.contains("sufficient capacity"),
+        "{message}"
+    );
+    assert_token_nowhere(&client, &ns.name, &s.token).await;
+}
+
+#[tokio::test]
+async fn a_restart_while_creating_makes_one_pool_and_a_deleted_job_gives_it_back() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "pool-restart").await;
+    let token_file = {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(b"restart-test-token").unwrap();
+        f
+    };
+    let aks = SimulatedAks::start(
+        client.clone(),
+        "restart-test-token",
+        API_VERSION,
+        Duration::from_secs(6),
+        Duration::from_millis(500),
+    )
+    .await
+    .unwrap();
+    let operator = start_operator(&client, &ns.name, &aks, token_file.path()).await;
+    // Long-running so it is still running when deleted.
+    apply(
+        &client,
+        &gpu_job("long", |s| {
+            s["launcher"] = json!({});
+        }),
+        &ns.name,
+        false,
+    )
+    .await
+    .unwrap();
+    let st = wait_phase(&client, &ns.name, "long", "ProvisioningNodes", 30).await;
+    let pool = st["nodePool"]["name"].as_str().unwrap().to_string();
+    assert_eq!(aks.pools().get(&pool).map(String::as_str), Some("Creating"));
+
+    // Crash and come back while Azure is still making the pool.
+    operator.kill();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let operator = start_operator(&client, &ns.name, &aks, token_file.path()).await;
+    wait_phase(&client, &ns.name, "long", "Running", 90).await;
+    assert_eq!(aks.puts(&pool), 1, "no second PUT after the restart");
+    assert_eq!(aks.pools().len(), 1);
+
+    // Deleted while running: the finalizer holds the job until the pool is gone.
+    let jobs: Api<TrainingJob> = Api::namespaced(client.clone(), &ns.name);
+    jobs.delete("long", &DeleteParams::default()).await.unwrap();
+    eventually(
+        Duration::from_secs(60),
+        "the pool deleted and the job gone",
+        || async { aks.pools().is_empty() && jobs.get_opt("long").await.unwrap().is_none() },
+    )
+    .await;
+    assert_eq!(aks.deletes(&pool), 1);
+    assert!(pool_nodes(&client, &pool).await.is_empty());
+
+    // Deleted while the pool is still being made.
+    apply(&client, &gpu_job("early", |_| {}), &ns.name, false)
+        .await
+        .unwrap();
+    let st = wait_phase(&client, &ns.name, "early", "ProvisioningNodes", 30).await;
+    let early_pool = st["nodePool"]["name"].as_str().unwrap().to_string();
+    eventually(Duration::from_secs(10), "the PUT", || async {
+        aks.puts(&early_pool) == 1
+    })
+    .await;
+    jobs.delete("early", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(60),
+        "the creating pool deleted, the finalizer released",
+        || async {
+            !aks.pools().contains_key(&early_pool) && jobs.get_opt("early").await.unwrap().is_none()
+        },
+    )
+    .await;
+    assert!(pool_nodes(&client, &early_pool).await.is_empty());
+    drop(operator);
+}
+
+#[tokio::test]
+async fn invalid_vm_size_or_pool_name_is_refused_by_the_api_server() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "pool-invalid").await;
+    for (edit, field) in [
+        (
+            json!({"provisioner": "aks", "vmSize": "ND96asr_v4"}),
+            "spec.nodePool.vmSize",
+        ),
+        (
+            json!({"provisioner": "aks", "vmSize": "Standard_ND96asr_v4", "poolName": "Bad-Name"}),
+            "spec.nodePool.poolName",
+        ),
+        (
+            json!({"provisioner": "aks", "vmSize": "Standard_ND96asr_v4", "poolName": "waytoolongpoolname"}),
+            "spec.nodePool.poolName",
+        ),
+    ] {
+        let job = gpu_job("bad", |s| s["nodePool"] = edit.clone());
+        let err = apply(&client, &job, &ns.name, true).await.unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(err, kube::Error::Api(ref s) if s.code == 422),
+            "{text}"
+        );
+        assert!(text.contains(field), "{field} not named in: {text}");
+    }
+}

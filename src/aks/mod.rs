@@ -1,0 +1,7 @@
+//! Azure Kubernetes Service: the Resource Manager client for agent pools and its tokens.
+
+pub mod arm;
+pub mod token;
+
+pub use arm::{AgentPool, AgentPoolRequest, ArmClient, ArmConfig, ArmError, Operation};
+pub use token::{TokenError, TokenSource};

@@ -1,0 +1,441 @@
+//! A job's own AKS agent pool: made before the workers, deleted when the job finishes or is
+//! deleted (a finalizer: the pool is the one thing outside Kubernetes Ringmaster owns).
+//!
+//! Each reconcile reads the pool from ARM and takes at most one step: create it when it is
+//! missing, follow it while it is being made, report Azure's reason when it failed, count
+//! its Ready nodes when it has Succeeded, delete it when the job is done. Throttling and
+//! "another operation in progress" only delay the next look.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{ListParams, Patch, PatchParams};
+use kube::{Api, Client, ResourceExt};
+
+use super::plan::PoolState;
+use super::validate::{NodePoolPlan, ValidatedTrainingJob};
+use crate::aks::{AgentPoolRequest, ArmClient, ArmError, Operation};
+use crate::api::{GpuDriver, NodePoolStatus, Provisioner, TrainingJob, TrainingJobPhase};
+
+/// The finalizer that deletes a job's agent pool.
+pub const FINALIZER: &str = "ringmaster.dev/agent-pool";
+/// Label and taint key on a job's pool nodes (workers tolerate it).
+pub const POOL_KEY: &str = "ringmaster.dev/pool";
+/// AKS's label naming a node's agent pool.
+pub const AGENT_POOL_LABEL: &str = "kubernetes.azure.com/agentpool";
+
+/// What a look at the pool found.
+#[derive(Debug)]
+pub struct PoolLook {
+    /// For the plan.
+    pub state: PoolState,
+    /// For `status.nodePool`.
+    pub status: Option<NodePoolStatus>,
+    /// Look again after this long.
+    pub requeue: Option<Duration>,
+}
+
+impl PoolLook {
+    fn not_needed() -> Self {
+        Self {
+            state: PoolState::NotNeeded,
+            status: None,
+            requeue: None,
+        }
+    }
+}
+
+/// Errors that stop the reconcile (the API server, not Azure: Azure's errors are states).
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    /// Reading nodes or writing the finalizer failed.
+    #[error("{action}: {source}")]
+    Kube {
+        action: String,
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// The pool's name when the job brings its own.
+fn own_pool(job: &ValidatedTrainingJob) -> Option<(&NodePoolPlan, &str)> {
+    let pool = job.node_pool.as_ref()?;
+    if pool.provisioner != Provisioner::Aks {
+        return None;
+    }
+    Some((pool, pool.pool_name.as_deref()?))
+}
+
+/// The ARM request for a job's pool: one node per worker, labelled and tainted so only
+/// this job's workers land there.
+pub fn request(job: &ValidatedTrainingJob, pool: &NodePoolPlan, name: &str) -> AgentPoolRequest {
+    AgentPoolRequest {
+        vm_size: pool.vm_size.clone().unwrap_or_default(),
+        count: job.workers,
+        node_labels: BTreeMap::from([(POOL_KEY.to_string(), name.to_string())]),
+        node_taints: vec![format!("{POOL_KEY}={name}:NoSchedule")],
+        spot: pool.spot,
+        gpu_driver_install: pool.gpu_driver != GpuDriver::None,
+        tags: BTreeMap::from([(
+            "ringmaster.dev-job".to_string(),
+            format!("{}.{}", job.namespace, job.name),
+        )]),
+    }
+}
+
+/// Looks at (and steps) the pool of a live job.
+pub async fn look(
+    client: &Client,
+    arm: Option<&ArmClient>,
+    object: &TrainingJob,
+    job: &ValidatedTrainingJob,
+    gang_exists: bool,
+) -> Result<PoolLook, PoolError> {
+    let Some((pool, name)) = own_pool(job) else {
+        return Ok(PoolLook::not_needed());
+    };
+    let old = object
+        .status
+        .as_ref()
+        .and_then(|s| s.node_pool.clone())
+        .unwrap_or_default();
+    let mut status = NodePoolStatus {
+        name: name.to_string(),
+        ..old.clone()
+    };
+    let Some(arm) = arm else {
+        return Ok(PoolLook {
+            state: PoolState::Failed {
+                message: "nodePool.provisioner is aks, but this operator has no AKS settings: start it with --aks-subscription, --aks-resource-group and --aks-cluster (Helm: aks.*)".into(),
+            },
+            status: Some(status),
+            requeue: None,
+        });
+    };
+    let phase = object.status.as_ref().map(|s| s.phase).unwrap_or_default();
+    if matches!(
+        phase,
+        TrainingJobPhase::Succeeded | TrainingJobPhase::Failed
+    ) {
+        // Done: give the machines back unless asked to keep them.
+        if !pool.delete_after_completion {
+            return Ok(PoolLook {
+                state: PoolState::NotNeeded,
+                status: Some(old),
+                requeue: None,
+            });
+        }
+        let requeue = match release(client, arm, object, name).await? {
+            Some(state) => {
+                status.provisioning_state = Some(state);
+                Some(Duration::from_secs(10))
+            }
+            None => {
+                status.provisioning_state = Some("Deleted".into());
+                status.ready_nodes = 0;
+                None
+            }
+        };
+        return Ok(PoolLook {
+            state: PoolState::NotNeeded,
+            status: Some(status),
+            requeue,
+        });
+    }
+
+    // The finalizer goes on before the pool exists, so a deleted job cannot leak it.
+    ensure_finalizer(client, object).await?;
+    let transient = |e: &ArmError, status: NodePoolStatus| PoolLook {
+        state: PoolState::Provisioning {
+            message: format!("agent pool {name}: {e}"),
+        },
+        status: Some(status),
+        requeue: Some(e.retry_after()),
+    };
+    let current = match arm.get_pool(name).await {
+        Ok(current) => current,
+        Err(e) if e.is_transient() => return Ok(transient(&e, status)),
+        Err(e) => {
+            return Ok(PoolLook {
+                state: PoolState::Failed {
+                    message: format!("reading agent pool {name}: {e}"),
+                },
+                status: Some(status),
+                requeue: None,
+            });
+        }
+    };
+    let Some(current) = current else {
+        return match arm.put_pool(name, &request(job, pool, name)).await {
+            Ok(accepted) => {
+                tracing::info!(job = %job.name, pool = name, "agent pool creation accepted");
+                status.provisioning_state = Some("Creating".into());
+                status.operation = accepted.operation;
+                status.ready_nodes = 0;
+                Ok(PoolLook {
+                    state: PoolState::Provisioning {
+                        message: format!(
+                            "creating agent pool {name}: {} × {}",
+                            job.workers,
+                            pool.vm_size.as_deref().unwrap_or_default()
+                        ),
+                    },
+                    status: Some(status),
+                    requeue: Some(Duration::from_secs(5)),
+                })
+            }
+            Err(e) if e.is_transient() => Ok(transient(&e, status)),
+            Err(e) => Ok(PoolLook {
+                state: PoolState::Failed {
+                    message: format!("Azure refused agent pool {name}: {e}"),
+                },
+                status: Some(status),
+                requeue: None,
+            }),
+        };
+    };
+    status.provisioning_state = Some(current.provisioning_state.clone());
+    match current.provisioning_state.as_str() {
+        "Succeeded" => {
+            let ready = if gang_exists {
+                job.workers
+            } else {
+                ready_nodes(client, job, name).await?
+            };
+            status.ready_nodes = ready as i32;
+            let state = if ready >= job.workers {
+                PoolState::Ready {
+                    message: format!("agent pool {name}: {ready} nodes Ready"),
+                }
+            } else {
+                PoolState::Provisioning {
+                    message: format!(
+                        "agent pool {name} succeeded; {ready} of {} nodes Ready with their GPUs",
+                        job.workers
+                    ),
+                }
+            };
+            Ok(PoolLook {
+                state,
+                status: Some(status),
+                requeue: (ready < job.workers).then_some(Duration::from_secs(5)),
+            })
+        }
+        "Failed" | "Canceled" => {
+            let reason = match &old.operation {
+                Some(url) => match arm.operation(url).await {
+                    Ok(Operation::Failed { code, message }) => {
+                        let hint = crate::aks::arm::hint(&code)
+                            .map(|h| format!(" ({h})"))
+                            .unwrap_or_default();
+                        format!("{code}: {message}{hint}")
+                    }
+                    _ => current.provisioning_state.clone(),
+                },
+                None => current.provisioning_state.clone(),
+            };
+            Ok(PoolLook {
+                state: PoolState::Failed {
+                    message: format!("agent pool {name} failed: {reason}"),
+                },
+                status: Some(status),
+                requeue: None,
+            })
+        }
+        other => Ok(PoolLook {
+            state: PoolState::Provisioning {
+                message: format!("agent pool {name} is {other}"),
+            },
+            status: Some(status),
+            requeue: Some(Duration::from_secs(5)),
+        }),
+    }
+}
+
+/// Nodes of the pool that are Ready with the GPUs (and RDMA devices) a worker asks for.
+async fn ready_nodes(
+    client: &Client,
+    job: &ValidatedTrainingJob,
+    pool: &str,
+) -> Result<u32, PoolError> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let list = nodes
+        .list(&ListParams::default().labels(&format!("{AGENT_POOL_LABEL}={pool}")))
+        .await
+        .map_err(|source| PoolError::Kube {
+            action: format!("listing the nodes of agent pool {pool}"),
+            source,
+        })?;
+    let needs = |node: &Node, resource: &str, amount: u32| {
+        amount == 0
+            || node
+                .status
+                .as_ref()
+                .and_then(|s| s.allocatable.as_ref())
+                .and_then(|a| a.get(resource))
+                .and_then(|q| count(&q.0))
+                .is_some_and(|n| n >= u64::from(amount))
+    };
+    let rdma = u32::from(job.infiniband.is_some());
+    Ok(list
+        .items
+        .iter()
+        .filter(|node| {
+            let ready = node
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+            ready
+                && needs(node, "nvidia.com/gpu", job.gpus_per_worker)
+                && needs(node, "rdma/shared_ib", rdma)
+        })
+        .count() as u32)
+}
+
+/// A countable resource quantity (`8`, `1k`, `2Ki`) as a number.
+fn count(quantity: &str) -> Option<u64> {
+    let split = quantity
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(quantity.len());
+    let (digits, suffix) = quantity.split_at(split);
+    let multiplier: u64 = match suffix {
+        "" => 1,
+        "k" => 1_000,
+        "M" => 1_000_000,
+        "G" => 1_000_000_000,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        _ => return None,
+    };
+    digits.parse::<u64>().ok()?.checked_mul(multiplier)
+}
+
+async fn ensure_finalizer(client: &Client, object: &TrainingJob) -> Result<(), PoolError> {
+    if object.finalizers().iter().any(|f| f == FINALIZER) {
+        return Ok(());
+    }
+    let mut finalizers = object.finalizers().to_vec();
+    finalizers.push(FINALIZER.to_string());
+    set_finalizers(client, object, finalizers).await
+}
+
+/// Writes the finalizer list, failing (to be retried) if the object changed meanwhile.
+async fn set_finalizers(
+    client: &Client,
+    object: &TrainingJob,
+    finalizers: Vec<String>,
+) -> Result<(), PoolError> {
+    let api: Api<TrainingJob> =
+        Api::namespaced(client.clone(), &object.namespace().unwrap_or_default());
+    let patch = serde_json::json!({
+        "metadata": {"finalizers": finalizers, "resourceVersion": object.resource_version()}
+    });
+    match api
+        .patch(
+            &object.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(source) => Err(PoolError::Kube {
+            action: format!(
+                "updating the finalizers of TrainingJob {}",
+                object.name_any()
+            ),
+            source,
+        }),
+    }
+}
+
+/// Deletes the pool; `Some(state)` while it still exists, `None` once it is gone (and the
+/// finalizer released).
+async fn release(
+    client: &Client,
+    arm: &ArmClient,
+    object: &TrainingJob,
+    name: &str,
+) -> Result<Option<String>, PoolError> {
+    match arm.get_pool(name).await {
+        Ok(None) => {
+            if object.finalizers().iter().any(|f| f == FINALIZER) {
+                set_finalizers(client, object, without(object)).await?;
+            }
+            Ok(None)
+        }
+        Ok(Some(pool)) if pool.provisioning_state == "Deleting" => Ok(Some("Deleting".into())),
+        Ok(Some(_)) => match arm.delete_pool(name).await {
+            Ok(_) => {
+                tracing::info!(job = %object.name_any(), pool = name, "agent pool deletion accepted");
+                Ok(Some("Deleting".into()))
+            }
+            Err(e) => {
+                tracing::warn!(job = %object.name_any(), pool = name, error = %e, "deleting the agent pool; will retry");
+                Ok(Some(format!("delete pending: {e}")))
+            }
+        },
+        Err(e) => {
+            tracing::warn!(job = %object.name_any(), pool = name, error = %e, "reading the agent pool; will retry");
+            Ok(Some(format!("unknown: {e}")))
+        }
+    }
+}
+
+/// For a job being deleted: deletes its pool (even when it asked to keep it after
+/// completion: a deleted job's pool has no owner left) and releases the finalizer once it
+/// is gone. `true` while waiting.
+pub async fn finalize(
+    client: &Client,
+    arm: Option<&ArmClient>,
+    object: &TrainingJob,
+) -> Result<bool, PoolError> {
+    if !object.finalizers().iter().any(|f| f == FINALIZER) {
+        return Ok(false);
+    }
+    let name = object
+        .spec
+        .node_pool
+        .as_ref()
+        .filter(|p| p.provisioner == Provisioner::Aks)
+        .map(|p| {
+            p.pool_name.clone().unwrap_or_else(|| {
+                super::validate::derive_pool_name(
+                    &object.name_any(),
+                    &object.uid().unwrap_or_default(),
+                )
+            })
+        });
+    let (Some(arm), Some(name)) = (arm, name) else {
+        // Nothing Ringmaster can delete: let the job go.
+        set_finalizers(client, object, without(object)).await?;
+        return Ok(false);
+    };
+    Ok(release(client, arm, object, &name).await?.is_some())
+}
+
+fn without(object: &TrainingJob) -> Vec<String> {
+    object
+        .finalizers()
+        .iter()
+        .filter(|f| *f != FINALIZER)
+        .cloned()
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_counts_read_quantities() {
+        assert_eq!(count("8"), Some(8));
+        assert_eq!(count("1k"), Some(1000));
+        assert_eq!(count("2Ki"), Some(2048));
+        assert_eq!(count("100m"), None);
+    }
+}
