@@ -10,6 +10,7 @@ pub mod api;
 pub mod controller;
 pub mod crdgen;
 pub mod kube_client;
+pub mod leader;
 pub mod metrics;
 pub mod server;
 pub mod stage;

@@ -91,6 +91,22 @@ struct RunArgs {
     /// identity (for the simulated AKS, or a token from `az account get-access-token`).
     #[arg(long, env = "RINGMASTER_ARM_TOKEN_FILE")]
     arm_token_file: Option<PathBuf>,
+    /// Run the controllers only while holding a Lease, so several replicas are safe.
+    #[arg(long, env = "RINGMASTER_LEADER_ELECT")]
+    leader_elect: bool,
+    /// Namespace of the leader-election Lease (the operator's own; in a pod, its namespace).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "ringmaster-system")]
+    leader_election_namespace: String,
+    /// Name of the leader-election Lease.
+    #[arg(
+        long,
+        env = "RINGMASTER_LEADER_ELECTION_LEASE",
+        default_value = "ringmaster-leader"
+    )]
+    leader_election_lease: String,
+    /// Seconds a Lease lives without renewal: the longest a dead leader holds up the others.
+    #[arg(long, default_value_t = 15)]
+    leader_election_duration_seconds: u64,
     /// Name of this replica in Events (the pod name in a Deployment).
     #[arg(long, env = "POD_NAME")]
     instance: Option<String>,
@@ -197,7 +213,7 @@ async fn run(args: RunArgs) -> Result<(), String> {
     let ctx = Arc::new(Context::new(
         client,
         metrics,
-        args.instance,
+        args.instance.clone(),
         OperatorConfig {
             restart_backoff: std::time::Duration::from_secs_f64(
                 args.restart_backoff_seconds.max(0.0),
@@ -210,8 +226,29 @@ async fn run(args: RunArgs) -> Result<(), String> {
         namespace: args.namespace,
     };
     tracing::info!(version = env!("CARGO_PKG_VERSION"), namespace = ?scope.namespace, "starting controllers");
+    let controllers = async {
+        if !args.leader_elect {
+            controller::run(ctx, scope, ready, shutdown.clone()).await;
+            return Ok(());
+        }
+        let election = ringmaster::leader::Election {
+            namespace: args.leader_election_namespace.clone(),
+            lease: args.leader_election_lease.clone(),
+            identity: args.instance.clone().unwrap_or_else(hostname),
+            duration: std::time::Duration::from_secs(args.leader_election_duration_seconds),
+        };
+        let leader_client = ctx.client.clone();
+        // A follower is ready (healthy, waiting to lead); a leader once its caches synced.
+        ready.store(true, std::sync::atomic::Ordering::Release);
+        ringmaster::leader::run(leader_client, election, shutdown.clone(), |stop| {
+            ready.store(false, std::sync::atomic::Ordering::Release);
+            controller::run(ctx, scope, ready, stop)
+        })
+        .await
+        .map_err(|e| e.to_string())
+    };
     tokio::select! {
-        () = controller::run(ctx, scope, ready, shutdown.clone()) => {}
+        led = controllers => led?,
         served = server => {
             // The server only ends early on an I/O error: stop the controllers too.
             shutdown.cancel();
@@ -220,6 +257,13 @@ async fn run(args: RunArgs) -> Result<(), String> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// This machine's name, for a replica identity outside a pod.
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| format!("ringmaster-{}", std::process::id()))
 }
 
 /// Cancels `shutdown` on SIGTERM (Kubernetes stopping the pod) or SIGINT (Ctrl-C).
