@@ -66,8 +66,14 @@ tools: ## Build the control plane's binaries into the cache
 	e2e/tools/build.sh
 
 .PHONY: crds
-crds: ## Regenerate crds/ from the Rust types
+crds: ## Regenerate crds/ from the Rust types (and their copies in the chart and config/crd)
 	$(CARGO) run --quiet --locked -- crd --output-dir crds
+	cp crds/*.yaml charts/ringmaster/crds/
+	cp crds/*.yaml config/crd/bases/
+
+.PHONY: manifests
+manifests: ## Regenerate the kustomize bases config/rbac and config/manager from the Helm chart
+	e2e/tools/manifests.sh
 
 .PHONY: build
 build: ## Build the operator

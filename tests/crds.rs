@@ -90,3 +90,21 @@ fn every_spec_field_has_a_description() {
         missing.join("\n")
     );
 }
+
+/// The chart (Helm installs `crds/` of a chart) and the kustomize base carry the same CRDs.
+#[test]
+fn chart_and_kustomize_crds_are_copies_of_crds() {
+    let root = fixtures::root();
+    for crd in crdgen::all() {
+        let name = crdgen::file_name(&crd);
+        let want = std::fs::read_to_string(root.join("crds").join(&name)).unwrap();
+        for copy in ["charts/ringmaster/crds", "config/crd/bases"] {
+            let have = std::fs::read_to_string(root.join(copy).join(&name))
+                .unwrap_or_else(|e| panic!("{copy}/{name}: {e}; run `make crds`"));
+            assert!(
+                have == want,
+                "{copy}/{name} differs from crds/{name}; run `make crds`"
+            );
+        }
+    }
+}

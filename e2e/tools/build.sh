@@ -4,6 +4,7 @@
 #   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl  (k8s.io/kubernetes)
 #   etcd                                                              (go.etcd.io/etcd/server/v3)
 #   kwok, kwokctl                                                     (sigs.k8s.io/kwok)
+#   helm                                                              (helm.sh/helm/v3)
 # Prints the folder holding them all. Versions live in e2e/versions.env.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -42,5 +43,11 @@ if [ ! -x "$bin/kwok" ] || [ ! -x "$bin/kwokctl" ]; then
   log "building KWOK $KWOK_VERSION"
   GOBIN="$bin" GOFLAGS= go install -trimpath -ldflags "-s -w" \
     "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION" "sigs.k8s.io/kwok/cmd/kwokctl@$KWOK_VERSION"
+fi
+if [ ! -x "$bin/helm" ] || ! "$bin/helm" version --short 2>/dev/null | grep -q "^$HELM_VERSION"; then
+  log "building Helm $HELM_VERSION"
+  GOBIN="$bin" GOFLAGS= go install -trimpath \
+    -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" \
+    "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
 fi
 echo "$bin"

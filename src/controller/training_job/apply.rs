@@ -61,18 +61,11 @@ pub async fn delete_pods(
 }
 
 /// Creates the per-job SSH Secret unless it exists. The key is drawn once: re-applying a new
-/// key would lock running workers out.
+/// key would lock running workers out. Existence is learnt from the create's 409, not a
+/// read, so the operator needs no right to read Secrets.
 async fn ensure_ssh_secret(client: &Client, job: &ValidatedTrainingJob) -> Result<(), ApplyError> {
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &job.namespace);
     let name = names::ssh_secret(&job.name);
-    if secrets
-        .get_metadata_opt(&name)
-        .await
-        .map_err(kube_error("reading", "Secret", &name))?
-        .is_some()
-    {
-        return Ok(());
-    }
     let mut seed = [0u8; 32];
     getrandom::fill(&mut seed).map_err(|e| ApplyError::Random(e.to_string()))?;
     let keys = SshKeys::from_seed(&seed, &format!("ringmaster/{}/{}", job.namespace, job.name));
@@ -81,7 +74,7 @@ async fn ensure_ssh_secret(client: &Client, job: &ValidatedTrainingJob) -> Resul
         .await
     {
         Ok(_) => Ok(()),
-        // Made by an earlier reconcile that did not see its own write yet: keep that one.
+        // Made by an earlier reconcile: keep that one.
         Err(e) if is_conflict(&e) => Ok(()),
         Err(e) => Err(kube_error("creating", "Secret", &name)(e)),
     }

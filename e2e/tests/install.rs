@@ -1,0 +1,347 @@
+//! Installing Ringmaster: the Helm chart (lint, schema, install, upgrade, uninstall), the
+//! kustomize bases (the same objects), and the chart's RBAC proven sufficient by running
+//! the operator as the chart's ServiceAccount (impersonation) through a TrainingJob and a
+//! DataStage, and proven narrow by requests it is refused.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use common::{TestNamespace, apply, client, ensure_crds, eventually, tool};
+use k8s_openapi::api::core::v1::{Node, Secret};
+use kube::api::{DeleteParams, ListParams};
+use kube::{Api, Client};
+use ringmaster::api::{DataStage, TrainingJob};
+use ringmaster::controller::{self, Context, OperatorConfig, Scope};
+use ringmaster::metrics::Metrics;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+fn chart() -> PathBuf {
+    common::repo_root().join("charts/ringmaster")
+}
+
+async fn run(program: PathBuf, args: &[&str]) -> (bool, String) {
+    let out = tokio::process::Command::new(&program)
+        .args(args)
+        .env("KUBECONFIG", ringmaster_e2e::cluster::kubeconfig_path())
+        .output()
+        .await
+        .unwrap_or_else(|e| panic!("{}: {e}", program.display()));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+async fn helm(args: &[&str]) -> (bool, String) {
+    run(tool("helm"), args).await
+}
+
+/// `(kind, namespace, name)` of every object in a multi-document YAML stream.
+fn objects(yaml: &str) -> BTreeSet<(String, String, String)> {
+    serde_saphyr::from_multiple::<Value>(yaml)
+        .unwrap()
+        .into_iter()
+        .filter(|o| o.is_object())
+        .map(|o| {
+            (
+                o["kind"].as_str().unwrap_or_default().to_string(),
+                o["metadata"]["namespace"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+                o["metadata"]["name"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn the_chart_lints_refuses_bad_values_and_matches_the_kustomize_bases() {
+    let chart = chart();
+    let chart = chart.to_str().unwrap();
+    let (ok, out) = helm(&["lint", chart, "--strict"]).await;
+    assert!(
+        ok && !out.contains("[WARNING]") && !out.contains("[ERROR]"),
+        "{out}"
+    );
+
+    for (set, words) in [
+        ("replicaCount=0", "replicaCount"),
+        ("logFormat=xml", "logFormat"),
+        ("aks.subscription=not-a-guid", "subscription"),
+        ("nonsense=1", "nonsense"),
+    ] {
+        let (ok, out) = helm(&[
+            "template",
+            "x",
+            chart,
+            "--kube-version",
+            "1.36.0",
+            "--set",
+            set,
+        ])
+        .await;
+        assert!(!ok, "{set} was accepted");
+        assert!(
+            out.contains(words) && out.contains("schema"),
+            "{set}: {out}"
+        );
+    }
+
+    // config/ is what `make manifests` writes today.
+    let (ok, out) = helm(&[
+        "template",
+        "ringmaster",
+        chart,
+        "--namespace",
+        "ringmaster-system",
+        "--kube-version",
+        "1.36.0",
+        "--set",
+        "kustomize=true",
+    ])
+    .await;
+    assert!(ok, "{out}");
+    let root = common::repo_root();
+    let mut kustomize_objects = String::new();
+    for file in ["config/rbac/rbac.yaml", "config/manager/manager.yaml"] {
+        kustomize_objects.push_str(&std::fs::read_to_string(root.join(file)).unwrap());
+        kustomize_objects.push_str("\n---\n");
+    }
+    assert_eq!(
+        objects(&kustomize_objects),
+        objects(&out),
+        "config/ is stale: run `make manifests`"
+    );
+
+    // `kubectl kustomize config/default` = the chart's objects + its CRDs + the namespace.
+    let (ok, built) = run(
+        tool("kubectl"),
+        &["kustomize", root.join("config/default").to_str().unwrap()],
+    )
+    .await;
+    assert!(ok, "{built}");
+    let (ok, helm_default) = helm(&[
+        "template",
+        "ringmaster",
+        chart,
+        "--namespace",
+        "ringmaster-system",
+        "--kube-version",
+        "1.36.0",
+        "--include-crds",
+    ])
+    .await;
+    assert!(ok, "{helm_default}");
+    let mut expected = objects(&helm_default);
+    expected.insert((
+        "Namespace".into(),
+        String::new(),
+        "ringmaster-system".into(),
+    ));
+    assert_eq!(objects(&built), expected);
+}
+
+/// A client that acts as `system:serviceaccount:{ns}:{name}`.
+async fn impersonating(ns: &str, name: &str) -> Client {
+    let kubeconfig =
+        kube::config::Kubeconfig::read_from(ringmaster_e2e::cluster::kubeconfig_path()).unwrap();
+    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .unwrap();
+    config.auth_info.impersonate = Some(format!("system:serviceaccount:{ns}:{name}"));
+    config.auth_info.impersonate_groups = Some(vec![
+        "system:serviceaccounts".into(),
+        format!("system:serviceaccounts:{ns}"),
+        "system:authenticated".into(),
+    ]);
+    Client::try_from(config).unwrap()
+}
+
+#[tokio::test]
+async fn helm_install_gives_the_operator_exactly_enough_rights_and_uninstall_leaves_only_crds() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter("ringmaster=warn,kube=warn")
+        .with_test_writer()
+        .try_init();
+    let admin = client().await;
+    ensure_crds(&admin).await;
+    let system = TestNamespace::new(&admin, "rm-system").await;
+    let work = TestNamespace::new(&admin, "rm-work").await;
+    let release = format!("rm-{}", &system.name[system.name.len() - 6..]);
+    let chart = chart();
+    let (ok, out) = helm(&[
+        "install",
+        &release,
+        chart.to_str().unwrap(),
+        "--namespace",
+        &system.name,
+        "--set",
+        "replicaCount=1",
+        "--set",
+        "metrics.serviceMonitor.enabled=false",
+    ])
+    .await;
+    assert!(ok, "{out}");
+    assert!(out.contains("Next:"), "NOTES tell what to do next: {out}");
+
+    // The operator, as the chart's ServiceAccount, with leader election in its namespace.
+    // The chart names its objects `<release>-ringmaster`.
+    let full_name = format!("{release}-ringmaster");
+    let operator = impersonating(&system.name, &full_name).await;
+    let ctx = Arc::new(Context::new(
+        operator.clone(),
+        Metrics::new(),
+        Some("rbac".into()),
+        OperatorConfig {
+            restart_backoff: Duration::from_millis(500),
+            ..OperatorConfig::default()
+        },
+    ));
+    let election = ringmaster::leader::Election {
+        namespace: system.name.clone(),
+        lease: format!("{full_name}-leader"),
+        identity: "rbac-test".into(),
+        duration: Duration::from_secs(15),
+    };
+    let scope = Scope { namespace: None };
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(ringmaster::leader::run(
+        operator.clone(),
+        election,
+        stop.clone(),
+        move |s| controller::run(ctx, scope, Arc::new(AtomicBool::new(false)), s),
+    ));
+
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    if task.is_finished() {
+        panic!("the operator stopped at once: {:?}", task.await);
+    }
+    // A TrainingJob end to end (KWOK ends its launcher) and a DataStage up to its copy Job.
+    let job = json!({
+        "apiVersion": "ringmaster.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "rbac"},
+        "spec": {"workers": 2, "image": "ringmaster-trainer:e2e", "trainer": {"model": "resnet18", "steps": 5},
+                 "launcher": {"annotations": {"kwok.ringmaster.dev/exit-code": "0", "kwok.ringmaster.dev/exit-after": "1s",
+                                              "kwok.ringmaster.dev/termination-message": "{\"steps\":5}"}}},
+    });
+    apply(&admin, &job, &work.name, false).await.unwrap();
+    let secret: Secret = serde_json::from_value(
+        json!({"metadata": {"name": "sas"}, "stringData": {"token": "sv=x&sig=y"}}),
+    )
+    .unwrap();
+    Api::<Secret>::namespaced(admin.clone(), &work.name)
+        .create(&Default::default(), &secret)
+        .await
+        .unwrap();
+    let stage = json!({
+        "apiVersion": "ringmaster.dev/v1alpha1", "kind": "DataStage", "metadata": {"name": "rbac"},
+        "spec": {"source": {"azureBlob": {"account": "acct", "container": "data", "auth": {"sasTokenSecretRef": {"name": "sas", "key": "token"}}}},
+                 "destination": {"nfs": {"server": "nfs.example.internal", "path": "/export"}}, "capacity": "1Gi"},
+    });
+    apply(&admin, &stage, &work.name, false).await.unwrap();
+    let jobs: Api<TrainingJob> = Api::namespaced(admin.clone(), &work.name);
+    let stages: Api<DataStage> = Api::namespaced(admin.clone(), &work.name);
+    eventually(
+        Duration::from_secs(90),
+        "the job Succeeded and the DataStage Copying",
+        || async {
+            let phase = |v: Option<Value>| v.map(|s| s["phase"].clone()).unwrap_or(Value::Null);
+            let j = phase(
+                jobs.get("rbac")
+                    .await
+                    .unwrap()
+                    .status
+                    .map(|s| serde_json::to_value(s).unwrap()),
+            );
+            let d = phase(
+                stages
+                    .get("rbac")
+                    .await
+                    .unwrap()
+                    .status
+                    .map(|s| serde_json::to_value(s).unwrap()),
+            );
+            j == "Succeeded" && d == "Copying"
+        },
+    )
+    .await;
+    assert!(!task.is_finished(), "the operator stopped: {:?}", task);
+
+    // What the chart does not grant is refused.
+    let denied = |e: kube::Error| matches!(e, kube::Error::Api(ref s) if s.code == 403);
+    assert!(denied(
+        Api::<Secret>::namespaced(operator.clone(), &work.name)
+            .list(&ListParams::default())
+            .await
+            .unwrap_err()
+    ));
+    assert!(denied(
+        Api::<Secret>::namespaced(operator.clone(), &work.name)
+            .get("sas")
+            .await
+            .unwrap_err()
+    ));
+    assert!(denied(
+        Api::<Node>::all(operator.clone())
+            .delete("anything", &DeleteParams::default())
+            .await
+            .unwrap_err()
+    ));
+    let role: k8s_openapi::api::rbac::v1::ClusterRole =
+        serde_json::from_value(json!({"metadata": {"name": "ringmaster-escalation"}, "rules": []}))
+            .unwrap();
+    assert!(denied(
+        Api::<k8s_openapi::api::rbac::v1::ClusterRole>::all(operator.clone())
+            .create(&Default::default(), &role)
+            .await
+            .unwrap_err()
+    ));
+    stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
+
+    let (ok, out) = helm(&[
+        "upgrade",
+        &release,
+        chart.to_str().unwrap(),
+        "--namespace",
+        &system.name,
+        "--set",
+        "replicaCount=2",
+    ])
+    .await;
+    assert!(ok, "{out}");
+    let (ok, out) = helm(&["uninstall", &release, "--namespace", &system.name, "--wait"]).await;
+    assert!(ok, "{out}");
+    // Nothing of the release is left but the CRDs (and the leader Lease, data of the cluster).
+    let selector = format!("app.kubernetes.io/instance={release}");
+    let (ok, out) = run(tool("kubectl"), &[
+        "get", "deployments,serviceaccounts,services,roles,rolebindings,clusterroles,clusterrolebindings",
+        "-A", "-l", &selector, "-o", "name",
+    ])
+    .await;
+    assert!(ok && out.trim().is_empty(), "left behind: {out}");
+    let (ok, out) = run(
+        tool("kubectl"),
+        &[
+            "get",
+            "crd",
+            "trainingjobs.ringmaster.dev",
+            "datastages.ringmaster.dev",
+            "-o",
+            "name",
+        ],
+    )
+    .await;
+    assert!(ok && out.lines().count() == 2, "{out}");
+}

@@ -1,0 +1,58 @@
+//! No Docker engine here: the Dockerfile is checked as far as text allows — both targets
+//! exist, every `COPY --from` names an earlier stage, the binaries it builds are the
+//! workspace's, and the operator image runs as non-root.
+
+#[path = "common/mod.rs"]
+mod fixtures;
+
+#[test]
+fn dockerfile_targets_stages_and_binaries_are_consistent() {
+    let text = std::fs::read_to_string(fixtures::root().join("Dockerfile")).unwrap();
+    let mut stages: Vec<String> = Vec::new();
+    let mut current = String::new();
+    let mut users = std::collections::HashMap::new();
+    for line in text.lines().map(str::trim) {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["FROM", _, "AS", name] => {
+                current = name.to_string();
+                stages.push(current.clone());
+            }
+            ["FROM", ..] => panic!("every stage is named: {line}"),
+            ["COPY", from, ..] if from.starts_with("--from=") => {
+                let stage = &from["--from=".len()..];
+                assert!(
+                    stages.iter().any(|s| s == stage),
+                    "COPY from unknown stage {stage}"
+                );
+            }
+            ["USER", user] => {
+                users.insert(current.clone(), user.to_string());
+            }
+            _ => {}
+        }
+    }
+    for target in ["build", "operator", "trainer"] {
+        assert!(stages.iter().any(|s| s == target), "no stage {target}");
+    }
+    assert_eq!(
+        users.get("operator").map(String::as_str),
+        Some("65532:65532")
+    );
+    assert_eq!(users.get("trainer").map(String::as_str), Some("1000:1000"));
+    // The binaries built are the workspace's.
+    assert!(text.contains("-p ringmaster --bin ringmaster"));
+    assert!(text.contains("-p ringmaster-trainer --bin ringmaster-trainer"));
+    let trainer_manifest =
+        std::fs::read_to_string(fixtures::root().join("trainer/Cargo.toml")).unwrap();
+    assert!(trainer_manifest.contains("name = \"ringmaster-trainer\""));
+    // The chart runs the operator image's entrypoint with `run`.
+    let deployment = std::fs::read_to_string(
+        fixtures::root().join("charts/ringmaster/templates/deployment.yaml"),
+    )
+    .unwrap();
+    assert!(
+        deployment.contains("- run\n")
+            && text.contains("ENTRYPOINT [\"/usr/local/bin/ringmaster\"]")
+    );
+}
