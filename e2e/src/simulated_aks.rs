@@ -358,9 +358,14 @@ async fn put_pool(
         });
         (id, pool)
     };
-    let mut response = (StatusCode::CREATED, axum::Json(pool_body(&name, &pool))).into_response();
+    let response = (StatusCode::CREATED, axum::Json(pool_body(&name, &pool))).into_response();
+    with_operation(response, &shared, &operation)
+}
+
+/// Adds the `Azure-AsyncOperation` header pointing at operation `id`.
+fn with_operation(mut response: Response, shared: &Shared, id: &str) -> Response {
     let url = format!(
-        "{}/operations/{operation}?api-version={}",
+        "{}/operations/{id}?api-version={}",
         shared.base_url.lock().unwrap(),
         shared.api_version
     );
@@ -410,16 +415,7 @@ async fn delete_pool(
         };
         inner.operations.insert(id2, outcome);
     });
-    let mut response = StatusCode::ACCEPTED.into_response();
-    let url = format!(
-        "{}/operations/{id}?api-version={}",
-        shared.base_url.lock().unwrap(),
-        shared.api_version
-    );
-    response
-        .headers_mut()
-        .insert("azure-asyncoperation", url.parse().unwrap());
-    response
+    with_operation(StatusCode::ACCEPTED.into_response(), &shared, &id)
 }
 
 async fn get_operation(

@@ -116,18 +116,25 @@ pub fn container_sas(key: &str, container: &str, permissions: &str) -> String {
         "",
     ]
     .join("\n");
+    format!(
+        "sv={version}&sr=c&sp={permissions}&se={}&sig={}",
+        url_encode(expiry),
+        sign(key, &to_sign)
+    )
+}
+
+/// The URL-encoded base64 HMAC-SHA256 of `to_sign` with the base64 `key`.
+fn sign(key: &str, to_sign: &str) -> String {
     let key = base64::engine::general_purpose::STANDARD
         .decode(key)
         .unwrap();
     let mut mac = Hmac::<Sha256>::new_from_slice(&key).unwrap();
     mac.update(to_sign.as_bytes());
-    let sig = base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes());
-    let enc = |s: &str| form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>();
-    format!(
-        "sv={version}&sr=c&sp={permissions}&se={}&sig={}",
-        enc(expiry),
-        enc(&sig)
-    )
+    url_encode(&base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes()))
+}
+
+fn url_encode(s: &str) -> String {
+    form_urlencoded::byte_serialize(s.as_bytes()).collect()
 }
 
 /// An account SAS (blob service; service, container and object level) signed with the
@@ -136,17 +143,10 @@ pub fn account_sas(permissions: &str) -> String {
     let version = "2021-08-06";
     let expiry = "2099-01-01T00:00:00Z";
     let to_sign = format!("{ACCOUNT}\n{permissions}\nb\nsco\n\n{expiry}\n\n\n{version}\n\n");
-    let key = base64::engine::general_purpose::STANDARD
-        .decode(KEY)
-        .unwrap();
-    let mut mac = Hmac::<Sha256>::new_from_slice(&key).unwrap();
-    mac.update(to_sign.as_bytes());
-    let sig = base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes());
-    let enc = |s: &str| form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>();
     format!(
         "sv={version}&ss=b&srt=sco&sp={permissions}&se={}&sig={}",
-        enc(expiry),
-        enc(&sig)
+        url_encode(expiry),
+        sign(KEY, &to_sign)
     )
 }
 
