@@ -20,7 +20,7 @@ use azurite::Azurite;
 const CONTAINER: &str = "datasets";
 
 fn writer(azurite: &Azurite) -> Arc<dyn ObjectStore> {
-    ringmaster::stage::install_tls_provider();
+    ringmaster::tls::install_provider();
     Arc::new(
         MicrosoftAzureBuilder::new()
             .with_account(azurite::ACCOUNT)
@@ -101,7 +101,7 @@ async fn stage(
     sas: Option<&str>,
     key: Option<&str>,
 ) -> Result<ringmaster::stage::Summary, StageError> {
-    ringmaster::stage::install_tls_provider();
+    ringmaster::tls::install_provider();
     let mut builder = MicrosoftAzureBuilder::new()
         .with_account(&args.account)
         .with_container_name(&args.container)

@@ -251,7 +251,7 @@ async fn a_datastage_binds_copies_with_progress_and_feeds_a_waiting_training_job
         attempts: 2,
         termination_message: None,
     };
-    ringmaster::stage::install_tls_provider();
+    ringmaster::tls::install_provider();
     let store = object_store::azure::MicrosoftAzureBuilder::new()
         .with_account(azurite::ACCOUNT)
         .with_container_name(CONTAINER)

@@ -279,6 +279,52 @@ where
     .map(|_| ())
 }
 
+/// Puts `finalizer` on `object` (`present`) or takes it off, with a merge patch that carries
+/// the object's resourceVersion: it fails, and the reconcile is retried, when the object
+/// changed meanwhile, so other controllers' finalizers are never lost. Nothing is sent when
+/// the finalizer is already as wanted; an object already gone is fine.
+pub(crate) async fn set_finalizer<K>(
+    client: &Client,
+    object: &K,
+    finalizer: &str,
+    present: bool,
+) -> Result<(), kube::Error>
+where
+    K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + DeserializeOwned
+        + Debug,
+{
+    let current = object.finalizers();
+    if current.iter().any(|f| f == finalizer) == present {
+        return Ok(());
+    }
+    let mut wanted: Vec<&str> = current
+        .iter()
+        .map(String::as_str)
+        .filter(|f| *f != finalizer)
+        .collect();
+    if present {
+        wanted.push(finalizer);
+    }
+    let api: Api<K> = Api::namespaced(client.clone(), &object.namespace().unwrap_or_default());
+    let patch = serde_json::json!({
+        "metadata": {"finalizers": wanted, "resourceVersion": object.resource_version()}
+    });
+    match api
+        .patch(
+            &object.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(e) if is_not_found(&e) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
 /// The current time as a Kubernetes timestamp (the one clock read of a reconciliation).
 fn now() -> Time {
     Time(Timestamp::now())

@@ -190,11 +190,9 @@ pub struct Summary {
     pub bytes_per_second: f64,
 }
 
-pub use crate::tls::install_provider as install_tls_provider;
-
 /// Builds the Blob client for `args`, with credentials from the environment.
 pub fn blob_store(args: &StageArgs) -> Result<Arc<dyn ObjectStore>, StageError> {
-    install_tls_provider();
+    crate::tls::install_provider();
     let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
     let mut builder = MicrosoftAzureBuilder::new()
         .with_account(&args.account)
@@ -300,10 +298,6 @@ pub async fn copy(
     let listing = list(store.as_ref(), args).await?;
     let state = args.destination.join(STATE_DIR);
     let tmp = state.join("tmp");
-    let write_err = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| StageError::Write { path, source }
-    };
     // Leftovers of a killed run are partial downloads: start them again.
     let _ = tokio::fs::remove_dir_all(&tmp).await;
     tokio::fs::create_dir_all(&tmp)
@@ -409,6 +403,12 @@ pub async fn copy(
         seconds,
         bytes_per_second: s.bytes_downloaded as f64 / seconds.max(1e-9),
     })
+}
+
+/// Turns an I/O error on `path` into [`StageError::Write`].
+fn write_err(path: &Path) -> impl FnOnce(std::io::Error) -> StageError {
+    let path = path.to_path_buf();
+    move |source| StageError::Write { path, source }
 }
 
 /// A full disk is said as such, with what was left to copy.
@@ -564,10 +564,6 @@ async fn fetch(
     counters: &Counters,
 ) -> Result<Entry, StageError> {
     let target = args.destination.join(local);
-    let write_err = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| StageError::Write { path, source }
-    };
     if let Some(parent) = target.parent() {
         tokio::fs::create_dir_all(parent)
             .await

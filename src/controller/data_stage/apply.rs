@@ -6,14 +6,14 @@
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::api::{ListParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 
 use super::build::{self, BuildInputs, Names};
 use super::status::{ClaimState, CopyState};
 use super::validate::ValidatedDataStage;
 use crate::api::DataStage;
-use crate::controller::{is_conflict, is_not_found, server_side_apply};
+use crate::controller::{is_conflict, is_not_found, server_side_apply, set_finalizer};
 
 /// The finalizer that deletes a DataStage's PersistentVolume object.
 pub const FINALIZER: &str = "ringmaster.dev/volume";
@@ -46,36 +46,16 @@ fn kube_error(
     }
 }
 
-/// Writes `finalizers` with a merge patch that carries `resource_version`, so it fails
-/// (and the reconcile is retried) when the list changed underneath.
-async fn set_finalizers(
-    api: &Api<DataStage>,
-    name: &str,
-    resource_version: Option<String>,
-    finalizers: Vec<String>,
-) -> Result<(), kube::Error> {
-    let patch = serde_json::json!({
-        "metadata": {"finalizers": finalizers, "resourceVersion": resource_version}
-    });
-    api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-        .map(|_| ())
-}
-
 /// Makes sure the finalizer is on the DataStage (only when it has a volume of ours).
 pub async fn ensure_finalizer(
     client: &Client,
     object: &DataStage,
     stage: &ValidatedDataStage,
 ) -> Result<(), ApplyError> {
-    let finalizers = object.finalizers();
-    if build::volume(stage).is_none() || finalizers.iter().any(|f| f == FINALIZER) {
+    if build::volume(stage).is_none() {
         return Ok(());
     }
-    let api: Api<DataStage> = Api::namespaced(client.clone(), &stage.namespace);
-    let mut wanted = finalizers.to_vec();
-    wanted.push(FINALIZER.to_string());
-    set_finalizers(&api, &stage.name, object.resource_version(), wanted)
+    set_finalizer(client, object, FINALIZER, true)
         .await
         .map_err(kube_error("add the finalizer to", "DataStage", &stage.name))
 }
@@ -91,24 +71,9 @@ pub async fn finalize(client: &Client, stage: &DataStage) -> Result<(), ApplyErr
             Err(e) => return Err(kube_error("delete", "PersistentVolume", &volume)(e)),
         }
     }
-    if !stage.finalizers().iter().any(|f| f == FINALIZER) {
-        return Ok(());
-    }
-    let api: Api<DataStage> =
-        Api::namespaced(client.clone(), &stage.namespace().unwrap_or_default());
-    let rest = stage
-        .finalizers()
-        .iter()
-        .filter(|f| *f != FINALIZER)
-        .cloned()
-        .collect();
-    match set_finalizers(&api, &name, stage.resource_version(), rest).await {
-        Ok(()) => Ok(()),
-        Err(e) if is_not_found(&e) => Ok(()),
-        Err(e) => Err(kube_error("remove the finalizer from", "DataStage", &name)(
-            e,
-        )),
-    }
+    set_finalizer(client, stage, FINALIZER, false)
+        .await
+        .map_err(kube_error("remove the finalizer from", "DataStage", &name))
 }
 
 /// Applies the ServiceAccount, Role, RoleBinding, volume and claim.
@@ -268,6 +233,5 @@ async fn stager_message(client: &Client, stage: &ValidatedDataStage, job: &str) 
 /// no longer validate): only NFS and Azure Files destinations have one.
 pub fn volume_of(stage: &DataStage) -> Option<String> {
     let dest = &stage.spec.destination;
-    (dest.existing_claim.is_none())
-        .then(|| format!("ringmaster-{}", stage.uid().unwrap_or_default()))
+    (dest.existing_claim.is_none()).then(|| build::volume_name(&stage.uid().unwrap_or_default()))
 }

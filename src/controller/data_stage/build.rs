@@ -42,12 +42,17 @@ impl Names {
             _ => format!("{}-data", short(&stage.name, 58)),
         };
         Self {
-            volume: format!("ringmaster-{}", stage.uid),
+            volume: volume_name(&stage.uid),
             claim,
             job: format!("{}-stage", short(&stage.name, 57)),
             stager: format!("{}-stager", short(&stage.name, 56)),
         }
     }
+}
+
+/// The PersistentVolume's name for the DataStage with `uid` (cluster-wide unique).
+pub fn volume_name(uid: &str) -> String {
+    format!("ringmaster-{uid}")
 }
 
 fn short(name: &str, max: usize) -> &str {

@@ -160,13 +160,12 @@ async fn run(
     let pods = pods_of(ctx, job);
     let pod_refs: Vec<&Pod> = pods.iter().map(AsRef::as_ref).collect();
     let observed = Observed::sort(&pod_refs, validated.workers, old.restarts);
-    let gang_exists = observed.workers.iter().any(Option::is_some) || observed.launcher.is_some();
     let pool = pool::look(
         &ctx.client,
         ctx.config.arm.as_ref(),
         job,
         validated,
-        gang_exists,
+        observed.gang_exists(),
     )
     .await
     .map_err(|source| Error::Pool {

@@ -116,6 +116,11 @@ pub struct Observed {
 }
 
 impl Observed {
+    /// Whether any pod of the current gang exists.
+    pub fn gang_exists(&self) -> bool {
+        self.workers.iter().any(Option::is_some) || self.launcher.is_some()
+    }
+
     /// Sorts `pods` (all the job's pods) for gang `attempt` of `workers` workers.
     pub fn sort(pods: &[&Pod], workers: u32, attempt: i32) -> Self {
         let mut observed = Self {

@@ -416,7 +416,7 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
         .filter(|p| !p.deleting)
         .map(|p| p.name.clone())
         .collect();
-    let gang_exists = observed.workers.iter().any(Option::is_some) || observed.launcher.is_some();
+    let gang_exists = observed.gang_exists();
 
     match inputs.data {
         DataState::Waiting { message } if !gang_exists => {

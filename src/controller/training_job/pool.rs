@@ -10,18 +10,21 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
-use kube::api::{ListParams, Patch, PatchParams};
+use kube::api::ListParams;
 use kube::{Api, Client, ResourceExt};
 
 use super::plan::PoolState;
 use super::validate::{NodePoolPlan, ValidatedTrainingJob};
 use crate::aks::{AgentPoolRequest, ArmClient, ArmError, Operation};
 use crate::api::{GpuDriver, NodePoolStatus, Provisioner, TrainingJob, TrainingJobPhase};
+use crate::controller::set_finalizer;
 
 /// The finalizer that deletes a job's agent pool.
 pub const FINALIZER: &str = "ringmaster.dev/agent-pool";
 /// Label and taint key on a job's pool nodes (workers tolerate it).
 pub const POOL_KEY: &str = "ringmaster.dev/pool";
+/// `status.nodePool.provisioningState` once the pool is gone.
+const DELETED: &str = "Deleted";
 /// AKS's label naming a node's agent pool.
 pub const AGENT_POOL_LABEL: &str = "kubernetes.azure.com/agentpool";
 
@@ -118,8 +121,11 @@ pub async fn look(
         phase,
         TrainingJobPhase::Succeeded | TrainingJobPhase::Failed
     ) {
-        // Done: give the machines back unless asked to keep them.
-        if !pool.delete_after_completion {
+        // Done: give the machines back unless asked to keep them. Once given back (and the
+        // finalizer released) there is nothing left to ask Azure.
+        let released = old.provisioning_state.as_deref() == Some(DELETED)
+            && !object.finalizers().iter().any(|f| f == FINALIZER);
+        if !pool.delete_after_completion || released {
             return Ok(PoolLook {
                 state: PoolState::NotNeeded,
                 status: Some(old),
@@ -132,7 +138,7 @@ pub async fn look(
                 Some(Duration::from_secs(10))
             }
             None => {
-                status.provisioning_state = Some("Deleted".into());
+                status.provisioning_state = Some(DELETED.into());
                 status.ready_nodes = 0;
                 None
             }
@@ -145,7 +151,7 @@ pub async fn look(
     }
 
     // The finalizer goes on before the pool exists, so a deleted job cannot leak it.
-    ensure_finalizer(client, object).await?;
+    set_pool_finalizer(client, object, true).await?;
     let transient = |e: &ArmError, status: NodePoolStatus| PoolLook {
         state: PoolState::Provisioning {
             message: format!("agent pool {name}: {e}"),
@@ -313,44 +319,21 @@ fn count(quantity: &str) -> Option<u64> {
     digits.parse::<u64>().ok()?.checked_mul(multiplier)
 }
 
-async fn ensure_finalizer(client: &Client, object: &TrainingJob) -> Result<(), PoolError> {
-    if object.finalizers().iter().any(|f| f == FINALIZER) {
-        return Ok(());
-    }
-    let mut finalizers = object.finalizers().to_vec();
-    finalizers.push(FINALIZER.to_string());
-    set_finalizers(client, object, finalizers).await
-}
-
-/// Writes the finalizer list, failing (to be retried) if the object changed meanwhile.
-async fn set_finalizers(
+/// Puts the finalizer on (`present`) or takes it off.
+async fn set_pool_finalizer(
     client: &Client,
     object: &TrainingJob,
-    finalizers: Vec<String>,
+    present: bool,
 ) -> Result<(), PoolError> {
-    let api: Api<TrainingJob> =
-        Api::namespaced(client.clone(), &object.namespace().unwrap_or_default());
-    let patch = serde_json::json!({
-        "metadata": {"finalizers": finalizers, "resourceVersion": object.resource_version()}
-    });
-    match api
-        .patch(
-            &object.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(&patch),
-        )
+    set_finalizer(client, object, FINALIZER, present)
         .await
-    {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
-        Err(source) => Err(PoolError::Kube {
+        .map_err(|source| PoolError::Kube {
             action: format!(
                 "updating the finalizers of TrainingJob {}",
                 object.name_any()
             ),
             source,
-        }),
-    }
+        })
 }
 
 /// Deletes the pool; `Some(state)` while it still exists, `None` once it is gone (and the
@@ -363,9 +346,7 @@ async fn release(
 ) -> Result<Option<String>, PoolError> {
     match arm.get_pool(name).await {
         Ok(None) => {
-            if object.finalizers().iter().any(|f| f == FINALIZER) {
-                set_finalizers(client, object, without(object)).await?;
-            }
+            set_pool_finalizer(client, object, false).await?;
             Ok(None)
         }
         Ok(Some(pool)) if pool.provisioning_state == "Deleting" => Ok(Some("Deleting".into())),
@@ -412,19 +393,10 @@ pub async fn finalize(
         });
     let (Some(arm), Some(name)) = (arm, name) else {
         // Nothing Ringmaster can delete: let the job go.
-        set_finalizers(client, object, without(object)).await?;
+        set_pool_finalizer(client, object, false).await?;
         return Ok(false);
     };
     Ok(release(client, arm, object, &name).await?.is_some())
-}
-
-fn without(object: &TrainingJob) -> Vec<String> {
-    object
-        .finalizers()
-        .iter()
-        .filter(|f| *f != FINALIZER)
-        .cloned()
-        .collect()
 }
 
 #[cfg(test)]
