@@ -83,7 +83,7 @@ build: ## Build the operator
 bench-operator: ## Benchmark: 100 TrainingJobs × 4 workers applied at once (release operator, local cluster)
 	$(CARGO) build --release --locked -p ringmaster -p ringmaster-e2e --bin ringmaster --bin bench-operator
 	e2e/cluster.sh up
-	$(CARGO_TARGET_DIR)/release/bench-operator --operator $(CARGO_TARGET_DIR)/release/ringmaster $(BENCH_ARGS)
+	RINGMASTER_KUBECONFIG=$(CURDIR)/e2e/.state/kubeconfig $(CARGO_TARGET_DIR)/release/bench-operator --operator $(CARGO_TARGET_DIR)/release/ringmaster $(BENCH_ARGS)
 
 .PHONY: bench-allreduce
 bench-allreduce: mpi ## Benchmark: TCP-ring all-reduce vs Open MPI's MPI_Allreduce, 4 ranks, 4 KiB..256 MiB

@@ -14,6 +14,9 @@ state="$here/.state"
 name=ringmaster
 kubeconfig="$state/kubeconfig"
 export KWOK_WORKDIR="$state/kwok"
+# The Rust helpers (kwok-nodes here) read these at run time: binaries in the shared cargo
+# target directory are built by every checkout, so they cannot know which one they serve.
+export RINGMASTER_REPO_ROOT="$root" RINGMASTER_KUBECONFIG="$kubeconfig"
 # Ports: RINGMASTER_PORT_BASE+43 is the API server (https://127.0.0.1:36443 by default).
 base=${RINGMASTER_PORT_BASE:-36400}
 api_port=$((base + 43)) etcd_port=$((base + 79)) etcd_peer_port=$((base + 80))

@@ -14,6 +14,7 @@ metrics=${METRICS_ADDR:-127.0.0.1:8080}
 "$here/cluster.sh" up
 bin=$("$here/tools/build.sh")
 export KUBECONFIG="$here/.state/kubeconfig"
+export RINGMASTER_REPO_ROOT="$root" RINGMASTER_KUBECONFIG="$KUBECONFIG"
 kubectl=("$bin/kubectl")
 
 echo "[run] installing CRDs" >&2

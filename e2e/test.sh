@@ -3,8 +3,14 @@
 # up, and takes it down afterwards when this script started it (KEEP_CLUSTER=1 keeps it).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+root=$(dirname "$here")
+# The tests find this checkout and its cluster at run time (the test binaries are shared by
+# every checkout that builds into the same cargo target directory).
+export RINGMASTER_REPO_ROOT="$root" RINGMASTER_KUBECONFIG="$here/.state/kubeconfig"
 started=0
-if ! "$here/cluster.sh" status >/dev/null 2>&1; then
+# stderr stays on the terminal: the first run builds the control plane here (minutes), and
+# tools/build.sh says what it builds and how long it took.
+if ! "$here/cluster.sh" status >/dev/null; then
   "$here/cluster.sh" up
   started=1
 fi
@@ -18,4 +24,4 @@ finish() {
   exit $rc
 }
 trap finish EXIT
-cargo test --locked --manifest-path "$here/../Cargo.toml" -p ringmaster-e2e --tests -- --test-threads="${TEST_THREADS:-2}" "$@"
+cargo test --locked --manifest-path "$root/Cargo.toml" -p ringmaster-e2e --tests -- --test-threads="${TEST_THREADS:-2}" "$@"

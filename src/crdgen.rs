@@ -2,8 +2,15 @@
 
 use std::path::Path;
 
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
+    CustomResourceDefinition, CustomResourceValidation, JSONSchemaProps,
+};
 use kube::CustomResourceExt;
+use kube::core::schema::{OptionalEnum, OptionalIntOrString, StructuralSchemaRewriter};
+use schemars::generate::SchemaSettings;
+use schemars::transform::{AddNullable, Transform, transform_subschemas};
+use schemars::{JsonSchema, Schema};
+use serde_json::json;
 
 use crate::api::{DataStage, TrainingJob};
 
@@ -26,7 +33,70 @@ pub enum CrdGenError {
 
 /// Every CRD Ringmaster serves, in a fixed order.
 pub fn all() -> Vec<CustomResourceDefinition> {
-    vec![DataStage::crd(), TrainingJob::crd()]
+    vec![
+        with_field_docs::<DataStage>(),
+        with_field_docs::<TrainingJob>(),
+    ]
+}
+
+/// `K::crd()` with its schema generated again so that every field's own doc comment is its
+/// description, which is what `kubectl explain` shows.
+///
+/// kube's derive flattens an `Option<Enum>` field's `anyOf: [enum, null]` (its `OptionalEnum`
+/// transform) by copying the enum's schema over the field's, and the enum's doc comment
+/// ("Arithmetic precision.") replaced the field's ("Arithmetic on the GPU. Default: bf16 on
+/// GPUs, fp32 on CPUs."): every such field lost its "Default:" sentence. The settings and
+/// transforms here are the derive's, with [`FieldDocWins`] before `OptionalEnum`; a test
+/// checks that nothing but descriptions differs from `K::crd()`.
+fn with_field_docs<K: CustomResourceExt + JsonSchema>() -> CustomResourceDefinition {
+    let mut crd = K::crd();
+    let generator = SchemaSettings::openapi3()
+        .with(|s| {
+            s.inline_subschemas = true;
+            s.meta_schema = None;
+        })
+        .with_transform(AddNullable::default())
+        .with_transform(StructuralSchemaRewriter)
+        .with_transform(FieldDocWins)
+        .with_transform(OptionalEnum)
+        .with_transform(OptionalIntOrString)
+        .into_generator();
+    let schema: JSONSchemaProps = serde_json::to_value(generator.into_root_schema_for::<K>())
+        .and_then(serde_json::from_value)
+        .expect("the derived schema is a JSONSchemaProps, as K::crd() made it one");
+    for version in &mut crd.spec.versions {
+        version.schema = Some(CustomResourceValidation {
+            open_api_v3_schema: Some(schema.clone()),
+        });
+    }
+    crd
+}
+
+/// Gives the inner schema of an `Option<T>` field (`anyOf: [T, null]`) the field's description,
+/// so that the field's doc comment is the one left when `OptionalEnum` hoists `T` into the
+/// field. A field without a doc comment keeps `T`'s.
+#[derive(Clone)]
+struct FieldDocWins;
+
+impl Transform for FieldDocWins {
+    fn transform(&mut self, schema: &mut Schema) {
+        transform_subschemas(self, schema);
+        let Some(object) = schema.as_object_mut() else {
+            return;
+        };
+        let Some(description) = object.get("description").cloned() else {
+            return;
+        };
+        let Some(any_of) = object.get_mut("anyOf").and_then(|a| a.as_array_mut()) else {
+            return;
+        };
+        if let [inner, null] = any_of.as_mut_slice()
+            && null.get("enum") == Some(&json!([null]))
+            && let Some(inner) = inner.as_object_mut()
+        {
+            inner.insert("description".into(), description);
+        }
+    }
 }
 
 /// The file name a CRD is kept under in `crds/`: `<plural>.<group>.yaml`.

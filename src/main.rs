@@ -112,28 +112,55 @@ struct RunArgs {
     instance: Option<String>,
 }
 
+/// `ringmaster stage`: the copy, its summary on stdout, and its outcome in the termination
+/// message when asked for one.
+fn stage(args: &ringmaster::stage::StageArgs) -> ExitCode {
+    use ringmaster::stage::Outcome;
+    if args.print_settings {
+        println!(
+            "{}",
+            serde_json::to_string(args).expect("settings serialize")
+        );
+        return ExitCode::SUCCESS;
+    }
+    telemetry::init(LogFormat::Text);
+    let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
+    let (outcome, code) = match runtime.block_on(ringmaster::stage::run(args)) {
+        Ok(summary) => {
+            println!(
+                "{}",
+                serde_json::to_string(&summary).expect("summary serializes")
+            );
+            (Outcome::Succeeded(summary), ExitCode::SUCCESS)
+        }
+        Err(error) => {
+            eprintln!("ringmaster stage: {error}");
+            (
+                Outcome::Failed {
+                    error: error.to_string(),
+                },
+                ExitCode::FAILURE,
+            )
+        }
+    };
+    if let Some(path) = &args.termination_message
+        && let Err(error) = std::fs::write(path, outcome.to_message())
+    {
+        // Outside Kubernetes the file may not be writable; the outcome is printed anyway.
+        eprintln!(
+            "ringmaster stage: writing the termination message {}: {error}",
+            path.display()
+        );
+    }
+    code
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     ringmaster::tls::install_provider();
     match cli.command {
         Command::Crd { output_dir } => print_crds(output_dir),
-        Command::Stage(args) => {
-            telemetry::init(LogFormat::Text);
-            let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
-            match runtime.block_on(ringmaster::stage::run(&args)) {
-                Ok(summary) => {
-                    println!(
-                        "{}",
-                        serde_json::to_string(&summary).expect("summary serializes")
-                    );
-                    ExitCode::SUCCESS
-                }
-                Err(error) => {
-                    eprintln!("ringmaster stage: {error}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
+        Command::Stage(args) => stage(&args),
         Command::Run(args) => {
             telemetry::init(args.log_format);
             let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");

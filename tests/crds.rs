@@ -108,3 +108,98 @@ fn chart_and_kustomize_crds_are_copies_of_crds() {
         }
     }
 }
+
+/// Each `Option<Enum>` field, its CRD, and the sentence of its doc comment that
+/// `kubectl explain` must show. The enum's own doc comment used to replace the field's.
+const OPTIONAL_ENUM_FIELDS: &[(&str, &str, &str)] = &[
+    (
+        "trainingjobs.ringmaster.dev",
+        "spec.trainer.model",
+        "Default: resnet50.",
+    ),
+    (
+        "trainingjobs.ringmaster.dev",
+        "spec.trainer.data",
+        "Default: synthetic.",
+    ),
+    (
+        "trainingjobs.ringmaster.dev",
+        "spec.trainer.precision",
+        "Default: bf16 on GPUs, fp32 on CPUs.",
+    ),
+    (
+        "trainingjobs.ringmaster.dev",
+        "spec.nodePool.gpuDriver",
+        "Default: Install.",
+    ),
+];
+
+/// The description of the field at a dotted path under the schema's root.
+fn field_description<'a>(schema: &'a serde_json::Value, path: &str) -> Option<&'a str> {
+    path.split('.')
+        .try_fold(schema, |s, name| s.get("properties")?.get(name))?
+        .get("description")?
+        .as_str()
+}
+
+#[test]
+fn optional_enum_fields_keep_their_own_description() {
+    let root = fixtures::root();
+    let mut wrong = Vec::new();
+    for &(crd_name, path, sentence) in OPTIONAL_ENUM_FIELDS {
+        let crd = crdgen::all()
+            .into_iter()
+            .find(|c| c.metadata.name.as_deref() == Some(crd_name))
+            .unwrap_or_else(|| panic!("no CRD {crd_name}"));
+        let file = format!("crds/{}", crdgen::file_name(&crd));
+        let generated = serde_json::to_value(&crd).unwrap();
+        let committed = fixtures::documents(&root.join(&file)).remove(0);
+        for (what, crd) in [("generated", &generated), (file.as_str(), &committed)] {
+            let schema = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+            let description = field_description(schema, path);
+            if !description.is_some_and(|d| d.contains(sentence)) {
+                wrong.push(format!(
+                    "{what}: {path} has description {description:?}, without {sentence:?}"
+                ));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "fields lost their doc comment (after a fix in crdgen, run `make crds`):\n{}",
+        wrong.join("\n")
+    );
+}
+
+/// `crdgen` generates the schemas again to keep the fields' doc comments: everything but the
+/// descriptions must still be what kube's derive makes.
+#[test]
+fn crdgen_changes_nothing_but_descriptions() {
+    use kube::CustomResourceExt;
+    use ringmaster::api::{DataStage, TrainingJob};
+
+    fn without_descriptions(value: &mut serde_json::Value) {
+        match value {
+            serde_json::Value::Object(map) => {
+                map.remove("description");
+                map.values_mut().for_each(without_descriptions);
+            }
+            serde_json::Value::Array(items) => items.iter_mut().for_each(without_descriptions),
+            _ => {}
+        }
+    }
+    let derived = [DataStage::crd(), TrainingJob::crd()];
+    let generated = crdgen::all();
+    assert_eq!(generated.len(), derived.len());
+    for (generated, derived) in generated.iter().zip(&derived) {
+        let mut generated = serde_json::to_value(generated).unwrap();
+        let mut derived = serde_json::to_value(derived).unwrap();
+        without_descriptions(&mut generated);
+        without_descriptions(&mut derived);
+        assert!(
+            generated == derived,
+            "{}: crdgen's schema differs from the derive's in more than descriptions",
+            generated["metadata"]["name"]
+        );
+    }
+}

@@ -270,3 +270,64 @@ fn phases_follow_the_claim_and_the_job_and_keep_the_stagers_progress() {
     );
     assert_eq!(condition(&v, "Stalled")["status"], "True");
 }
+
+/// The stager's own parser reads the copy Job's command and environment back into the
+/// settings the controller meant (the `ringmaster` binary, run as the Job would run it, with
+/// `--print-settings`; secrets replaced by placeholders, since they come from Secrets).
+#[test]
+fn the_stager_reads_the_copy_jobs_environment_as_the_controller_meant_it() {
+    for (file, auth) in [
+        ("datastage-imagenet-azure-sas.yaml", "sas-token"),
+        ("datastage-azurite.yaml", "account-key"),
+    ] {
+        let stage = sample(file, |_| {});
+        let job = value(&build::job(&stage, &inputs()));
+        let container = &job["spec"]["template"]["spec"]["containers"][0];
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_ringmaster"));
+        command.env_clear();
+        for var in container["env"].as_array().unwrap() {
+            let value = var["value"].as_str().unwrap_or("placeholder-from-a-secret");
+            command.env(var["name"].as_str().unwrap(), value);
+        }
+        let args: Vec<&str> = container["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap())
+            .collect();
+        let out = command
+            .args(&args)
+            .arg("--print-settings")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{file}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let read: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let destination = match &stage.sub_path {
+            Some(sub) => format!("/data/{sub}"),
+            None => "/data".to_string(),
+        };
+        assert_eq!(
+            read,
+            json!({
+                "account": stage.account,
+                "container": stage.container,
+                "prefix": stage.prefix,
+                "endpoint": stage.endpoint,
+                "destination": destination,
+                "parallelism": stage.parallelism,
+                "verify": if stage.verify == ringmaster::api::Verification::Size { "size" } else { "md5" },
+                "auth": auth,
+                "reportTo": format!("ml/{}", stage.name),
+                "progress": "log",
+                "progressInterval": 2.0,
+                "terminationMessage": "/dev/termination-log",
+                "attempts": 4,
+            }),
+            "{file}"
+        );
+    }
+}

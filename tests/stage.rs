@@ -91,6 +91,7 @@ fn args(azurite: &Azurite, destination: &Path) -> StageArgs {
         progress_interval: 1.0,
         attempts: 3,
         termination_message: None,
+        print_settings: false,
     }
 }
 
@@ -301,4 +302,64 @@ async fn killed_mid_copy_the_rerun_copies_only_the_rest() {
     assert_eq!(rerun.skipped_files + rerun.downloaded_files, rerun.files);
     assert!(rerun.downloaded_files < rerun.files);
     assert_tree_matches(dest.path(), &files);
+}
+
+/// `--termination-message` gets the stager's outcome: the error when it fails (no secret in
+/// it), the summary when it succeeds; the DataStage controller reads it with `Outcome::parse`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_termination_message_holds_the_outcome() {
+    use ringmaster::stage::Outcome;
+    let azurite = Azurite::start();
+    create_container(&azurite);
+    let mut files = BTreeMap::new();
+    files.insert("ds/a.txt".to_string(), b"alpha".to_vec());
+    files.insert("ds/b/c.txt".to_string(), b"gamma".to_vec());
+    upload(&writer(&azurite), &files).await;
+    let dest = tempfile::tempdir().unwrap();
+    let message = dest.path().join("termination-log");
+    let run = |sas: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_ringmaster"))
+            .args([
+                "stage",
+                "--account",
+                azurite::ACCOUNT,
+                "--container",
+                CONTAINER,
+            ])
+            .args(["--prefix", "ds/", "--endpoint", &azurite.endpoint()])
+            .args(["--progress", "none"])
+            .arg("--destination")
+            .arg(dest.path().join("copy"))
+            .arg("--termination-message")
+            .arg(&message)
+            .env("AZURE_STORAGE_SAS_TOKEN", sas)
+            .output()
+            .unwrap()
+    };
+    let wrong_key = "d3Jvbmcta2V5LXdyb25nLWtleS13cm9uZy1rZXktd3Jvbmcta2V5LXdyb25nLWtleQ==";
+    let forged = azurite::container_sas(wrong_key, CONTAINER, "rl");
+    let out = run(&forged);
+    assert!(!out.status.success());
+    let text = std::fs::read_to_string(&message).unwrap();
+    match Outcome::parse(&text) {
+        Some(Outcome::Failed { error }) => {
+            assert!(error.contains("credential was refused"), "{error}");
+            assert!(!text.contains("sig="), "secret in: {text}");
+        }
+        other => panic!("expected a failure, got {other:?} from {text}"),
+    }
+    let sas = azurite::container_sas(azurite::KEY, CONTAINER, "rl");
+    let out = run(&sas);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&message).unwrap();
+    match Outcome::parse(&text) {
+        Some(Outcome::Succeeded(summary)) => {
+            assert_eq!((summary.files, summary.downloaded_files), (2, 2), "{text}")
+        }
+        other => panic!("expected a summary, got {other:?} from {text}"),
+    }
 }

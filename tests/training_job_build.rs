@@ -4,8 +4,21 @@
 mod fixtures;
 
 use ringmaster::controller::training_job::build::{self, BuildInputs, SshKeys};
-use ringmaster::controller::training_job::validate::{ValidatedTrainingJob, validate_value};
+use ringmaster::controller::training_job::validate::{
+    Program, ValidatedTrainingJob, validate_value_for,
+};
+use ringmaster_contract::trainer::{Capabilities, Device, Precision, TrainArgs};
 use serde_json::{Value, json};
+
+/// A trainer with the CUDA engine: the GPU jobs below are built as it would run them (the
+/// trainer of this release refuses them in validate; see tests/validate.rs).
+fn with_cuda() -> Capabilities {
+    Capabilities {
+        devices: vec![Device::Cpu, Device::Cuda],
+        precisions: vec![Precision::Fp32, Precision::Bf16],
+        ..Capabilities::this_release()
+    }
+}
 
 fn sample(file: &str, edit: impl FnOnce(&mut Value)) -> ValidatedTrainingJob {
     let path = fixtures::root().join("config/samples").join(file);
@@ -13,7 +26,7 @@ fn sample(file: &str, edit: impl FnOnce(&mut Value)) -> ValidatedTrainingJob {
     object["metadata"]["namespace"] = json!("ml");
     object["metadata"]["uid"] = json!("6f1c2d3e-0000-4000-8000-00000000abcd");
     edit(&mut object);
-    validate_value(&object, None).unwrap_or_else(|e| panic!("{file}: {e}"))
+    validate_value_for(&object, None, &with_cuda()).unwrap_or_else(|e| panic!("{file}: {e}"))
 }
 
 fn gpu_job() -> ValidatedTrainingJob {
@@ -326,27 +339,53 @@ fn the_worker_service_is_headless_and_publishes_unready_workers() {
     assert_eq!(service["spec"]["ports"][0]["port"], 2222);
 }
 
-/// The trainer's own command line accepts what the operator builds (no drift between them).
+/// The flags after `ringmaster-trainer train` in a launcher command.
+fn train_flags(command: &[String]) -> &[String] {
+    let train = command
+        .iter()
+        .position(|a| a == "train")
+        .expect("a train command");
+    &command[train + 1..]
+}
+
+/// The trainer's own parser and settings check accept the command the operator builds for
+/// every sample that validate accepts on this release, and the GPU sample on a trainer with
+/// the CUDA engine; the parsed settings are the ones validate derived (no drift).
 #[test]
 fn the_trainer_accepts_the_command_the_operator_builds() {
-    use clap::Parser;
-    #[derive(Parser)]
-    struct TrainCli {
-        #[command(flatten)]
-        args: ringmaster_trainer::train::TrainArgs,
-    }
-    for job in [gpu_job(), sample("trainingjob-cpu-small.yaml", |_| {})] {
-        let command = build::launcher_command(&job);
-        let train = command.iter().position(|a| a == "train").unwrap();
-        let parsed = TrainCli::try_parse_from(&command[train..]).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(
-            parsed.args.batch_size as u32,
-            match &job.program {
-                ringmaster::controller::training_job::validate::Program::Trainer(t) => t.batch_size,
-                _ => unreachable!(),
+    let mut checked = 0;
+    for path in fixtures::yaml_files(&fixtures::root().join("config/samples")) {
+        for object in fixtures::ringmaster_objects(&path) {
+            if object["kind"] != "TrainingJob" {
+                continue;
             }
-        );
+            for capabilities in [Capabilities::this_release(), with_cuda()] {
+                let Ok(job) = validate_value_for(&object, None, &capabilities) else {
+                    continue;
+                };
+                let command = build::launcher_command(&job);
+                let parsed = TrainArgs::parse_flags(train_flags(&command))
+                    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                assert_eq!(parsed.check(&capabilities), Ok(()), "{}", path.display());
+                match &job.program {
+                    Program::Trainer(t) => assert_eq!(parsed, t.args),
+                    Program::Command(_) => unreachable!("the samples run the trainer"),
+                }
+                checked += 1;
+            }
+        }
     }
+    assert_eq!(
+        checked, 3,
+        "the CPU sample twice, the GPU sample with the CUDA engine"
+    );
+    // The user's extra flags come last, so they win, and the trainer sees them.
+    let job = sample("trainingjob-cpu-small.yaml", |o| {
+        o["spec"]["trainer"]["extraArgs"] = json!(["--seed=7", "--log-every=1"]);
+    });
+    let command = build::launcher_command(&job);
+    let parsed = TrainArgs::parse_flags(train_flags(&command)).unwrap();
+    assert_eq!((parsed.seed, parsed.log_every), (7, 1));
 }
 
 #[test]
@@ -384,4 +423,55 @@ fn a_job_with_its_own_aks_pool_puts_workers_and_launcher_there() {
     );
     assert_eq!(request.node_labels["ringmaster.dev/pool"], pool);
     assert!(request.gpu_driver_install && !request.spot);
+}
+
+/// Pool readiness counts the RDMA resource the job asks for, by its name.
+#[test]
+fn a_node_hosts_a_worker_only_with_the_jobs_rdma_resource() {
+    use ringmaster::controller::training_job::pool::can_host_worker;
+    let job = sample("trainingjob-resnet50-nd96asr-v4.yaml", |o| {
+        o["spec"]["infiniband"]["rdmaResource"] = json!("rdma/hca_shared_devices_a");
+        o["spec"]["infiniband"]["rdmaResourceCount"] = json!(2);
+    });
+    let node = |allocatable: Value, ready: &str| -> k8s_openapi::api::core::v1::Node {
+        serde_json::from_value(json!({
+            "metadata": {"name": "n"},
+            "status": {
+                "allocatable": allocatable,
+                "conditions": [{"type": "Ready", "status": ready}],
+            },
+        }))
+        .unwrap()
+    };
+    let default_name = json!({"nvidia.com/gpu": "8", "rdma/shared_ib": "1k"});
+    let jobs_name = json!({"nvidia.com/gpu": "8", "rdma/hca_shared_devices_a": "2"});
+    assert!(can_host_worker(&node(jobs_name.clone(), "True"), &job));
+    assert!(
+        !can_host_worker(&node(jobs_name, "False"), &job),
+        "not Ready"
+    );
+    assert!(
+        !can_host_worker(&node(default_name, "True"), &job),
+        "the default resource is not the one this job asks for"
+    );
+    assert!(
+        !can_host_worker(
+            &node(
+                json!({"nvidia.com/gpu": "8", "rdma/hca_shared_devices_a": "1"}),
+                "True"
+            ),
+            &job
+        ),
+        "one device short"
+    );
+    assert!(
+        !can_host_worker(
+            &node(
+                json!({"nvidia.com/gpu": "4", "rdma/hca_shared_devices_a": "2"}),
+                "True"
+            ),
+            &job
+        ),
+        "GPUs short"
+    );
 }

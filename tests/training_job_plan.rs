@@ -187,7 +187,21 @@ fn success_reads_the_trainers_summary_and_cleans_running_pods() {
             "launcher",
             0,
             0,
-            r#"succeeded:{"imagesPerSecond":812.5,"steps":20,"finalLoss":2.125}"#,
+            // What the trainer's launcher wrapper writes: the contract's summary line.
+            &format!(
+                "succeeded:{}",
+                ringmaster_contract::trainer::Summary {
+                    images_per_second: 812.5,
+                    steps: 20,
+                    final_loss: Some(2.125),
+                    final_accuracy: Some(0.5),
+                    world_size: 4,
+                    global_batch: 64,
+                    parameters: 11_689_512,
+                    seconds: 12.0,
+                }
+                .to_line()
+            ),
         ),
     ]);
     let p = s.step();

@@ -6,6 +6,7 @@ mod fixtures;
 
 use ringmaster::controller::{data_stage, training_job};
 use ringmaster::validation::FieldErrors;
+use ringmaster_contract::trainer::{Capabilities, Device, Precision, TrainArgs};
 use serde_json::Value;
 
 fn validate(object: &Value, old: Option<&Value>) -> Result<(), FieldErrors> {
@@ -16,20 +17,70 @@ fn validate(object: &Value, old: Option<&Value>) -> Result<(), FieldErrors> {
     }
 }
 
+/// A trainer with the CUDA engine (GPU devices and bf16): what the GPU samples are written for.
+fn with_cuda() -> Capabilities {
+    Capabilities {
+        devices: vec![Device::Cpu, Device::Cuda],
+        precisions: vec![Precision::Fp32, Precision::Bf16],
+        ..Capabilities::this_release()
+    }
+}
+
+/// Every sample is a well-formed spec; on the trainer of this release each either passes
+/// validate, whose trainer invocation then passes the trainer's own check, or is refused by
+/// validate for exactly what the trainer cannot run, naming the field.
 #[test]
-fn every_sample_is_valid() {
+fn every_sample_is_valid_or_refused_for_what_this_trainer_cannot_run() {
     let samples = fixtures::yaml_files(&fixtures::root().join("config/samples"));
     assert!(samples.len() >= 4, "samples: {samples:?}");
     let mut kinds = Vec::new();
+    let mut refused = Vec::new();
     for path in samples {
         for object in fixtures::ringmaster_objects(&path) {
-            kinds.push(object["kind"].as_str().unwrap_or_default().to_string());
-            if let Err(errors) = validate(&object, None) {
-                panic!("{} is invalid: {errors}", path.display());
+            let kind = object["kind"].as_str().unwrap_or_default().to_string();
+            kinds.push(kind.clone());
+            if kind == "DataStage" {
+                if let Err(errors) = validate(&object, None) {
+                    panic!("{} is invalid: {errors}", path.display());
+                }
+                continue;
+            }
+            training_job::validate::validate_value_for(&object, None, &with_cuda())
+                .unwrap_or_else(|e| panic!("{} is invalid: {e}", path.display()));
+            match training_job::validate::validate_value(&object, None) {
+                Ok(job) => {
+                    if let training_job::validate::Program::Trainer(t) = &job.program {
+                        let parsed = TrainArgs::parse_flags(t.flags()).unwrap();
+                        assert_eq!(parsed.check(&Capabilities::this_release()), Ok(()));
+                    }
+                }
+                Err(errors) => {
+                    for e in &errors.0 {
+                        assert!(
+                            ["spec.gpusPerWorker", "spec.trainer.precision"]
+                                .contains(&e.field.as_str())
+                                && e.message.contains("CUDA engine"),
+                            "{}: {e}",
+                            path.display()
+                        );
+                    }
+                    refused.push((
+                        path.file_name().unwrap().to_string_lossy().to_string(),
+                        errors.fields().join(","),
+                    ));
+                }
             }
         }
     }
     assert!(kinds.contains(&"TrainingJob".to_string()) && kinds.contains(&"DataStage".to_string()));
+    assert_eq!(
+        refused,
+        vec![(
+            "trainingjob-resnet50-nd96asr-v4.yaml".to_string(),
+            "spec.gpusPerWorker,spec.trainer.precision".to_string()
+        )],
+        "the flagship GPU sample waits for the CUDA engine; the CPU sample runs"
+    );
 }
 
 #[test]
@@ -82,9 +133,11 @@ fn an_update_that_keeps_immutable_fields_passes() {
 #[test]
 fn defaults_are_filled_in() {
     let path = fixtures::root().join("config/samples/trainingjob-resnet50-nd96asr-v4.yaml");
-    let job = training_job::validate::validate_value(
+    // A GPU job: its defaults as a trainer with the CUDA engine would take them.
+    let job = training_job::validate::validate_value_for(
         &fixtures::ringmaster_objects(&path).remove(0),
         None,
+        &with_cuda(),
     )
     .unwrap();
     assert_eq!(
@@ -105,8 +158,14 @@ fn defaults_are_filled_in() {
     match job.program {
         training_job::validate::Program::Trainer(t) => {
             // 0.1 per 256 images over 16 ranks × 256.
-            assert!((t.learning_rate - 1.6).abs() < 1e-9, "{}", t.learning_rate);
-            assert_eq!(t.length, training_job::validate::TrainingLength::Epochs(90));
+            let lr = t.args.learning_rate.unwrap();
+            assert!((lr - 1.6).abs() < 1e-6, "{lr}");
+            assert_eq!((t.args.epochs, t.args.steps), (Some(90), None));
+            assert_eq!(t.args.data_dir.unwrap().to_str(), Some("/data/imagenet"));
+            assert_eq!(
+                t.args.output_dir.unwrap().to_str(),
+                Some("/output/resnet50-imagenet")
+            );
         }
         other => panic!("expected the trainer, got {other:?}"),
     }

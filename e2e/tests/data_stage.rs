@@ -250,6 +250,7 @@ async fn a_datastage_binds_copies_with_progress_and_feeds_a_waiting_training_job
         progress_interval: 0.2,
         attempts: 2,
         termination_message: None,
+        print_settings: false,
     };
     ringmaster::tls::install_provider();
     let store = object_store::azure::MicrosoftAzureBuilder::new()

@@ -35,8 +35,12 @@ fn sample(file: &str, kind: &str) -> Value {
         .unwrap()
 }
 
+/// The samples pass the validate step: the TrainingJob is SpecValid and starts, with a Normal
+/// `Valid` Event; the DataStage, whose claim does not exist here, waits in Pending and says
+/// why (VolumeBound False, ClaimNotFound), with a Warning for its account-key auth. The
+/// operator's metrics and probes answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn valid_resources_are_marked_valid_and_a_stage_says_it_does_not_copy_yet() {
+async fn valid_samples_are_accepted_and_a_stage_without_its_claim_waits_and_says_why() {
     let client = client().await;
     ensure_crds(&client).await;
     let ns = TestNamespace::new(&client, "op-valid").await;

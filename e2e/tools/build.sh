@@ -5,7 +5,8 @@
 #   etcd                                                              (go.etcd.io/etcd/server/v3)
 #   kwok, kwokctl                                                     (sigs.k8s.io/kwok)
 #   helm                                                              (helm.sh/helm/v3)
-# Prints the folder holding them all. Versions live in e2e/versions.env.
+# Prints the folder holding them all on stdout (cluster.sh captures it); what it builds, and
+# how long each build took, goes to stderr. Versions live in e2e/versions.env.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=../versions.env
@@ -16,38 +17,46 @@ mkdir -p "$bin"
 export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
 
 log() { printf '[build] %s\n' "$*" >&2; }
+# A build announces itself before it starts (go prints nothing while it compiles) and says
+# how long it took when it is done.
+building() { started=$SECONDS; log "building $*"; }
+built() { log "built $1 in $((SECONDS - started)) s"; }
 
 k8s_cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
 missing=()
 for c in "${k8s_cmds[@]}"; do [ -x "$bin/$c" ] || missing+=("k8s.io/kubernetes/cmd/$c"); done
 if [ ${#missing[@]} -gt 0 ]; then
-  log "building Kubernetes $KUBERNETES_VERSION: ${missing[*]##*/} (first time: about 5-15 minutes on 2 cores)"
+  building "Kubernetes $KUBERNETES_VERSION: ${missing[*]##*/} (first time: about 5-15 minutes on 2 cores)"
   minor=${KUBERNETES_VERSION#v1.}; minor=${minor%%.*}
   work=$(mktemp -d); cp "$here/kubernetes/go.mod" "$here/kubernetes/tools.go" "$work/"
   [ -f "$here/kubernetes/go.sum" ] && cp "$here/kubernetes/go.sum" "$work/"
   (cd "$work" && go build -trimpath -tags selinux,notest \
     -ldflags "-s -w -X k8s.io/component-base/version.gitVersion=$KUBERNETES_VERSION -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean" \
-    -o "$bin/" "${missing[@]}")
+    -o "$bin/" "${missing[@]}" >&2)
   rm -rf "$work"
+  built "Kubernetes $KUBERNETES_VERSION"
 fi
 
 if [ ! -x "$bin/etcd" ]; then
-  log "building etcd $ETCD_VERSION"
+  building "etcd $ETCD_VERSION"
   work=$(mktemp -d); cp "$here/etcd/go.mod" "$here/etcd/tools.go" "$work/"
   [ -f "$here/etcd/go.sum" ] && cp "$here/etcd/go.sum" "$work/"
-  (cd "$work" && go build -trimpath -ldflags "-s -w" -o "$bin/etcd" go.etcd.io/etcd/server/v3)
+  (cd "$work" && go build -trimpath -ldflags "-s -w" -o "$bin/etcd" go.etcd.io/etcd/server/v3 >&2)
   rm -rf "$work"
+  built "etcd $ETCD_VERSION"
 fi
 
 if [ ! -x "$bin/kwok" ] || [ ! -x "$bin/kwokctl" ]; then
-  log "building KWOK $KWOK_VERSION"
+  building "KWOK $KWOK_VERSION"
   GOBIN="$bin" GOFLAGS= go install -trimpath -ldflags "-s -w" \
-    "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION" "sigs.k8s.io/kwok/cmd/kwokctl@$KWOK_VERSION"
+    "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION" "sigs.k8s.io/kwok/cmd/kwokctl@$KWOK_VERSION" >&2
+  built "KWOK $KWOK_VERSION"
 fi
 if [ ! -x "$bin/helm" ] || ! "$bin/helm" version --short 2>/dev/null | grep -q "^$HELM_VERSION"; then
-  log "building Helm $HELM_VERSION"
+  building "Helm $HELM_VERSION"
   GOBIN="$bin" GOFLAGS= go install -trimpath \
     -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" \
-    "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+    "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" >&2
+  built "Helm $HELM_VERSION"
 fi
 echo "$bin"

@@ -7,6 +7,7 @@
 
 pub mod common;
 pub mod data_stage;
+pub mod kubernetes_rules;
 pub mod training_job;
 pub mod vm_sizes;
 

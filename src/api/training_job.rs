@@ -14,6 +14,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::common::Conditions;
+use super::kubernetes_rules;
 use super::vm_sizes;
 
 /// A CEL rule over the spec that refuses any change of one field after creation.
@@ -139,7 +140,7 @@ pub struct TrainingJobSpec {
     /// Container image of the launcher and the workers. It needs sshd, the MPI named in `mpi`,
     /// and the trainer (or your command). The `trainer` target of Ringmaster's Dockerfile
     /// builds one.
-    #[schemars(length(min = 1, max = 512))]
+    #[schemars(length(min = 1, max = 512), regex(pattern = r"^\S+$"))]
     pub image: String,
 
     /// Your own program, run by `mpirun` on every rank instead of the Ringmaster trainer.
@@ -231,7 +232,10 @@ pub struct TrainerSpec {
     /// Arithmetic on the GPU. Default: bf16 on GPUs, fp32 on CPUs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub precision: Option<Precision>,
-    /// Further flags passed to `ringmaster-trainer train` as they are.
+    /// Further flags passed to `ringmaster-trainer train` as they are, after the ones
+    /// Ringmaster sets (model, device, precision, batch and image size, steps or epochs,
+    /// learning rate, data and output folders), which they cannot repeat. Checked with the
+    /// trainer's own parser and settings check when the job is validated.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64))]
     pub extra_args: Vec<String>,
@@ -378,8 +382,14 @@ fn default_one() -> i32 {
     1
 }
 
+/// The extended resource of NVIDIA's device plugin: a worker's GPUs.
+pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
+
+/// The extended resource AKS's RDMA shared device plugin advertises on InfiniBand nodes.
+pub const DEFAULT_RDMA_RESOURCE: &str = "rdma/shared_ib";
+
 fn default_rdma_resource() -> String {
-    "rdma/shared_ib".into()
+    DEFAULT_RDMA_RESOURCE.into()
 }
 
 /// The nodes that run the workers.
@@ -419,7 +429,8 @@ pub struct NodePoolSpec {
     /// Node labels that pick the nodes with provisioner `existing`; added to the workers'
     /// node selector.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = 32))]
+    #[schemars(extend("maxProperties" = 32, "additionalProperties" = {"type": "string", "maxLength": 63, "pattern": kubernetes_rules::LABEL_VALUE_PATTERN}))]
+    #[x_kube(validation = kubernetes_rules::label_keys("nodePool.nodeSelector"))]
     pub node_selector: Option<BTreeMap<String, String>>,
     /// Whether AKS installs the NVIDIA driver on the pool's nodes (`Install`), or the GPU
     /// Operator does (`None`). Default: Install.
@@ -508,17 +519,27 @@ pub struct PodOverrides {
     pub resources: Option<ResourceRequirements>,
     /// Node labels the pod must match (merged with the node pool's).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    #[schemars(length(max = 32))]
+    #[schemars(extend("maxProperties" = 32, "additionalProperties" = {"type": "string", "maxLength": 63, "pattern": kubernetes_rules::LABEL_VALUE_PATTERN}))]
+    #[x_kube(validation = kubernetes_rules::label_keys("nodeSelector"))]
     pub node_selector: BTreeMap<String, String>,
     /// Tolerations added to the pod.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 32))]
+    #[x_kube(
+        validation = kubernetes_rules::tolerations()[0].clone(),
+        validation = kubernetes_rules::tolerations()[1].clone(),
+        validation = kubernetes_rules::tolerations()[2].clone(),
+        validation = kubernetes_rules::tolerations()[3].clone(),
+    )]
     pub tolerations: Vec<Toleration>,
     /// Labels added to the pod (not under `ringmaster.dev/`, which Ringmaster's own selectors use).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    #[schemars(length(max = 64))]
-    #[x_kube(validation = Rule::new("self.all(k, !k.startsWith('ringmaster.dev/'))")
-        .message("labels under ringmaster.dev/ are Ringmaster's own and cannot be set"))]
+    #[schemars(extend("maxProperties" = 64, "additionalProperties" = {"type": "string", "maxLength": 63, "pattern": kubernetes_rules::LABEL_VALUE_PATTERN}))]
+    #[x_kube(
+        validation = Rule::new("self.all(k, !k.startsWith('ringmaster.dev/'))")
+            .message("labels under ringmaster.dev/ are Ringmaster's own and cannot be set"),
+        validation = kubernetes_rules::label_keys("labels"),
+    )]
     pub labels: BTreeMap<String, String>,
     /// Annotations added to the pod.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]

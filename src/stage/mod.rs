@@ -35,8 +35,83 @@ pub const SAS_TOKEN_ENV: &str = "AZURE_STORAGE_SAS_TOKEN";
 /// Environment variable holding an account key.
 pub const ACCOUNT_KEY_ENV: &str = "AZURE_STORAGE_ACCOUNT_KEY";
 
+/// The stager's settings in its environment: one name each, read by [`StageArgs`] and
+/// written by the DataStage controller's copy Job (through [`StageSettings::to_env`]).
+pub mod env {
+    /// `--account`.
+    pub const ACCOUNT: &str = "RINGMASTER_STAGE_ACCOUNT";
+    /// `--container`.
+    pub const CONTAINER: &str = "RINGMASTER_STAGE_CONTAINER";
+    /// `--prefix`.
+    pub const PREFIX: &str = "RINGMASTER_STAGE_PREFIX";
+    /// `--endpoint`.
+    pub const ENDPOINT: &str = "RINGMASTER_STAGE_ENDPOINT";
+    /// `--destination`.
+    pub const DESTINATION: &str = "RINGMASTER_STAGE_DESTINATION";
+    /// `--parallelism`.
+    pub const PARALLELISM: &str = "RINGMASTER_STAGE_PARALLELISM";
+    /// `--verify`.
+    pub const VERIFY: &str = "RINGMASTER_STAGE_VERIFY";
+    /// `--auth`.
+    pub const AUTH: &str = "RINGMASTER_STAGE_AUTH";
+    /// `--report-to`.
+    pub const REPORT_TO: &str = "RINGMASTER_DATASTAGE";
+}
+
+/// The flag spelling of a value enum, as the environment carries it.
+fn flag_value<T: clap::ValueEnum>(value: T) -> String {
+    value
+        .to_possible_value()
+        .expect("no variant is skipped")
+        .get_name()
+        .to_string()
+}
+
+/// What the DataStage controller asks of the stager: typed, and turned into the copy Job's
+/// environment by [`StageSettings::to_env`], which [`StageArgs`] reads back (a test runs the
+/// stager's own parser on a built Job's environment).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StageSettings {
+    /// Storage account.
+    pub account: String,
+    /// Container.
+    pub container: String,
+    /// Folder prefix.
+    pub prefix: String,
+    /// Blob service URL.
+    pub endpoint: String,
+    /// Folder to copy into.
+    pub destination: String,
+    /// Downloads at once.
+    pub parallelism: u32,
+    /// Check of files already present.
+    pub verify: VerifyMode,
+    /// Sign-in method (its secret comes from a Secret, by name, not from here).
+    pub auth: AuthMethod,
+    /// The DataStage to report progress to, `NAMESPACE/NAME`.
+    pub report_to: String,
+}
+
+impl StageSettings {
+    /// The environment variables (name, value) that carry these settings.
+    pub fn to_env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            (env::ACCOUNT, self.account.clone()),
+            (env::CONTAINER, self.container.clone()),
+            (env::PREFIX, self.prefix.clone()),
+            (env::ENDPOINT, self.endpoint.clone()),
+            (env::DESTINATION, self.destination.clone()),
+            (env::PARALLELISM, self.parallelism.to_string()),
+            (env::VERIFY, flag_value(self.verify)),
+            (env::AUTH, flag_value(self.auth)),
+            (env::REPORT_TO, self.report_to.clone()),
+        ]
+    }
+}
+
 /// How the stager signs in to Blob Storage.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum AuthMethod {
     /// A SAS token from $AZURE_STORAGE_SAS_TOKEN when set, else an account key from
     /// $AZURE_STORAGE_ACCOUNT_KEY, else workload identity when $AZURE_FEDERATED_TOKEN_FILE
@@ -54,7 +129,8 @@ pub enum AuthMethod {
 }
 
 /// How a file already present is checked before it is skipped.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum VerifyMode {
     /// Same size and same blob version (ETag) as recorded.
     Size,
@@ -63,7 +139,8 @@ pub enum VerifyMode {
 }
 
 /// Where progress goes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum ProgressMode {
     /// A bar when stderr is a terminal, else log lines.
     Auto,
@@ -76,40 +153,41 @@ pub enum ProgressMode {
 }
 
 /// Settings of `ringmaster stage`.
-#[derive(clap::Args, Clone, Debug)]
+#[derive(clap::Args, Clone, Debug, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct StageArgs {
     /// Storage account name.
-    #[arg(long, env = "RINGMASTER_STAGE_ACCOUNT")]
+    #[arg(long, env = env::ACCOUNT)]
     pub account: String,
     /// Blob container.
-    #[arg(long, env = "RINGMASTER_STAGE_CONTAINER")]
+    #[arg(long, env = env::CONTAINER)]
     pub container: String,
     /// Copy the blobs whose names start with this folder prefix (e.g. `imagenet/`); the
     /// prefix is taken off the local paths. Empty: the whole container.
-    #[arg(long, env = "RINGMASTER_STAGE_PREFIX", default_value = "")]
+    #[arg(long, env = env::PREFIX, default_value = "")]
     pub prefix: String,
     /// Blob service URL of the account: sovereign clouds
     /// (`https://ACCOUNT.blob.core.chinacloudapi.cn`) or Azurite
     /// (`http://127.0.0.1:10000/devstoreaccount1`). Default:
     /// `https://ACCOUNT.blob.core.windows.net`.
-    #[arg(long, env = "RINGMASTER_STAGE_ENDPOINT")]
+    #[arg(long, env = env::ENDPOINT)]
     pub endpoint: Option<String>,
     /// Folder to copy into (created when missing).
-    #[arg(long, env = "RINGMASTER_STAGE_DESTINATION")]
+    #[arg(long, env = env::DESTINATION)]
     pub destination: PathBuf,
     /// Downloads at once.
-    #[arg(long, env = "RINGMASTER_STAGE_PARALLELISM", default_value_t = 16,
+    #[arg(long, env = env::PARALLELISM, default_value_t = 16,
           value_parser = clap::value_parser!(u32).range(1..=512))]
     pub parallelism: u32,
     /// How files already present are checked before being skipped.
-    #[arg(long, env = "RINGMASTER_STAGE_VERIFY", value_enum, default_value_t = VerifyMode::Md5)]
+    #[arg(long, env = env::VERIFY, value_enum, default_value_t = VerifyMode::Md5)]
     pub verify: VerifyMode,
     /// How to sign in (secrets come from the environment only).
-    #[arg(long, env = "RINGMASTER_STAGE_AUTH", value_enum, default_value_t = AuthMethod::Auto)]
+    #[arg(long, env = env::AUTH, value_enum, default_value_t = AuthMethod::Auto)]
     pub auth: AuthMethod,
     /// Report progress to this DataStage (`NAMESPACE/NAME`) through the in-cluster
     /// ServiceAccount, which needs `patch` on `datastages/status` for that name.
-    #[arg(long, env = "RINGMASTER_DATASTAGE")]
+    #[arg(long, env = env::REPORT_TO)]
     pub report_to: Option<String>,
     /// Where progress is shown.
     #[arg(long, value_enum, default_value_t = ProgressMode::Auto)]
@@ -125,6 +203,40 @@ pub struct StageArgs {
     /// retried with backoff on throttling and server errors).
     #[arg(long, default_value_t = 4)]
     pub attempts: u32,
+    /// Print the settings as read from the flags and the environment (JSON, no secrets)
+    /// and exit without copying.
+    #[arg(long)]
+    #[serde(skip)]
+    pub print_settings: bool,
+}
+
+/// What `ringmaster stage` leaves in its termination message (`--termination-message`): the
+/// summary, or the error. The DataStage controller reads it into the DataStage's status.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "result", rename_all = "camelCase")]
+pub enum Outcome {
+    /// Every blob is in place.
+    Succeeded(Summary),
+    /// Staging stopped; why (never a credential).
+    Failed {
+        /// The error, as the stager printed it.
+        error: String,
+    },
+}
+
+impl Outcome {
+    /// The one line written to the termination message.
+    pub fn to_message(&self) -> String {
+        serde_json::to_string(self).expect("an outcome serializes")
+    }
+
+    /// The outcome in a termination message, if it holds one (else it is a log's tail).
+    pub fn parse(message: &str) -> Option<Outcome> {
+        message
+            .lines()
+            .rev()
+            .find_map(|line| serde_json::from_str(line.trim()).ok())
+    }
 }
 
 /// Why staging failed. Messages never contain the credential.
@@ -171,7 +283,7 @@ pub enum StageError {
 }
 
 /// What a run did.
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Summary {
     /// Files listed.

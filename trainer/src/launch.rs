@@ -1,10 +1,13 @@
 //! `launch`: runs the MPI launcher (`mpirun …`), passes its output through, and writes rank
 //! 0's JSON summary line to a file (the launcher pod's termination message, which the
-//! operator turns into the TrainingJob's `status.result`).
+//! operator turns into the TrainingJob's `status.result`), and leaves with the trainer's
+//! exit code ([`exit`]) so the operator can tell a lost peer from a verdict.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
+
+use ringmaster_contract::trainer::{Line, exit};
 
 /// Errors running the launcher.
 #[derive(Debug, thiserror::Error)]
@@ -26,13 +29,28 @@ pub enum LaunchError {
 
 /// Whether a line is the trainer's summary.
 pub fn is_summary(line: &str) -> bool {
-    serde_json::from_str::<serde_json::Value>(line.trim())
-        .is_ok_and(|v| v["event"] == "summary" && v.get("imagesPerSecond").is_some())
+    matches!(
+        serde_json::from_str::<Line>(line.trim()),
+        Ok(Line::Summary(_))
+    )
+}
+
+/// The code to leave with after the MPI launcher exited with `code` (`None`: it was killed
+/// by `signal`). `mpirun` exits 128 + N when one of its ranks was killed by signal N (the
+/// OOM killer, a worker pod that went away): the gang is incomplete, which is
+/// [`exit::PEER_LOST`]. Codes below 128 are the trainer's own ([`exit`]) and pass through;
+/// the launcher itself killed is 128 + its signal.
+pub fn exit_code(code: Option<i32>, signal: Option<i32>) -> u8 {
+    match code {
+        Some(code) if (0..128).contains(&code) => code as u8,
+        Some(_) => exit::PEER_LOST,
+        None => 128u8.saturating_add(signal.unwrap_or(0).clamp(0, 127) as u8),
+    }
 }
 
 /// Runs `command`, copies its stdout to ours, writes the last summary line to
-/// `termination_message` and returns the exit code to leave with (128 + signal when killed).
-pub fn run(command: &[String], termination_message: &Path) -> Result<i32, LaunchError> {
+/// `termination_message` and returns the exit code to leave with ([`exit_code`]).
+pub fn run(command: &[String], termination_message: &Path) -> Result<u8, LaunchError> {
     let (program, args) = command.split_first().ok_or(LaunchError::NoCommand)?;
     let mut child = Command::new(program)
         .args(args)
@@ -63,10 +81,8 @@ pub fn run(command: &[String], termination_message: &Path) -> Result<i32, Launch
             );
         }
     }
-    Ok(status.code().unwrap_or_else(|| {
-        use std::os::unix::process::ExitStatusExt;
-        128 + status.signal().unwrap_or(0)
-    }))
+    use std::os::unix::process::ExitStatusExt;
+    Ok(exit_code(status.code(), status.signal()))
 }
 
 #[cfg(test)]
@@ -78,14 +94,18 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("launch-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("termination-log");
-        let script = r#"echo '{"event":"step","step":1}'; echo '{"event":"summary","imagesPerSecond":12.5,"steps":3,"finalLoss":0.5}'; exit 3"#;
+        let script = r#"echo '{"event":"step","step":1,"loss":7.0,"accuracy":0.0,"learningRate":0.1,"imagesPerSecond":null}'; echo '{"event":"summary","imagesPerSecond":12.5,"steps":3,"finalLoss":0.5,"finalAccuracy":0.25,"worldSize":2,"globalBatch":8,"parameters":100,"seconds":1.0}'; exit 3"#;
         let code = run(&["sh".into(), "-c".into(), script.into()], &file).unwrap();
         assert_eq!(code, 3);
         let written: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
         assert_eq!(written["imagesPerSecond"], 12.5);
         let code = run(&["sh".into(), "-c".into(), "kill -9 $$".into()], &file).unwrap();
-        assert_eq!(code, 137);
+        assert_eq!(code, 137, "the launcher itself killed");
+        let code = run(&["sh".into(), "-c".into(), "exit 137".into()], &file).unwrap();
+        assert_eq!(code, exit::PEER_LOST, "mpirun saw a rank killed");
+        let code = run(&["sh".into(), "-c".into(), "exit 75".into()], &file).unwrap();
+        assert_eq!(code, exit::PEER_LOST, "a rank saw its peer go");
         std::fs::remove_dir_all(dir).ok();
     }
 }

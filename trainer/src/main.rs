@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use ringmaster_contract::trainer::{Capabilities, exit};
 use ringmaster_trainer::collective::{self, Collective, CollectiveKind, NcclProbe, RingConfig};
 use ringmaster_trainer::world::World;
 use ringmaster_trainer::{bench, launch, train};
@@ -40,8 +41,13 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
-    /// Print this rank's view: version, rank and world, CPU threads, collectives available.
-    Info,
+    /// Print this rank's view: version, rank and world, CPU threads, what this trainer can
+    /// run (devices, precisions, models, collectives) and whether NCCL is usable here.
+    Info {
+        /// One JSON object (the default; the flag is accepted for scripts that ask for it).
+        #[arg(long)]
+        json: bool,
+    },
     /// Train a ResNet, data-parallel over the job's ranks; JSON lines on stdout, a summary
     /// line at the end, the checkpoint in --output-dir.
     Train(train::TrainArgs),
@@ -91,10 +97,25 @@ struct BenchArgs {
     vanish_rank: Option<usize>,
 }
 
+/// A failure and the exit code it leaves with ([`exit`]).
+struct Failure {
+    code: u8,
+    message: String,
+}
+
+impl From<String> for Failure {
+    fn from(message: String) -> Self {
+        Self {
+            code: exit::FAILED,
+            message,
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let result = match cli.command {
-        Command::Info => info(),
+    let result: Result<(), Failure> = match cli.command {
+        Command::Info { json: _ } => info().map_err(Failure::from),
         Command::Train(args) => run_training(&args),
         Command::MakeDataset {
             out,
@@ -111,38 +132,56 @@ fn main() -> ExitCode {
                 out.join("train").display()
             )
         })
-        .map_err(|e| format!("writing {}: {e}", out.display())),
+        .map_err(|e| Failure::from(format!("writing {}: {e}", out.display()))),
         Command::BenchAllreduce(args) => bench_allreduce(args),
         Command::Launch {
             termination_message,
             command,
         } => match launch::run(&command, &termination_message) {
-            Ok(code) => return ExitCode::from(u8::try_from(code).unwrap_or(1)),
-            Err(e) => Err(e.to_string()),
+            Ok(code) => return ExitCode::from(code),
+            Err(e) => Err(Failure::from(e.to_string())),
         },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(message) => {
+        Err(Failure { code, message }) => {
             eprintln!("ringmaster-trainer: {message}");
-            ExitCode::FAILURE
+            ExitCode::from(code)
         }
     }
 }
 
-/// The collective for this process, with the rank in its error.
-fn collective(world: &World, kind: CollectiveKind) -> Result<Box<dyn Collective>, String> {
-    collective::connect(world, kind, RingConfig::from_env())
-        .map_err(|e| format!("rank {} of {}: {e}", world.rank, world.size))
+/// The collective for this process, with the rank in its error; a rendezvous that fails
+/// (a peer is missing) exits as a lost peer.
+fn collective(world: &World, kind: CollectiveKind) -> Result<Box<dyn Collective>, Failure> {
+    collective::connect(world, kind, RingConfig::from_env()).map_err(|e| Failure {
+        code: if e.is_peer_lost() {
+            exit::PEER_LOST
+        } else {
+            exit::FAILED
+        },
+        message: format!("rank {} of {}: {e}", world.rank, world.size),
+    })
 }
 
-fn run_training(args: &train::TrainArgs) -> Result<(), String> {
-    let world = World::from_env().map_err(|e| e.to_string())?;
+fn run_training(args: &train::TrainArgs) -> Result<(), Failure> {
+    // Settings are checked before any rank waits for the others.
+    args.check(&Capabilities::this_release())
+        .map_err(|errors| {
+            let error = train::TrainError::InvalidSettings(errors);
+            Failure {
+                code: error.exit_code(),
+                message: error.to_string(),
+            }
+        })?;
+    let world = World::from_env().map_err(|e| Failure::from(e.to_string()))?;
     let mut collective = collective(&world, args.collective)?;
-    let summary =
-        train::run(args, collective.as_mut()).map_err(|e| format!("rank {}: {e}", world.rank))?;
+    let summary = train::run(args, collective.as_mut()).map_err(|e| Failure {
+        code: e.exit_code(),
+        message: format!("rank {}: {e}", world.rank),
+    })?;
     if world.rank == 0 {
-        println!("{summary}");
+        println!("{}", summary.to_line());
     }
     Ok(())
 }
@@ -156,16 +195,15 @@ fn info() -> Result<(), String> {
         "localRank": world.local_rank,
         "rankSource": world.source,
         "cpuThreads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
-        "collectives": ["single", "tcp-ring", "nccl"],
+        "capabilities": Capabilities::this_release(),
         "nccl": NcclProbe::detect(),
-        "engines": ["cpu"],
     });
     println!("{info}");
     Ok(())
 }
 
-fn bench_allreduce(args: BenchArgs) -> Result<(), String> {
-    let world = World::from_env().map_err(|e| e.to_string())?;
+fn bench_allreduce(args: BenchArgs) -> Result<(), Failure> {
+    let world = World::from_env().map_err(|e| Failure::from(e.to_string()))?;
     let mut collective = collective(&world, args.collective)?;
     if args.vanish_rank == Some(world.rank) {
         std::process::exit(0);
@@ -178,7 +216,14 @@ fn bench_allreduce(args: BenchArgs) -> Result<(), String> {
         args.iterations,
         args.check,
     )
-    .map_err(|e| format!("rank {}: {e}", world.rank))?;
+    .map_err(|e| Failure {
+        code: if e.is_peer_lost() {
+            exit::PEER_LOST
+        } else {
+            exit::FAILED
+        },
+        message: format!("rank {}: {e}", world.rank),
+    })?;
     let wrong = rows.iter().filter(|r| r.correct == Some(false)).count();
     if world.rank == 0 {
         if args.json {
@@ -209,7 +254,10 @@ fn bench_allreduce(args: BenchArgs) -> Result<(), String> {
         }
     }
     if wrong > 0 {
-        return Err(format!("rank {}: {wrong} sizes summed wrongly", world.rank));
+        return Err(Failure::from(format!(
+            "rank {}: {wrong} sizes summed wrongly",
+            world.rank
+        )));
     }
     Ok(())
 }

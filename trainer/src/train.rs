@@ -7,10 +7,12 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use clap::ValueEnum;
-use serde_json::json;
+use ringmaster_contract::trainer::{Capabilities, Line, Progress, SettingsError, Summary, exit};
+pub use ringmaster_contract::trainer::{
+    Device, Model as ModelName, Precision, Schedule, TrainArgs,
+};
 
-use crate::collective::{Collective, CollectiveError, CollectiveKind, ReduceOp};
+use crate::collective::{Collective, CollectiveError, ReduceOp};
 use crate::engine::checkpoint::{self, CheckpointError};
 use crate::engine::data::{LearnableData, SyntheticData, shard};
 use crate::engine::image_folder::{ImageFolder, ImageFolderError};
@@ -19,7 +21,10 @@ use crate::engine::{Arch, LrKind, LrSchedule, Model, Sgd, Tensor};
 /// Errors of a training run.
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
-    /// A setting that cannot work.
+    /// Settings the trainer cannot run (the same check the operator runs on a TrainingJob).
+    #[error("invalid settings: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    InvalidSettings(Vec<SettingsError>),
+    /// A setting that cannot work with this world or dataset.
     #[error("{0}")]
     Settings(String),
     /// The all-reduce failed (a peer is gone).
@@ -31,132 +36,25 @@ pub enum TrainError {
     /// Reading images failed.
     #[error(transparent)]
     Images(#[from] ImageFolderError),
+    /// The output folder could not be made.
+    #[error("creating {path}: {source}")]
+    OutputDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
-/// Networks `train` can build.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum ModelName {
-    /// ResNet-18 (ImageNet topology).
-    Resnet18,
-    /// ResNet-34.
-    Resnet34,
-    /// ResNet-50.
-    Resnet50,
-    /// ResNet-101.
-    Resnet101,
-    /// ResNet-152.
-    Resnet152,
-    /// CIFAR ResNet-8 (for tests and small images).
-    Cifar8,
-    /// CIFAR ResNet-20.
-    Cifar20,
-}
-
-/// Where the computation runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Device {
-    /// The CPU engine on all cores.
-    Cpu,
-    /// NVIDIA GPUs (cuDNN, cuBLAS, NCCL).
-    Cuda,
-}
-
-/// Arithmetic.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Precision {
-    /// 32-bit floats.
-    Fp32,
-    /// bfloat16 with fp32 master weights (GPU only).
-    Bf16,
-}
-
-/// Learning-rate schedule after warm-up.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Schedule {
-    /// Cosine decay to zero.
-    Cosine,
-    /// ×0.1 every third of the run.
-    Step,
-    /// Constant.
-    Constant,
-}
-
-/// Settings of `ringmaster-trainer train` (they mirror a TrainingJob's `trainer:` section).
-#[derive(clap::Args, Clone, Debug)]
-pub struct TrainArgs {
-    /// The network.
-    #[arg(long, value_enum, default_value_t = ModelName::Resnet50)]
-    pub model: ModelName,
-    /// Channels of the first stage of the CIFAR ResNets.
-    #[arg(long, default_value_t = 16)]
-    pub width: usize,
-    /// How gradients are averaged over ranks.
-    #[arg(long, value_enum, default_value_t = CollectiveKind::Auto, env = "RINGMASTER_COLLECTIVE")]
-    pub collective: CollectiveKind,
-    /// Where to compute.
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
-    pub device: Device,
-    /// Arithmetic.
-    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
-    pub precision: Precision,
-    /// Images per rank per step.
-    #[arg(long, default_value_t = 64)]
-    pub batch_size: usize,
-    /// Split each rank's batch into this many micro-batches whose gradients are accumulated
-    /// (batch norm sees each micro-batch alone, as separate ranks would).
-    #[arg(long, default_value_t = 1)]
-    pub micro_batches: usize,
-    /// Side of the square images.
-    #[arg(long, default_value_t = 224)]
-    pub image_size: usize,
-    /// Steps to train (exclusive with --epochs).
-    #[arg(long, conflicts_with = "epochs")]
-    pub steps: Option<usize>,
-    /// Passes over the dataset.
-    #[arg(long)]
-    pub epochs: Option<usize>,
-    /// Peak learning rate (default: 0.1 × global batch / 256).
-    #[arg(long)]
-    pub learning_rate: Option<f32>,
-    /// Warm-up steps of the learning rate.
-    #[arg(long, default_value_t = 0)]
-    pub warmup_steps: usize,
-    /// Schedule after warm-up.
-    #[arg(long, value_enum, default_value_t = Schedule::Cosine)]
-    pub schedule: Schedule,
-    /// SGD momentum.
-    #[arg(long, default_value_t = 0.9)]
-    pub momentum: f32,
-    /// L2 weight decay.
-    #[arg(long, default_value_t = 5e-5)]
-    pub weight_decay: f32,
-    /// Label smoothing of the cross-entropy.
-    #[arg(long, default_value_t = 0.0)]
-    pub label_smoothing: f32,
-    /// Random images (the reference architecture's benchmark mode). The default.
-    #[arg(long, conflicts_with_all = ["data_dir", "learnable_classes"])]
-    pub synthetic: bool,
-    /// An ImageNet-style folder of JPEG class folders.
-    #[arg(long)]
-    pub data_dir: Option<PathBuf>,
-    /// A generated dataset of this many classes that a small network can learn (tests, demos).
-    #[arg(long)]
-    pub learnable_classes: Option<usize>,
-    /// Samples in the synthetic or generated dataset.
-    #[arg(long, default_value_t = 4096)]
-    pub dataset_size: usize,
-    /// Classes of the synthetic data and the classifier (ImageNet: 1000).
-    #[arg(long, default_value_t = 1000)]
-    pub classes: usize,
-    /// Seed of weights, data and shuffling.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Folder for the checkpoint (`model.safetensors`) and nothing else.
-    #[arg(long)]
-    pub output_dir: Option<PathBuf>,
-    /// Print a progress line every this many steps.
-    #[arg(long, default_value_t = 10)]
-    pub log_every: usize,
+impl TrainError {
+    /// The process's exit code for this error ([`exit`]): a lost peer can be retried by
+    /// restarting the gang, invalid settings cannot.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            TrainError::InvalidSettings(_) | TrainError::Settings(_) => exit::INVALID_SETTINGS,
+            TrainError::Collective(e) if e.is_peer_lost() => exit::PEER_LOST,
+            _ => exit::FAILED,
+        }
+    }
 }
 
 enum Source {
@@ -198,26 +96,10 @@ fn arch(args: &TrainArgs) -> Arch {
 }
 
 /// Trains on `collective`'s ranks; returns rank 0's summary.
-pub fn run(
-    args: &TrainArgs,
-    collective: &mut dyn Collective,
-) -> Result<serde_json::Value, TrainError> {
-    if args.device == Device::Cuda {
-        return Err(TrainError::Settings(
-            "--device cuda: the CUDA engine is not in this build of ringmaster-trainer; use --device cpu".into(),
-        ));
-    }
-    if args.precision == Precision::Bf16 {
-        return Err(TrainError::Settings(
-            "--precision bf16 needs the CUDA engine; the CPU engine computes in fp32".into(),
-        ));
-    }
-    if args.micro_batches == 0 || !args.batch_size.is_multiple_of(args.micro_batches) {
-        return Err(TrainError::Settings(format!(
-            "--batch-size {} must be a multiple of --micro-batches {}",
-            args.batch_size, args.micro_batches
-        )));
-    }
+pub fn run(args: &TrainArgs, collective: &mut dyn Collective) -> Result<Summary, TrainError> {
+    // The operator ran this same check on the TrainingJob; a hand-written command meets it here.
+    args.check(&Capabilities::this_release())
+        .map_err(TrainError::InvalidSettings)?;
     let (rank, world) = (collective.rank(), collective.world_size());
     let (source, classes, dataset_size) = match (&args.data_dir, args.learnable_classes) {
         (Some(dir), _) => {
@@ -258,7 +140,7 @@ pub fn run(
     let total_steps = match (args.steps, args.epochs) {
         (Some(steps), _) => steps,
         (None, Some(epochs)) => epochs * steps_per_epoch,
-        (None, None) => 100,
+        (None, None) => ringmaster_contract::trainer::defaults::STEPS,
     };
     let global_batch = args.batch_size * world;
     let schedule = LrSchedule {
@@ -342,10 +224,16 @@ pub fn run(
                     ((step + 1 - from) * global_batch) as f64 / t.elapsed().as_secs_f64()
                 });
             if rank == 0 && (step % args.log_every.max(1) == 0 || step + 1 == total_steps) {
+                let line = Line::Step(Progress {
+                    step: (step + 1) as u64,
+                    loss: finite(loss),
+                    accuracy: finite(accuracy),
+                    learning_rate: f64::from(lr),
+                    images_per_second: throughput,
+                });
                 println!(
                     "{}",
-                    json!({"event": "step", "step": step + 1, "loss": loss, "accuracy": accuracy,
-                           "learningRate": lr, "imagesPerSecond": throughput})
+                    serde_json::to_string(&line).expect("a line serializes")
                 );
             }
         }
@@ -360,8 +248,10 @@ pub fn run(
     if rank == 0
         && let Some(dir) = &args.output_dir
     {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| TrainError::Settings(format!("creating {}: {e}", dir.display())))?;
+        std::fs::create_dir_all(dir).map_err(|source| TrainError::OutputDir {
+            path: dir.clone(),
+            source,
+        })?;
         let metadata = BTreeMap::from([
             ("model".to_string(), format!("{:?}", args.model)),
             ("steps".to_string(), total_steps.to_string()),
@@ -369,15 +259,19 @@ pub fn run(
         ]);
         checkpoint::save(&dir.join("model.safetensors"), model.params(), &metadata)?;
     }
-    Ok(json!({
-        "event": "summary",
-        "imagesPerSecond": images_per_second,
-        "steps": total_steps,
-        "finalLoss": loss,
-        "finalAccuracy": accuracy,
-        "worldSize": world,
-        "globalBatch": global_batch,
-        "parameters": model.num_parameters(),
-        "seconds": started.elapsed().as_secs_f64(),
-    }))
+    Ok(Summary {
+        images_per_second,
+        steps: total_steps as u64,
+        final_loss: finite(loss),
+        final_accuracy: finite(accuracy),
+        world_size: world as u64,
+        global_batch: global_batch as u64,
+        parameters: model.num_parameters() as u64,
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// A number for the JSON lines; NaN and infinities (a diverged run) are `null`.
+fn finite(value: f32) -> Option<f64> {
+    value.is_finite().then_some(f64::from(value))
 }

@@ -4,6 +4,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 use common::mpirun;
+use ringmaster_contract::trainer::exit;
 
 #[test]
 fn four_ranks_under_mpirun_sum_correctly() {
@@ -57,7 +58,11 @@ fn killing_one_rank_makes_the_others_exit_with_an_error() {
         &[("RINGMASTER_COLLECTIVE_TIMEOUT", "10")],
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "the job should fail: {stderr}");
+    assert_eq!(
+        out.status.code(),
+        Some(i32::from(exit::PEER_LOST)),
+        "the survivors exit with the lost-peer code, and mpirun passes it on: {stderr}"
+    );
     assert!(
         stderr.contains("is gone") || stderr.contains("sent nothing"),
         "{stderr}"
@@ -85,4 +90,84 @@ fn rank_discovery_reads_open_mpi() {
         .collect();
     ranks.sort();
     assert_eq!(ranks, vec![0, 1]);
+}
+
+/// What the launcher pod runs: `ringmaster-trainer launch -- mpirun … ringmaster-trainer
+/// train …`. A rank killed with SIGKILL mid-training makes mpirun abort the job; the launcher
+/// leaves with the lost-peer code the operator restarts the gang on.
+#[test]
+fn a_rank_killed_under_mpirun_leaves_the_launcher_with_the_lost_peer_code() {
+    let dir = std::env::temp_dir().join(format!("kill-rank-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let termination = dir.join("termination-log");
+    let trainer = env!("CARGO_BIN_EXE_ringmaster-trainer");
+    let mut child = std::process::Command::new(trainer)
+        .arg("launch")
+        .arg("--termination-message")
+        .arg(&termination)
+        .arg("--")
+        .args(common::mpirun_command(3))
+        .args([
+            trainer,
+            "train",
+            "--model=cifar8",
+            "--width=4",
+            "--image-size=8",
+            "--batch-size=4",
+            "--learnable-classes=2",
+            "--dataset-size=4096",
+            "--steps=100000",
+            "--log-every=1",
+        ])
+        .envs(common::mpirun_env())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("launch starts");
+    // Wait for training to be under way (a step line), then kill rank 2 (the last process
+    // whose command line is the trainer's `train`).
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()));
+    let started = Instant::now();
+    loop {
+        let line = lines
+            .next()
+            .expect("a step line before the output ends")
+            .unwrap();
+        if line.contains(r#""event":"step""#) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "no step within 60 s"
+        );
+    }
+    let ranks = common::processes_running(trainer, "train");
+    assert_eq!(ranks.len(), 3, "three ranks running: {ranks:?}");
+    let victim = *ranks.iter().max().unwrap();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-KILL", &victim.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    std::thread::spawn(move || lines.for_each(drop));
+    let status = child.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(
+        status.code(),
+        Some(i32::from(exit::PEER_LOST)),
+        "launch's exit code: {stderr}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert!(
+        !termination.exists(),
+        "no summary is written for a run that did not finish"
+    );
+    std::fs::remove_dir_all(dir).ok();
 }

@@ -153,16 +153,32 @@ fn four_ranks_end_with_the_weights_of_one_rank_with_the_whole_batch() {
 
 #[test]
 fn settings_that_cannot_work_say_why() {
-    for (args, expected) in [
-        (vec!["--device", "cuda"], "CUDA engine is not in this build"),
-        (vec!["--precision", "bf16"], "needs the CUDA engine"),
+    use ringmaster_contract::trainer::exit;
+    for (args, expected, code) in [
+        (
+            vec!["--device", "cuda"],
+            "--device: this release of ringmaster-trainer computes on CPUs only",
+            exit::INVALID_SETTINGS,
+        ),
+        (
+            vec!["--precision", "bf16"],
+            "--precision: bf16 needs the CUDA engine",
+            exit::INVALID_SETTINGS,
+        ),
         (
             vec!["--data-dir", "/nonexistent-images"],
             "listing /nonexistent-images",
+            exit::FAILED,
         ),
         (
             vec!["--batch-size", "30", "--micro-batches", "4"],
-            "multiple of --micro-batches",
+            "--micro-batches: 4 must divide the batch size 30",
+            exit::INVALID_SETTINGS,
+        ),
+        (
+            vec!["--learning-rate=-1"],
+            "--learning-rate: -1 is not a learning rate",
+            exit::INVALID_SETTINGS,
         ),
     ] {
         let out = trainer(
@@ -180,8 +196,8 @@ fn settings_that_cannot_work_say_why() {
             .chain(args)
             .collect::<Vec<_>>(),
         );
-        assert!(!out.status.success());
         let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(i32::from(code)), "{stderr}");
         assert!(stderr.contains(expected), "{stderr}");
     }
 }

@@ -138,12 +138,10 @@ where
     }
 }
 
-/// The repository root.
+/// The root of the checkout being tested, found at run time:
+/// [`ringmaster_e2e::cluster::repo_root`].
 pub fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
+    ringmaster_e2e::cluster::repo_root().unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Every YAML document of a file.

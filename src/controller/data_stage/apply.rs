@@ -14,6 +14,7 @@ use super::status::{ClaimState, CopyState};
 use super::validate::ValidatedDataStage;
 use crate::api::DataStage;
 use crate::controller::{is_conflict, is_not_found, server_side_apply, set_finalizer};
+use crate::stage::Outcome;
 
 /// The finalizer that deletes a DataStage's PersistentVolume object.
 pub const FINALIZER: &str = "ringmaster.dev/volume";
@@ -215,11 +216,15 @@ async fn stager_message(client: &Client, stage: &ValidatedDataStage, job: &str) 
             if terminated.exit_code == 0 {
                 return None;
             }
-            let text = terminated
-                .message
-                .filter(|m| !m.trim().is_empty())
-                .or(terminated.reason)
-                .unwrap_or_else(|| format!("exit code {}", terminated.exit_code));
+            // The stager's own outcome when it wrote one, else the log's tail or the reason.
+            let text = match terminated.message.as_deref().and_then(Outcome::parse) {
+                Some(Outcome::Failed { error }) => error,
+                _ => terminated
+                    .message
+                    .filter(|m| !m.trim().is_empty())
+                    .or(terminated.reason)
+                    .unwrap_or_else(|| format!("exit code {}", terminated.exit_code)),
+            };
             Some((
                 terminated.finished_at,
                 format!("pod {}: {}", pod.name_any(), text.trim()),

@@ -12,6 +12,7 @@ use serde_json::{Value, json};
 
 use super::validate::{BlobCredentials, StagingTarget, ValidatedDataStage};
 use crate::api::Verification;
+use crate::stage::{AuthMethod, StageSettings, VerifyMode};
 
 /// Label on every object made for a DataStage: `<namespace>.<name>` (PVs are cluster-wide).
 pub const STAGE_LABEL: &str = "ringmaster.dev/datastage";
@@ -260,37 +261,45 @@ pub fn job(stage: &ValidatedDataStage, inputs: &BuildInputs) -> Job {
         Some(sub) => format!("{DATA_MOUNT}/{sub}"),
         None => DATA_MOUNT.to_string(),
     };
-    let verify = match stage.verify {
-        Verification::Size => "size",
-        Verification::MD5 => "md5",
-    };
-    let mut env = vec![
-        json!({"name": "RINGMASTER_STAGE_ACCOUNT", "value": stage.account}),
-        json!({"name": "RINGMASTER_STAGE_CONTAINER", "value": stage.container}),
-        json!({"name": "RINGMASTER_STAGE_PREFIX", "value": stage.prefix}),
-        json!({"name": "RINGMASTER_STAGE_ENDPOINT", "value": stage.endpoint}),
-        json!({"name": "RINGMASTER_STAGE_DESTINATION", "value": destination}),
-        json!({"name": "RINGMASTER_STAGE_PARALLELISM", "value": stage.parallelism.to_string()}),
-        json!({"name": "RINGMASTER_STAGE_VERIFY", "value": verify}),
-        json!({"name": "RINGMASTER_DATASTAGE", "value": format!("{}/{}", stage.namespace, stage.name)}),
-    ];
     let secret_env = |name: &str, r: &crate::api::SecretKeyRef| json!({"name": name, "valueFrom": {"secretKeyRef": {"name": r.name, "key": r.key}}});
-    let (auth, pod_labels) = match &stage.credentials {
-        BlobCredentials::SasToken(r) => {
-            env.push(secret_env(crate::stage::SAS_TOKEN_ENV, r));
-            ("sas-token", json!({}))
-        }
-        BlobCredentials::AccountKey(r) => {
-            env.push(secret_env(crate::stage::ACCOUNT_KEY_ENV, r));
-            ("account-key", json!({}))
-        }
+    let (auth, secret, pod_labels) = match &stage.credentials {
+        BlobCredentials::SasToken(r) => (
+            AuthMethod::SasToken,
+            Some(secret_env(crate::stage::SAS_TOKEN_ENV, r)),
+            json!({}),
+        ),
+        BlobCredentials::AccountKey(r) => (
+            AuthMethod::AccountKey,
+            Some(secret_env(crate::stage::ACCOUNT_KEY_ENV, r)),
+            json!({}),
+        ),
         // AKS's webhook injects the client id, tenant and token file into labelled pods.
         BlobCredentials::WorkloadIdentity { .. } => (
-            "workload-identity",
+            AuthMethod::WorkloadIdentity,
+            None,
             json!({"azure.workload.identity/use": "true"}),
         ),
     };
-    env.push(json!({"name": "RINGMASTER_STAGE_AUTH", "value": auth}));
+    let settings = StageSettings {
+        account: stage.account.clone(),
+        container: stage.container.clone(),
+        prefix: stage.prefix.clone(),
+        endpoint: stage.endpoint.clone(),
+        destination,
+        parallelism: stage.parallelism,
+        verify: match stage.verify {
+            Verification::Size => VerifyMode::Size,
+            Verification::MD5 => VerifyMode::Md5,
+        },
+        auth,
+        report_to: format!("{}/{}", stage.namespace, stage.name),
+    };
+    let mut env: Vec<Value> = settings
+        .to_env()
+        .into_iter()
+        .map(|(name, value)| json!({"name": name, "value": value}))
+        .collect();
+    env.extend(secret);
     let mut labels = labels(stage);
     if let Some(extra) = pod_labels.as_object() {
         for (k, v) in extra {

@@ -8,8 +8,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use serde_json::{Value, json};
 
 use super::names::{self, LAUNCHER_ROLE, RENDEZVOUS_PORT, SSH_MOUNT, WORKER_ROLE};
-use super::validate::{Program, TrainerSettings, TrainingLength, ValidatedTrainingJob};
-use crate::api::{DataSource, Model, MpiImplementation, OutputSpec, PodOverrides, Precision};
+use super::pool;
+use super::validate::{Program, TrainerSettings, ValidatedTrainingJob};
+use crate::api::{MpiImplementation, OutputSpec, PodOverrides};
 
 /// Group the pods' volumes are given to, so a non-root user (the trainer image's uid/gid
 /// 1000) can read the SSH key, which is mounted 0600 and owned by root.
@@ -284,7 +285,7 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
     let mut capabilities = Vec::new();
     if job.gpus_per_worker > 0 {
         limits.insert(
-            "nvidia.com/gpu".into(),
+            crate::api::GPU_RESOURCE.into(),
             json!(job.gpus_per_worker.to_string()),
         );
     }
@@ -389,8 +390,8 @@ fn own_pool_placement(
 ) -> Option<(serde_json::Map<String, Value>, Value)> {
     let pool_name = job.node_pool.as_ref()?.pool_name.as_ref()?;
     let mut selector = serde_json::Map::new();
-    selector.insert("kubernetes.azure.com/agentpool".into(), json!(pool_name));
-    let toleration = json!({"key": "ringmaster.dev/pool", "operator": "Equal", "value": pool_name, "effect": "NoSchedule"});
+    selector.insert(pool::AGENT_POOL_LABEL.into(), json!(pool_name));
+    let toleration = json!({"key": pool::POOL_KEY, "operator": "Equal", "value": pool_name, "effect": "NoSchedule"});
     Some((selector, toleration))
 }
 
@@ -526,7 +527,7 @@ pub fn launcher_command(job: &ValidatedTrainingJob) -> Vec<String> {
             command
         }
         Program::Trainer(settings) => {
-            command.extend(trainer_args(job, settings));
+            command.extend(trainer_args(settings));
             let mut wrapped: Vec<String> = [
                 names::TRAINER_BINARY,
                 "launch",
@@ -542,56 +543,10 @@ pub fn launcher_command(job: &ValidatedTrainingJob) -> Vec<String> {
     }
 }
 
-/// `ringmaster-trainer train ...` with the job's settings.
-pub fn trainer_args(job: &ValidatedTrainingJob, t: &TrainerSettings) -> Vec<String> {
-    let model = match t.model {
-        Model::Resnet18 => "resnet18",
-        Model::Resnet34 => "resnet34",
-        Model::Resnet50 => "resnet50",
-        Model::Resnet101 => "resnet101",
-        Model::Resnet152 => "resnet152",
-    };
-    let precision = match t.precision {
-        Precision::Fp32 => "fp32",
-        Precision::Bf16 => "bf16",
-    };
-    let device = if job.gpus_per_worker > 0 {
-        "cuda"
-    } else {
-        "cpu"
-    };
-    let mut args: Vec<String> = vec![
-        names::TRAINER_BINARY.into(),
-        "train".into(),
-        format!("--model={model}"),
-        format!("--device={device}"),
-        format!("--batch-size={}", t.batch_size),
-        format!("--image-size={}", t.image_size),
-        format!("--learning-rate={}", t.learning_rate),
-        format!("--precision={precision}"),
-    ];
-    match t.length {
-        TrainingLength::Steps(steps) => args.push(format!("--steps={steps}")),
-        TrainingLength::Epochs(epochs) => args.push(format!("--epochs={epochs}")),
-    }
-    match (t.data, &job.data) {
-        (DataSource::ImageFolder, Some(data)) => {
-            let dir = if t.data_path.is_empty() {
-                data.mount_path.clone()
-            } else {
-                format!("{}/{}", data.mount_path.trim_end_matches('/'), t.data_path)
-            };
-            args.push(format!("--data-dir={dir}"));
-        }
-        _ => args.push("--synthetic".into()),
-    }
-    if let Some(output) = &job.output {
-        args.push(format!(
-            "--output-dir={}/{}",
-            output.mount_path.trim_end_matches('/'),
-            job.name
-        ));
-    }
-    args.extend(t.extra_args.iter().cloned());
+/// `ringmaster-trainer train ...` with the job's settings (the typed invocation validate
+/// made and checked, then the user's extra flags).
+pub fn trainer_args(t: &TrainerSettings) -> Vec<String> {
+    let mut args: Vec<String> = vec![names::TRAINER_BINARY.into(), "train".into()];
+    args.extend(t.flags());
     args
 }

@@ -186,11 +186,12 @@ pub fn restart_backoff(base: Duration, restarts: i32) -> Duration {
 }
 
 /// Whether a launcher exit is worth a restart: killed by a signal (128+N: SIGKILL, SIGTERM,
-/// the OOM killer), evicted, or EX_TEMPFAIL (75), which the trainer uses for a lost peer.
-/// Other codes are the program's own verdict and fail the job at once.
+/// the OOM killer), evicted, or the trainer's lost-peer code (also what its launcher
+/// wrapper leaves with when mpirun saw a rank killed). Other codes are the program's own
+/// verdict and fail the job at once.
 pub fn launcher_exit_is_retryable(exit: &Exit) -> bool {
     exit.code >= 128
-        || exit.code == 75
+        || exit.code == i32::from(ringmaster_contract::trainer::exit::PEER_LOST)
         || matches!(exit.reason.as_str(), "Evicted" | "OOMKilled" | "Preempting")
 }
 
@@ -214,17 +215,13 @@ fn describe(pod: &PodState, exit: &Exit) -> String {
     text
 }
 
-/// Reads the trainer's summary (a JSON object with imagesPerSecond, steps, finalLoss) from
-/// the last line of a termination message that parses as one.
+/// Reads the trainer's summary ([`ringmaster_contract::trainer::Summary`], the contract the
+/// trainer writes) from the last line of a termination message that parses as one.
 pub fn parse_result(message: &str) -> Option<TrainingResult> {
-    message.lines().rev().find_map(|line| {
-        let value: serde_json::Value = serde_json::from_str(line.trim()).ok()?;
-        let result = TrainingResult {
-            images_per_second: value["imagesPerSecond"].as_f64(),
-            steps: value["steps"].as_i64(),
-            final_loss: value["finalLoss"].as_f64(),
-        };
-        (result != TrainingResult::default()).then_some(result)
+    ringmaster_contract::trainer::Summary::find_in(message).map(|s| TrainingResult {
+        images_per_second: Some(s.images_per_second),
+        steps: i64::try_from(s.steps).ok(),
+        final_loss: s.final_loss,
     })
 }
 

@@ -273,31 +273,35 @@ async fn ready_nodes(
             action: format!("listing the nodes of agent pool {pool}"),
             source,
         })?;
-    let needs = |node: &Node, resource: &str, amount: u32| {
+    Ok(list
+        .items
+        .iter()
+        .filter(|node| can_host_worker(node, job))
+        .count() as u32)
+}
+
+/// Whether `node` is Ready and has allocatable what one of `job`'s workers asks for: its
+/// GPUs and, with InfiniBand, its count of the job's RDMA resource (by the job's name for
+/// it, not the default's).
+pub fn can_host_worker(node: &Node, job: &ValidatedTrainingJob) -> bool {
+    let status = node.status.as_ref();
+    let has = |resource: &str, amount: u32| {
         amount == 0
-            || node
-                .status
-                .as_ref()
+            || status
                 .and_then(|s| s.allocatable.as_ref())
                 .and_then(|a| a.get(resource))
                 .and_then(|q| count(&q.0))
                 .is_some_and(|n| n >= u64::from(amount))
     };
-    let rdma = u32::from(job.infiniband.is_some());
-    Ok(list
-        .items
-        .iter()
-        .filter(|node| {
-            let ready = node
-                .status
-                .as_ref()
-                .and_then(|s| s.conditions.as_ref())
-                .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
-            ready
-                && needs(node, "nvidia.com/gpu", job.gpus_per_worker)
-                && needs(node, "rdma/shared_ib", rdma)
-        })
-        .count() as u32)
+    let ready = status
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+    ready
+        && has(crate::api::GPU_RESOURCE, job.gpus_per_worker)
+        && job
+            .infiniband
+            .as_ref()
+            .is_none_or(|ib| has(&ib.rdma_resource, ib.rdma_resource_count))
 }
 
 /// A countable resource quantity (`8`, `1k`, `2Ki`) as a number.

@@ -5,12 +5,13 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::ResourceExt;
+use ringmaster_contract::trainer::{self as contract, Capabilities, Setting, TrainArgs};
 
 use crate::api::{
     DataSource, DataStageRef, GpuDriver, Model, MpiSpec, OutputSpec, PodOverrides, Precision,
     Provisioner, RunPolicy, TrainingJob,
 };
-use crate::validation::{self, FieldErrors};
+use crate::validation::{self, FieldError, FieldErrors};
 
 /// Default size of an InfiniBand worker's in-memory /dev/shm.
 pub const DEFAULT_SHM_SIZE: &str = "64Gi";
@@ -70,36 +71,76 @@ pub enum Program {
     Command(Vec<String>),
 }
 
-/// The trainer's settings with defaults filled in.
+/// The trainer's invocation with defaults filled in: the typed command line of
+/// `ringmaster-trainer train` (the contract both programs share) and the user's extra flags.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TrainerSettings {
-    /// The network.
-    pub model: Model,
-    /// Where images come from.
-    pub data: DataSource,
-    /// Folder under the data mount (empty: its root).
-    pub data_path: String,
-    /// Images per rank per step.
-    pub batch_size: u32,
-    /// Input side in pixels.
-    pub image_size: u32,
-    /// How long to train.
-    pub length: TrainingLength,
-    /// Peak learning rate for the global batch.
-    pub learning_rate: f64,
-    /// Arithmetic.
-    pub precision: Precision,
-    /// Flags passed through.
+    /// What the operator sets from the spec.
+    pub args: TrainArgs,
+    /// `spec.trainer.extraArgs`, passed through after the operator's flags.
     pub extra_args: Vec<String>,
 }
 
-/// How long to train.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TrainingLength {
-    /// A number of optimizer steps.
-    Steps(u64),
-    /// Passes over the dataset.
-    Epochs(u32),
+impl TrainerSettings {
+    /// The flags after `ringmaster-trainer train`.
+    pub fn flags(&self) -> Vec<String> {
+        let mut flags = self.args.to_args();
+        flags.extend(self.extra_args.iter().cloned());
+        flags
+    }
+
+    /// Runs the trainer's own settings check on the flags the launcher will pass (extra
+    /// flags included), as a trainer with `capabilities` would; errors name the spec field
+    /// a user changes to fix them.
+    pub fn check(&self, capabilities: &Capabilities) -> Result<(), FieldErrors> {
+        let flags = self.flags();
+        let parsed = TrainArgs::parse_flags(&flags).map_err(|e| {
+            let text = e.to_string();
+            let first = text.lines().next().unwrap_or_default();
+            FieldErrors::one(
+                "spec.trainer.extraArgs",
+                format!(
+                    "ringmaster-trainer train refuses these flags: {}",
+                    first.trim_start_matches("error: ")
+                ),
+            )
+        })?;
+        parsed.check(capabilities).map_err(|errors| {
+            FieldErrors(
+                errors
+                    .into_iter()
+                    .map(|e| FieldError {
+                        field: self.field_of(e.setting).into(),
+                        message: e.to_string(),
+                    })
+                    .collect(),
+            )
+        })
+    }
+
+    /// The spec field behind a setting: the extra flags when they set it, else the field
+    /// the operator derives it from.
+    fn field_of(&self, setting: Setting) -> &'static str {
+        let in_extra = self.extra_args.iter().any(|arg| {
+            setting
+                .flags()
+                .iter()
+                .any(|flag| arg == flag || arg.starts_with(&format!("{flag}=")))
+        });
+        if in_extra {
+            return "spec.trainer.extraArgs";
+        }
+        match setting {
+            Setting::Device => "spec.gpusPerWorker",
+            Setting::Precision => "spec.trainer.precision",
+            Setting::Model => "spec.trainer.model",
+            Setting::BatchSize => "spec.trainer.batchSize",
+            Setting::ImageSize => "spec.trainer.imageSize",
+            Setting::Length => "spec.trainer.steps",
+            Setting::LearningRate => "spec.trainer.learningRate",
+            _ => "spec.trainer.extraArgs",
+        }
+    }
 }
 
 /// InfiniBand settings with defaults filled in.
@@ -134,10 +175,11 @@ pub struct NodePoolPlan {
     pub gpu_driver: GpuDriver,
 }
 
-/// Checks `job` against every rule and fills in defaults.
+/// Checks `job` against every rule and fills in defaults; the trainer's settings must run on
+/// the trainer of this release.
 pub fn validate(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors> {
     validation::check_object(job)?;
-    with_defaults(job)
+    checked_for(with_defaults(job)?, &Capabilities::this_release())
 }
 
 /// Checks a raw object as a user wrote it (and, for an update, against the `old` one), then
@@ -146,8 +188,48 @@ pub fn validate_value(
     value: &serde_json::Value,
     old: Option<&serde_json::Value>,
 ) -> Result<ValidatedTrainingJob, FieldErrors> {
+    validate_value_for(value, old, &Capabilities::this_release())
+}
+
+/// [`validate_value`] for a trainer with other capabilities (a build with the CUDA engine,
+/// in the builder tests of GPU jobs).
+pub fn validate_value_for(
+    value: &serde_json::Value,
+    old: Option<&serde_json::Value>,
+    capabilities: &Capabilities,
+) -> Result<ValidatedTrainingJob, FieldErrors> {
     let job: TrainingJob = validation::parse_object(value, old)?;
-    with_defaults(&job)
+    checked_for(with_defaults(&job)?, capabilities)
+}
+
+/// Refuses a trainer invocation the trainer would refuse.
+fn checked_for(
+    job: ValidatedTrainingJob,
+    capabilities: &Capabilities,
+) -> Result<ValidatedTrainingJob, FieldErrors> {
+    if let Program::Trainer(settings) = &job.program {
+        settings.check(capabilities)?;
+    }
+    Ok(job)
+}
+
+/// The trainer's network for a spec's model.
+fn model_of(model: Model) -> contract::Model {
+    match model {
+        Model::Resnet18 => contract::Model::Resnet18,
+        Model::Resnet34 => contract::Model::Resnet34,
+        Model::Resnet50 => contract::Model::Resnet50,
+        Model::Resnet101 => contract::Model::Resnet101,
+        Model::Resnet152 => contract::Model::Resnet152,
+    }
+}
+
+/// The trainer's arithmetic for a spec's precision.
+fn precision_of(precision: Precision) -> contract::Precision {
+    match precision {
+        Precision::Fp32 => contract::Precision::Fp32,
+        Precision::Bf16 => contract::Precision::Bf16,
+    }
 }
 
 /// The defaults and derived values of an object that passed the schema.
@@ -171,24 +253,53 @@ fn with_defaults(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors>
             let t = spec.trainer.clone().unwrap_or_default();
             let batch_size = t.batch_size.map(as_u32).unwrap_or(64);
             let global_batch = batch_size as f64 * (as_u32(spec.workers) * slots_per_worker) as f64;
-            Program::Trainer(TrainerSettings {
-                model: t.model.unwrap_or(Model::Resnet50),
-                data: t.data.unwrap_or(DataSource::Synthetic),
-                data_path: t.data_path.unwrap_or_default(),
-                batch_size,
-                image_size: t.image_size.map(as_u32).unwrap_or(224),
-                length: match (t.steps, t.epochs) {
-                    (_, Some(epochs)) => TrainingLength::Epochs(as_u32(epochs)),
-                    (Some(steps), None) => TrainingLength::Steps(u64::try_from(steps).unwrap_or(1)),
-                    (None, None) => TrainingLength::Steps(DEFAULT_STEPS as u64),
+            let data_dir = match (
+                t.data.unwrap_or(DataSource::Synthetic),
+                &spec.data_stage_ref,
+            ) {
+                (DataSource::ImageFolder, Some(data)) => Some(match t.data_path.as_deref() {
+                    None | Some("") => data.mount_path.clone(),
+                    Some(path) => format!("{}/{path}", data.mount_path.trim_end_matches('/')),
+                }),
+                _ => None,
+            };
+            let (steps, epochs) = match (t.steps, t.epochs) {
+                (_, Some(epochs)) => (None, Some(as_u32(epochs) as usize)),
+                (Some(steps), None) => (Some(usize::try_from(steps).unwrap_or(usize::MAX)), None),
+                (None, None) => (Some(DEFAULT_STEPS as usize), None),
+            };
+            let args = TrainArgs {
+                model: model_of(t.model.unwrap_or(Model::Resnet50)),
+                device: if gpus_per_worker > 0 {
+                    contract::Device::Cuda
+                } else {
+                    contract::Device::Cpu
                 },
-                // Goyal et al.'s linear scaling rule: 0.1 per 256 images.
-                learning_rate: t.learning_rate.unwrap_or(0.1 * global_batch / 256.0),
-                precision: t.precision.unwrap_or(if gpus_per_worker > 0 {
+                precision: precision_of(t.precision.unwrap_or(if gpus_per_worker > 0 {
                     Precision::Bf16
                 } else {
                     Precision::Fp32
+                })),
+                batch_size: batch_size as usize,
+                image_size: t.image_size.map(as_u32).unwrap_or(224) as usize,
+                steps,
+                epochs,
+                // Goyal et al.'s linear scaling rule: 0.1 per 256 images.
+                learning_rate: Some(t.learning_rate.unwrap_or(0.1 * global_batch / 256.0) as f32),
+                synthetic: data_dir.is_none(),
+                data_dir: data_dir.map(Into::into),
+                output_dir: spec.output.as_ref().map(|output| {
+                    format!(
+                        "{}/{}",
+                        output.mount_path.trim_end_matches('/'),
+                        job.name_any()
+                    )
+                    .into()
                 }),
+                ..TrainArgs::default()
+            };
+            Program::Trainer(TrainerSettings {
+                args,
                 extra_args: t.extra_args,
             })
         }

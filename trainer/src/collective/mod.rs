@@ -57,6 +57,20 @@ pub enum CollectiveError {
     Device { message: String },
 }
 
+impl CollectiveError {
+    /// Whether the error means a peer rank is gone or stuck (the gang is incomplete, and
+    /// restarting it can succeed), as opposed to a backend that cannot work here.
+    pub fn is_peer_lost(&self) -> bool {
+        matches!(
+            self,
+            CollectiveError::Rendezvous { .. }
+                | CollectiveError::PeerLost { .. }
+                | CollectiveError::PeerTimeout { .. }
+                | CollectiveError::Stalled { .. }
+        )
+    }
+}
+
 /// Data-parallel collectives over the ranks of a job.
 pub trait Collective: Send {
     /// This rank.
@@ -76,16 +90,8 @@ pub trait Collective: Send {
     }
 }
 
-/// Which collective a process uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum CollectiveKind {
-    /// NCCL when the CUDA driver, a GPU and NCCL are found, else the TCP ring.
-    Auto,
-    /// The TCP ring (reduce-scatter + all-gather), on any machine.
-    TcpRing,
-    /// NCCL on the GPUs; an error when it cannot be used.
-    Nccl,
-}
+/// Which collective a process uses (part of the operator ↔ trainer contract).
+pub use ringmaster_contract::trainer::CollectiveKind;
 
 /// Connects this process to the job's collective: the identity for a single rank, else the
 /// kind asked for.

@@ -12,39 +12,69 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-/// `mpirun -np N ringmaster-trainer ARGS…` on this machine.
-pub fn mpirun(ranks: usize, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+/// `mpirun -np N` with the settings for this machine (loopback only), up to the program.
+pub fn mpirun_command(ranks: usize) -> Vec<String> {
     let mpirun = which("mpirun")
         .expect("mpirun is not installed: `make test` installs Debian's openmpi-bin");
+    [
+        mpirun.display().to_string().as_str(),
+        "-np",
+        &ranks.to_string(),
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "--mca",
+        "btl",
+        "self,tcp",
+        "--mca",
+        "btl_tcp_if_include",
+        "lo",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// The environment `mpirun_command` needs: root allowed, a free rendezvous port.
+pub fn mpirun_env() -> Vec<(String, String)> {
+    vec![
+        ("OMPI_ALLOW_RUN_AS_ROOT".into(), "1".into()),
+        ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM".into(), "1".into()),
+        (
+            "RINGMASTER_RENDEZVOUS".into(),
+            format!("127.0.0.1:{}", free_port()),
+        ),
+    ]
+}
+
+/// `mpirun -np N ringmaster-trainer ARGS…` on this machine.
+pub fn mpirun(ranks: usize, args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    let (mpirun, options) = mpirun_command(ranks)
+        .split_first()
+        .map(|(m, o)| (m.clone(), o.to_vec()))
+        .unwrap();
     let mut command = Command::new(mpirun);
     command
-        .args([
-            "-np",
-            &ranks.to_string(),
-            "--oversubscribe",
-            "--bind-to",
-            "none",
-        ])
-        .args([
-            "--mca",
-            "btl",
-            "self,tcp",
-            "--mca",
-            "btl_tcp_if_include",
-            "lo",
-        ])
+        .args(options)
         .arg(env!("CARGO_BIN_EXE_ringmaster-trainer"))
         .args(args)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env(
-            "RINGMASTER_RENDEZVOUS",
-            format!("127.0.0.1:{}", free_port()),
-        );
+        .envs(mpirun_env());
     for (k, v) in env {
         command.env(k, v);
     }
     command.output().expect("mpirun runs")
+}
+
+/// Process ids whose command line is `program SUBCOMMAND …` (read from /proc).
+pub fn processes_running(program: &str, subcommand: &str) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|entry| {
+            let pid: u32 = entry.ok()?.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let mut args = cmdline.split(|b| *b == 0).map(String::from_utf8_lossy);
+            (args.next()? == program && args.next()? == subcommand).then_some(pid)
+        })
+        .collect()
 }
 
 fn which(program: &str) -> Option<std::path::PathBuf> {

@@ -1,0 +1,777 @@
+//! The operator ↔ trainer contract.
+//!
+//! [`TrainArgs`] is the command line of `ringmaster-trainer train` (the trainer flattens it
+//! into its CLI) and the value the operator builds for a TrainingJob; [`TrainArgs::to_args`]
+//! turns it back into flags, and parsing those flags gives the same value (tested). Both
+//! sides run [`TrainArgs::check`] against [`Capabilities::this_release`]: the operator in its
+//! validate step (a setting the trainer cannot run is refused on the TrainingJob, naming the
+//! field), the trainer before it starts.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use clap::{Parser, ValueEnum};
+use serde::{Deserialize, Serialize};
+
+/// Networks the trainer can build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Model {
+    /// ResNet-18 (ImageNet topology).
+    Resnet18,
+    /// ResNet-34.
+    Resnet34,
+    /// ResNet-50.
+    Resnet50,
+    /// ResNet-101.
+    Resnet101,
+    /// ResNet-152.
+    Resnet152,
+    /// CIFAR ResNet-8 (for tests and small images).
+    Cifar8,
+    /// CIFAR ResNet-20.
+    Cifar20,
+}
+
+impl Model {
+    /// Every network, in order.
+    pub const ALL: [Model; 7] = [
+        Model::Resnet18,
+        Model::Resnet34,
+        Model::Resnet50,
+        Model::Resnet101,
+        Model::Resnet152,
+        Model::Cifar8,
+        Model::Cifar20,
+    ];
+
+    /// The smallest input side the network takes: the ImageNet ResNets halve it five times.
+    pub fn min_image_size(self) -> usize {
+        match self {
+            Model::Cifar8 | Model::Cifar20 => 4,
+            _ => 32,
+        }
+    }
+}
+
+/// Where the computation runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Device {
+    /// The CPU engine on all cores.
+    Cpu,
+    /// NVIDIA GPUs (cuDNN, cuBLAS, NCCL).
+    Cuda,
+}
+
+/// Arithmetic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Precision {
+    /// 32-bit floats.
+    Fp32,
+    /// bfloat16 with fp32 master weights (GPU only).
+    Bf16,
+}
+
+/// Learning-rate schedule after warm-up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Schedule {
+    /// Cosine decay to zero.
+    Cosine,
+    /// ×0.1 every third of the run.
+    Step,
+    /// Constant.
+    Constant,
+}
+
+/// Which collective averages the gradients.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CollectiveKind {
+    /// NCCL when the CUDA driver, a GPU and NCCL are found, else the TCP ring.
+    Auto,
+    /// The TCP ring (reduce-scatter + all-gather), on any machine.
+    TcpRing,
+    /// NCCL on the GPUs; an error when it cannot be used.
+    Nccl,
+}
+
+/// The flag spelling of a value enum (`resnet50`, `tcp-ring`, …).
+fn flag_value<T: ValueEnum>(value: T) -> String {
+    value
+        .to_possible_value()
+        .expect("no variant is skipped")
+        .get_name()
+        .to_string()
+}
+
+macro_rules! display_as_flag {
+    ($($t:ty),*) => {$(
+        impl fmt::Display for $t {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&flag_value(*self))
+            }
+        }
+    )*};
+}
+display_as_flag!(Model, Device, Precision, Schedule, CollectiveKind);
+
+/// Defaults of [`TrainArgs`], shared by its flags and its `Default`.
+pub mod defaults {
+    use super::*;
+    /// The network.
+    pub const MODEL: Model = Model::Resnet50;
+    /// Channels of the first stage of the CIFAR ResNets.
+    pub const WIDTH: usize = 16;
+    /// Where to compute.
+    pub const DEVICE: Device = Device::Cpu;
+    /// Arithmetic.
+    pub const PRECISION: Precision = Precision::Fp32;
+    /// Images per rank per step.
+    pub const BATCH_SIZE: usize = 64;
+    /// Micro-batches per rank.
+    pub const MICRO_BATCHES: usize = 1;
+    /// Input side.
+    pub const IMAGE_SIZE: usize = 224;
+    /// Steps when neither steps nor epochs is given.
+    pub const STEPS: usize = 100;
+    /// Warm-up steps.
+    pub const WARMUP_STEPS: usize = 0;
+    /// Schedule.
+    pub const SCHEDULE: Schedule = Schedule::Cosine;
+    /// SGD momentum.
+    pub const MOMENTUM: f32 = 0.9;
+    /// L2 weight decay.
+    pub const WEIGHT_DECAY: f32 = 5e-5;
+    /// Label smoothing.
+    pub const LABEL_SMOOTHING: f32 = 0.0;
+    /// Samples of the synthetic or generated dataset.
+    pub const DATASET_SIZE: usize = 4096;
+    /// Classes of the synthetic data.
+    pub const CLASSES: usize = 1000;
+    /// Seed.
+    pub const SEED: u64 = 0;
+    /// Progress line interval.
+    pub const LOG_EVERY: usize = 10;
+}
+
+/// Settings of `ringmaster-trainer train` (they mirror a TrainingJob's `trainer:` section).
+#[derive(clap::Args, Clone, Debug, PartialEq)]
+pub struct TrainArgs {
+    /// The network.
+    #[arg(long, value_enum, default_value_t = defaults::MODEL)]
+    pub model: Model,
+    /// Channels of the first stage of the CIFAR ResNets.
+    #[arg(long, default_value_t = defaults::WIDTH)]
+    pub width: usize,
+    /// How gradients are averaged over ranks.
+    #[arg(long, value_enum, default_value_t = CollectiveKind::Auto, env = "RINGMASTER_COLLECTIVE")]
+    pub collective: CollectiveKind,
+    /// Where to compute.
+    #[arg(long, value_enum, default_value_t = defaults::DEVICE)]
+    pub device: Device,
+    /// Arithmetic.
+    #[arg(long, value_enum, default_value_t = defaults::PRECISION)]
+    pub precision: Precision,
+    /// Images per rank per step.
+    #[arg(long, default_value_t = defaults::BATCH_SIZE)]
+    pub batch_size: usize,
+    /// Split each rank's batch into this many micro-batches whose gradients are accumulated
+    /// (batch norm sees each micro-batch alone, as separate ranks would).
+    #[arg(long, default_value_t = defaults::MICRO_BATCHES)]
+    pub micro_batches: usize,
+    /// Side of the square images.
+    #[arg(long, default_value_t = defaults::IMAGE_SIZE)]
+    pub image_size: usize,
+    /// Steps to train (exclusive with --epochs; default 100 when neither is given).
+    #[arg(long, conflicts_with = "epochs")]
+    pub steps: Option<usize>,
+    /// Passes over the dataset.
+    #[arg(long)]
+    pub epochs: Option<usize>,
+    /// Peak learning rate (default: 0.1 × global batch / 256).
+    #[arg(long)]
+    pub learning_rate: Option<f32>,
+    /// Warm-up steps of the learning rate.
+    #[arg(long, default_value_t = defaults::WARMUP_STEPS)]
+    pub warmup_steps: usize,
+    /// Schedule after warm-up.
+    #[arg(long, value_enum, default_value_t = defaults::SCHEDULE)]
+    pub schedule: Schedule,
+    /// SGD momentum.
+    #[arg(long, default_value_t = defaults::MOMENTUM)]
+    pub momentum: f32,
+    /// L2 weight decay.
+    #[arg(long, default_value_t = defaults::WEIGHT_DECAY)]
+    pub weight_decay: f32,
+    /// Label smoothing of the cross-entropy.
+    #[arg(long, default_value_t = defaults::LABEL_SMOOTHING)]
+    pub label_smoothing: f32,
+    /// Random images (the reference architecture's benchmark mode). The default.
+    #[arg(long, conflicts_with_all = ["data_dir", "learnable_classes"])]
+    pub synthetic: bool,
+    /// An ImageNet-style folder of JPEG class folders.
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// A generated dataset of this many classes that a small network can learn (tests, demos).
+    #[arg(long)]
+    pub learnable_classes: Option<usize>,
+    /// Samples in the synthetic or generated dataset.
+    #[arg(long, default_value_t = defaults::DATASET_SIZE)]
+    pub dataset_size: usize,
+    /// Classes of the synthetic data and the classifier (ImageNet: 1000).
+    #[arg(long, default_value_t = defaults::CLASSES)]
+    pub classes: usize,
+    /// Seed of weights, data and shuffling.
+    #[arg(long, default_value_t = defaults::SEED)]
+    pub seed: u64,
+    /// Folder for the checkpoint (`model.safetensors`) and nothing else.
+    #[arg(long)]
+    pub output_dir: Option<PathBuf>,
+    /// Print a progress line every this many steps.
+    #[arg(long, default_value_t = defaults::LOG_EVERY)]
+    pub log_every: usize,
+}
+
+impl Default for TrainArgs {
+    /// The settings of `ringmaster-trainer train` with no flags (and no environment).
+    fn default() -> Self {
+        Self {
+            model: defaults::MODEL,
+            width: defaults::WIDTH,
+            collective: CollectiveKind::Auto,
+            device: defaults::DEVICE,
+            precision: defaults::PRECISION,
+            batch_size: defaults::BATCH_SIZE,
+            micro_batches: defaults::MICRO_BATCHES,
+            image_size: defaults::IMAGE_SIZE,
+            steps: None,
+            epochs: None,
+            learning_rate: None,
+            warmup_steps: defaults::WARMUP_STEPS,
+            schedule: defaults::SCHEDULE,
+            momentum: defaults::MOMENTUM,
+            weight_decay: defaults::WEIGHT_DECAY,
+            label_smoothing: defaults::LABEL_SMOOTHING,
+            synthetic: false,
+            data_dir: None,
+            learnable_classes: None,
+            dataset_size: defaults::DATASET_SIZE,
+            classes: defaults::CLASSES,
+            seed: defaults::SEED,
+            output_dir: None,
+            log_every: defaults::LOG_EVERY,
+        }
+    }
+}
+
+/// `ringmaster-trainer train` as a parser of its own: what the operator's check and tests
+/// parse a built command line with.
+#[derive(Parser, Debug)]
+#[command(name = "train", no_binary_name = true)]
+pub struct TrainCommand {
+    /// The settings.
+    #[command(flatten)]
+    pub args: TrainArgs,
+}
+
+impl TrainArgs {
+    /// Parses the flags that follow `ringmaster-trainer train`.
+    pub fn parse_flags<I, T>(flags: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        TrainCommand::try_parse_from(flags).map(|c| c.args)
+    }
+
+    /// The flags that give these settings: the main ones (model, device, precision, batch,
+    /// image size) always, so a launcher command reads plainly, the rest when they differ
+    /// from the default. `TrainArgs::parse_flags(a.to_args()) == a` (tested).
+    pub fn to_args(&self) -> Vec<String> {
+        let d = TrainArgs::default();
+        let mut out = vec![
+            format!("--model={}", self.model),
+            format!("--device={}", self.device),
+            format!("--precision={}", self.precision),
+            format!("--batch-size={}", self.batch_size),
+            format!("--image-size={}", self.image_size),
+        ];
+        let mut flag = |name: &str, value: String| out.push(format!("--{name}={value}"));
+        if self.width != d.width {
+            flag("width", self.width.to_string());
+        }
+        if self.collective != d.collective {
+            flag("collective", self.collective.to_string());
+        }
+        if self.micro_batches != d.micro_batches {
+            flag("micro-batches", self.micro_batches.to_string());
+        }
+        if let Some(steps) = self.steps {
+            flag("steps", steps.to_string());
+        }
+        if let Some(epochs) = self.epochs {
+            flag("epochs", epochs.to_string());
+        }
+        if let Some(lr) = self.learning_rate {
+            flag("learning-rate", lr.to_string());
+        }
+        if self.warmup_steps != d.warmup_steps {
+            flag("warmup-steps", self.warmup_steps.to_string());
+        }
+        if self.schedule != d.schedule {
+            flag("schedule", self.schedule.to_string());
+        }
+        if self.momentum != d.momentum {
+            flag("momentum", self.momentum.to_string());
+        }
+        if self.weight_decay != d.weight_decay {
+            flag("weight-decay", self.weight_decay.to_string());
+        }
+        if self.label_smoothing != d.label_smoothing {
+            flag("label-smoothing", self.label_smoothing.to_string());
+        }
+        if let Some(dir) = &self.data_dir {
+            flag("data-dir", dir.display().to_string());
+        }
+        if let Some(classes) = self.learnable_classes {
+            flag("learnable-classes", classes.to_string());
+        }
+        if self.dataset_size != d.dataset_size {
+            flag("dataset-size", self.dataset_size.to_string());
+        }
+        if self.classes != d.classes {
+            flag("classes", self.classes.to_string());
+        }
+        if self.seed != d.seed {
+            flag("seed", self.seed.to_string());
+        }
+        if let Some(dir) = &self.output_dir {
+            flag("output-dir", dir.display().to_string());
+        }
+        if self.log_every != d.log_every {
+            flag("log-every", self.log_every.to_string());
+        }
+        if self.synthetic {
+            out.push("--synthetic".into());
+        }
+        out
+    }
+
+    /// Every reason these settings cannot run on a trainer with `capabilities`, or `Ok`.
+    /// What depends on the world size (a dataset smaller than one global batch) is checked
+    /// by the trainer once the ranks are known.
+    pub fn check(&self, capabilities: &Capabilities) -> Result<(), Vec<SettingsError>> {
+        let mut errors = Vec::new();
+        let mut refuse =
+            |setting: Setting, message: String| errors.push(SettingsError { setting, message });
+        if !capabilities.devices.contains(&self.device) {
+            refuse(
+                Setting::Device,
+                match self.device {
+                    Device::Cuda => "this release of ringmaster-trainer computes on CPUs only: its CUDA engine (cuDNN, cuBLAS, NCCL) has not landed yet, so GPU jobs cannot run the built-in trainer (use gpusPerWorker: 0, or your own command)".to_string(),
+                    other => format!("this release of ringmaster-trainer cannot compute on {other} (it can on: {})", list(&capabilities.devices)),
+                },
+            );
+        }
+        if !capabilities.precisions.contains(&self.precision) {
+            refuse(
+                Setting::Precision,
+                match self.precision {
+                    Precision::Bf16 => format!(
+                        "bf16 needs the CUDA engine, which this release of ringmaster-trainer does not have yet; it computes in {}",
+                        list(&capabilities.precisions)
+                    ),
+                    other => format!(
+                        "this release of ringmaster-trainer cannot compute in {other} (it can in: {})",
+                        list(&capabilities.precisions)
+                    ),
+                },
+            );
+        }
+        if !capabilities.models.contains(&self.model) {
+            refuse(
+                Setting::Model,
+                format!(
+                    "this release of ringmaster-trainer cannot build {} (it can: {})",
+                    self.model,
+                    list(&capabilities.models)
+                ),
+            );
+        }
+        if self.batch_size == 0 {
+            refuse(Setting::BatchSize, "must be at least 1".into());
+        }
+        if self.micro_batches == 0 || !self.batch_size.is_multiple_of(self.micro_batches) {
+            refuse(
+                Setting::MicroBatches,
+                format!(
+                    "{} must divide the batch size {} (and be at least 1)",
+                    self.micro_batches, self.batch_size
+                ),
+            );
+        }
+        if self.image_size < self.model.min_image_size() {
+            refuse(
+                Setting::ImageSize,
+                format!(
+                    "{} is smaller than the {} pixels {} needs",
+                    self.image_size,
+                    self.model.min_image_size(),
+                    self.model
+                ),
+            );
+        }
+        if self.steps == Some(0) || self.epochs == Some(0) {
+            refuse(Setting::Length, "must be at least 1".into());
+        }
+        if let Some(lr) = self.learning_rate
+            && !(lr.is_finite() && lr >= 0.0)
+        {
+            refuse(
+                Setting::LearningRate,
+                format!("{lr} is not a learning rate (a finite number ≥ 0)"),
+            );
+        }
+        if self.classes == 0 || self.learnable_classes == Some(0) {
+            refuse(Setting::Classes, "must be at least 1".into());
+        }
+        if self.data_dir.is_none() && self.dataset_size == 0 {
+            refuse(Setting::DatasetSize, "must be at least 1".into());
+        }
+        if self.width == 0 {
+            refuse(Setting::Width, "must be at least 1".into());
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors)
+        }
+    }
+}
+
+fn list<T: fmt::Display>(items: &[T]) -> String {
+    if items.is_empty() {
+        return "nothing".into();
+    }
+    items
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// A setting of [`TrainArgs`] that a check refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Setting {
+    /// `--device`.
+    Device,
+    /// `--precision`.
+    Precision,
+    /// `--model`.
+    Model,
+    /// `--batch-size`.
+    BatchSize,
+    /// `--micro-batches`.
+    MicroBatches,
+    /// `--image-size`.
+    ImageSize,
+    /// `--steps` / `--epochs`.
+    Length,
+    /// `--learning-rate`.
+    LearningRate,
+    /// `--classes` / `--learnable-classes`.
+    Classes,
+    /// `--dataset-size`.
+    DatasetSize,
+    /// `--width`.
+    Width,
+}
+
+impl Setting {
+    /// The flags that carry the setting.
+    pub fn flags(self) -> &'static [&'static str] {
+        match self {
+            Setting::Device => &["--device"],
+            Setting::Precision => &["--precision"],
+            Setting::Model => &["--model"],
+            Setting::BatchSize => &["--batch-size"],
+            Setting::MicroBatches => &["--micro-batches"],
+            Setting::ImageSize => &["--image-size"],
+            Setting::Length => &["--steps", "--epochs"],
+            Setting::LearningRate => &["--learning-rate"],
+            Setting::Classes => &["--classes", "--learnable-classes"],
+            Setting::DatasetSize => &["--dataset-size"],
+            Setting::Width => &["--width"],
+        }
+    }
+}
+
+/// A setting the trainer cannot run, and why.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{}: {message}", .setting.flags().join("/"))]
+pub struct SettingsError {
+    /// Which setting.
+    pub setting: Setting,
+    /// Why, in words a user can act on.
+    pub message: String,
+}
+
+/// What a build of the trainer can run. Printed by `ringmaster-trainer info --json`;
+/// the operator refuses TrainingJobs that ask for more.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Capabilities {
+    /// Where it computes.
+    pub devices: Vec<Device>,
+    /// In what arithmetic.
+    pub precisions: Vec<Precision>,
+    /// Which networks.
+    pub models: Vec<Model>,
+    /// Which collectives.
+    pub collectives: Vec<CollectiveKind>,
+}
+
+impl Capabilities {
+    /// The trainer of this release: the CPU engine in fp32, every network, the TCP ring and
+    /// NCCL (NCCL is loaded at run time, where a GPU is). The CUDA engine adds `cuda` and
+    /// `bf16` when it lands.
+    pub fn this_release() -> Self {
+        Self {
+            devices: vec![Device::Cpu],
+            precisions: vec![Precision::Fp32],
+            models: Model::ALL.to_vec(),
+            collectives: vec![
+                CollectiveKind::Auto,
+                CollectiveKind::TcpRing,
+                CollectiveKind::Nccl,
+            ],
+        }
+    }
+}
+
+/// One JSON line of the trainer's stdout, tagged by `event`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "camelCase")]
+pub enum Line {
+    /// Progress of a step (rank 0, every `--log-every` steps).
+    Step(Progress),
+    /// The run's result (rank 0, last line).
+    Summary(Summary),
+}
+
+/// A progress line.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Progress {
+    /// Steps done.
+    pub step: u64,
+    /// Mean loss over the ranks at this step.
+    pub loss: Option<f64>,
+    /// Accuracy over the global batch.
+    pub accuracy: Option<f64>,
+    /// Learning rate of the step.
+    pub learning_rate: f64,
+    /// Images per second since the first step (none before the second).
+    pub images_per_second: Option<f64>,
+}
+
+/// The trainer's summary: the last line of rank 0's stdout, which `ringmaster-trainer launch`
+/// writes to the launcher pod's termination message and the operator reads into
+/// `status.result`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Summary {
+    /// Training throughput over every rank, after the first step.
+    pub images_per_second: f64,
+    /// Steps trained.
+    pub steps: u64,
+    /// Mean loss over the ranks at the last step (none when it was not a number).
+    pub final_loss: Option<f64>,
+    /// Accuracy over the last global batch.
+    pub final_accuracy: Option<f64>,
+    /// Ranks.
+    pub world_size: u64,
+    /// Images per step over every rank.
+    pub global_batch: u64,
+    /// Parameters of the network.
+    pub parameters: u64,
+    /// Wall time of the run.
+    pub seconds: f64,
+}
+
+impl Summary {
+    /// The JSON line the trainer prints.
+    pub fn to_line(&self) -> String {
+        serde_json::to_string(&Line::Summary(self.clone())).expect("a summary serializes")
+    }
+
+    /// The summary in a text: the last line that parses as one (a termination message may
+    /// hold other lines, or the log's tail).
+    pub fn find_in(text: &str) -> Option<Summary> {
+        text.lines()
+            .rev()
+            .find_map(|line| match serde_json::from_str::<Line>(line.trim()) {
+                Ok(Line::Summary(summary)) => Some(summary),
+                _ => None,
+            })
+    }
+}
+
+/// The trainer's exit codes. `ringmaster-trainer launch` keeps them through `mpirun`.
+pub mod exit {
+    /// Trained to the end.
+    pub const SUCCESS: u8 = 0;
+    /// Failed in a way a restart would repeat (unreadable data, a checkpoint not written).
+    pub const FAILED: u8 = 1;
+    /// The command line did not parse (clap's code).
+    pub const USAGE: u8 = 2;
+    /// The settings cannot run on this trainer (`TrainArgs::check`); sysexits' EX_USAGE.
+    pub const INVALID_SETTINGS: u8 = 64;
+    /// A peer rank was lost (it died, was killed, or stopped answering): the gang is
+    /// incomplete and a restart of the whole gang can succeed; sysexits' EX_TEMPFAIL.
+    pub const PEER_LOST: u8 = 75;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn everything_set() -> TrainArgs {
+        TrainArgs {
+            model: Model::Cifar20,
+            width: 8,
+            collective: CollectiveKind::TcpRing,
+            device: Device::Cuda,
+            precision: Precision::Bf16,
+            batch_size: 96,
+            micro_batches: 3,
+            image_size: 48,
+            steps: None,
+            epochs: Some(7),
+            learning_rate: Some(0.0375),
+            warmup_steps: 5,
+            schedule: Schedule::Step,
+            momentum: 0.8,
+            weight_decay: 1e-4,
+            label_smoothing: 0.1,
+            synthetic: false,
+            data_dir: Some("/data/imagenet".into()),
+            learnable_classes: None,
+            dataset_size: 512,
+            classes: 10,
+            seed: 42,
+            output_dir: Some("/output/job".into()),
+            log_every: 1,
+        }
+    }
+
+    #[test]
+    fn flags_parse_back_to_the_same_settings() {
+        let mut synthetic = TrainArgs {
+            synthetic: true,
+            steps: Some(3),
+            ..TrainArgs::default()
+        };
+        synthetic.learnable_classes = None;
+        let learnable = TrainArgs {
+            learnable_classes: Some(4),
+            learning_rate: Some(1.6),
+            ..TrainArgs::default()
+        };
+        for args in [TrainArgs::default(), everything_set(), synthetic, learnable] {
+            let flags = args.to_args();
+            let parsed =
+                TrainArgs::parse_flags(&flags).unwrap_or_else(|e| panic!("{flags:?}: {e}"));
+            assert_eq!(parsed, args, "{flags:?}");
+        }
+    }
+
+    #[test]
+    fn this_release_refuses_the_gpu_with_the_reason() {
+        let caps = Capabilities::this_release();
+        let errors = everything_set().check(&caps).unwrap_err();
+        let settings: Vec<Setting> = errors.iter().map(|e| e.setting).collect();
+        assert_eq!(settings, vec![Setting::Device, Setting::Precision]);
+        assert!(
+            errors[0].to_string().starts_with("--device: "),
+            "{}",
+            errors[0]
+        );
+        assert!(errors[0].message.contains("CUDA engine"), "{}", errors[0]);
+        assert!(errors[1].message.contains("bf16"), "{}", errors[1]);
+        let cpu = TrainArgs {
+            device: Device::Cpu,
+            precision: Precision::Fp32,
+            ..everything_set()
+        };
+        assert_eq!(cpu.check(&caps), Ok(()));
+    }
+
+    #[test]
+    fn impossible_numbers_are_refused() {
+        let caps = Capabilities::this_release();
+        let bad = TrainArgs {
+            batch_size: 10,
+            micro_batches: 3,
+            image_size: 16,
+            steps: Some(0),
+            learning_rate: Some(f32::NAN),
+            classes: 0,
+            ..TrainArgs::default()
+        };
+        let settings: Vec<Setting> = bad
+            .check(&caps)
+            .unwrap_err()
+            .iter()
+            .map(|e| e.setting)
+            .collect();
+        assert_eq!(
+            settings,
+            vec![
+                Setting::MicroBatches,
+                Setting::ImageSize,
+                Setting::Length,
+                Setting::LearningRate,
+                Setting::Classes
+            ]
+        );
+    }
+
+    #[test]
+    fn the_summary_is_found_after_other_lines() {
+        let summary = Summary {
+            images_per_second: 812.5,
+            steps: 20,
+            final_loss: Some(2.5),
+            final_accuracy: Some(0.25),
+            world_size: 4,
+            global_batch: 64,
+            parameters: 11_689_512,
+            seconds: 3.5,
+        };
+        let step = serde_json::to_string(&Line::Step(Progress {
+            step: 1,
+            loss: Some(7.0),
+            accuracy: Some(0.0),
+            learning_rate: 0.1,
+            images_per_second: None,
+        }))
+        .unwrap();
+        assert!(step.contains(r#""event":"step""#), "{step}");
+        let text = format!("{step}\n{}\nmpirun: done\n", summary.to_line());
+        assert_eq!(Summary::find_in(&text), Some(summary));
+        assert_eq!(Summary::find_in(&step), None);
+        assert_eq!(Summary::find_in("not json"), None);
+    }
+
+    #[test]
+    fn capabilities_print_as_flag_values() {
+        let json = serde_json::to_value(Capabilities::this_release()).unwrap();
+        assert_eq!(json["devices"], serde_json::json!(["cpu"]));
+        assert_eq!(json["collectives"][1], "tcp-ring");
+        assert_eq!(json["models"][2], "resnet50");
+    }
+}
