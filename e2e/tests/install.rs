@@ -233,7 +233,7 @@ async fn helm_install_gives_the_operator_exactly_enough_rights_and_uninstall_lea
         "apiVersion": "ringmaster.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "rbac"},
         "spec": {"workers": 2, "image": "ringmaster-trainer:e2e", "trainer": {"model": "resnet18", "steps": 5},
                  "launcher": {"annotations": {"kwok.ringmaster.dev/exit-code": "0", "kwok.ringmaster.dev/exit-after": "1s",
-                                              "kwok.ringmaster.dev/termination-message": "{\"steps\":5}"}}},
+                                              "kwok.ringmaster.dev/termination-message": common::trainer_summary(100.0, 5, 6.5)}}},
     });
     apply(&admin, &job, &work.name, false).await.unwrap();
     let secret: Secret = serde_json::from_value(

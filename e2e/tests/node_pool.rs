@@ -115,13 +115,13 @@ fn gpu_job(name: &str, edit: impl FnOnce(&mut Value)) -> Value {
             "workers": 2,
             "gpusPerWorker": 8,
             "image": "ringmaster-trainer:e2e",
-            "trainer": {"model": "resnet50", "steps": 10},
+            "command": common::own_gpu_program(),
             "infiniband": {"enabled": true},
             "nodePool": {"provisioner": "aks", "vmSize": "Standard_ND96asr_v4"},
             "launcher": {"annotations": {
                 "kwok.ringmaster.dev/exit-code": "0",
                 "kwok.ringmaster.dev/exit-after": "2s",
-                "kwok.ringmaster.dev/termination-message": "{\"imagesPerSecond\":2500.0,\"steps\":10}",
+                "kwok.ringmaster.dev/termination-message": common::trainer_summary(2500.0, 10, 2.0),
             }},
         }
     });

@@ -6,9 +6,8 @@ mod common;
 use std::time::Duration;
 
 use common::{Operator, TestNamespace, apply, client, ensure_crds, eventually};
-use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{ListParams, Patch, PatchParams};
+use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
 use ringmaster::api::{DataStage, TrainingJob, TrainingJobPhase};
 use serde_json::{Value, json};
@@ -18,14 +17,6 @@ fn condition<'a>(status: &'a Value, type_: &str) -> Option<&'a Value> {
         .as_array()?
         .iter()
         .find(|c| c["type"] == type_)
-}
-
-async fn events_for(client: &Client, namespace: &str, name: &str) -> Vec<Event> {
-    let api: Api<Event> = Api::namespaced(client.clone(), namespace);
-    api.list(&ListParams::default().fields(&format!("regarding.name={name}")))
-        .await
-        .map(|l| l.items)
-        .unwrap_or_default()
 }
 
 fn sample(file: &str, kind: &str) -> Value {
@@ -88,7 +79,7 @@ async fn valid_samples_are_accepted_and_a_stage_without_its_claim_waits_and_says
         Duration::from_secs(30),
         "the InsecureAuth warning Event",
         || async {
-            events_for(&client, &ns.name, "tiny-images")
+            common::events_for(&client, &ns.name, "tiny-images")
                 .await
                 .iter()
                 .any(|e| {
@@ -102,7 +93,7 @@ async fn valid_samples_are_accepted_and_a_stage_without_its_claim_waits_and_says
         Duration::from_secs(30),
         "a Normal Event for the valid spec",
         || async {
-            events_for(&client, &ns.name, "resnet18-cpu")
+            common::events_for(&client, &ns.name, "resnet18-cpu")
                 .await
                 .iter()
                 .any(|e| {
@@ -165,18 +156,22 @@ async fn an_invalid_spec_that_got_past_the_api_server_is_reported() {
         Duration::from_secs(30),
         "a Warning Event naming the field",
         || async {
-            events_for(&client, &ns.name, name).await.iter().any(|e| {
-                e.type_.as_deref() == Some("Warning")
-                    && e.reason.as_deref() == Some("InvalidSpec")
-                    && e.note
-                        .as_deref()
-                        .is_some_and(|n| n.contains("spec.nodePool.poolName"))
-            })
+            common::events_for(&client, &ns.name, name)
+                .await
+                .iter()
+                .any(|e| {
+                    e.type_.as_deref() == Some("Warning")
+                        && e.reason.as_deref() == Some("InvalidSpec")
+                        && e.note
+                            .as_deref()
+                            .is_some_and(|n| n.contains("spec.nodePool.poolName"))
+                })
         },
     )
     .await;
 
-    // The operator waits for a change; the fix is one.
+    // The operator waits for a change; the fix is one. The schema passes then, and the
+    // trainer's own settings check refuses the GPU job the built-in trainer cannot run yet.
     let fix = json!({"spec": {"workers": 2, "nodePool": {"poolName": "gpupool"}}});
     let api = common::dynamic_api(&client, &job, &ns.name);
     api.patch(name, &PatchParams::default(), &Patch::Merge(&fix))
@@ -184,10 +179,29 @@ async fn an_invalid_spec_that_got_past_the_api_server_is_reported() {
         .expect("fix applied");
     eventually(
         Duration::from_secs(30),
-        "SpecValid=True after the fix",
+        "SpecValid=False naming gpusPerWorker and the CUDA engine",
         || async {
             let (c, status) = spec_valid().await;
-            c.is_some_and(|c| c["status"] == "True") && status["observedGeneration"] == 2
+            c.is_some_and(|c| {
+                c["status"] == "False"
+                    && c["message"].as_str().is_some_and(|m| {
+                        m.contains("spec.gpusPerWorker") && m.contains("CUDA engine")
+                    })
+            }) && status["observedGeneration"] == 2
+        },
+    )
+    .await;
+    // The user's own GPU program runs.
+    let own = json!({"spec": {"trainer": null, "command": common::own_gpu_program()}});
+    api.patch(name, &PatchParams::default(), &Patch::Merge(&own))
+        .await
+        .expect("own program applied");
+    eventually(
+        Duration::from_secs(30),
+        "SpecValid=True with the user's own program",
+        || async {
+            let (c, status) = spec_valid().await;
+            c.is_some_and(|c| c["status"] == "True") && status["observedGeneration"] == 3
         },
     )
     .await;

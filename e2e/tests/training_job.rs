@@ -14,8 +14,6 @@ use kube::{Api, Client, ResourceExt};
 use ringmaster::api::{TrainingJob, TrainingJobPhase};
 use serde_json::{Value, json};
 
-const SUMMARY: &str = r#"{"imagesPerSecond":2790.5,"steps":100,"finalLoss":1.25}"#;
-
 /// A CPU job of `workers` workers; `edit` changes its spec.
 fn cpu_job(name: &str, workers: u32, edit: impl FnOnce(&mut Value)) -> Value {
     let mut job = json!({
@@ -39,7 +37,7 @@ fn launcher_exits(spec: &mut Value, code: i32, after: &str) {
     spec["launcher"] = json!({"annotations": {
         "kwok.ringmaster.dev/exit-code": code.to_string(),
         "kwok.ringmaster.dev/exit-after": after,
-        "kwok.ringmaster.dev/termination-message": SUMMARY,
+        "kwok.ringmaster.dev/termination-message": common::trainer_summary(2790.5, 100, 1.25),
     }});
 }
 
@@ -112,7 +110,8 @@ async fn a_gpu_job_with_infiniband_runs_and_succeeds_with_its_result() {
     let mut job = cpu_job("resnet50", 2, |spec| {
         spec["gpusPerWorker"] = json!(8);
         spec.as_object_mut().unwrap().remove("slotsPerWorker");
-        spec["trainer"] = json!({"model": "resnet50", "batchSize": 256, "steps": 100});
+        spec.as_object_mut().unwrap().remove("trainer");
+        spec["command"] = common::own_gpu_program();
         spec["infiniband"] = json!({"enabled": true});
         spec["nodePool"] = json!({"provisioner": "existing", "vmSize": "Standard_ND96asr_v4",
                                   "nodeSelector": {"kubernetes.azure.com/agentpool": "gpu"}});
@@ -202,7 +201,7 @@ async fn a_gpu_job_with_infiniband_runs_and_succeeds_with_its_result() {
     .await;
     assert_eq!(
         status["result"],
-        serde_json::from_str::<Value>(SUMMARY).unwrap()
+        json!({"imagesPerSecond": 2790.5, "steps": 100, "finalLoss": 1.25})
     );
     assert_eq!(condition(&status, "Succeeded")["status"], "True");
     assert!(status["completionTime"].is_string() && status["startTime"].is_string());
@@ -592,4 +591,77 @@ async fn editing_an_immutable_field_of_a_running_job_is_refused() {
         }
         other => panic!("expected a refusal, got {other:?}"),
     }
+}
+
+/// A worker the API server refuses (here: a PriorityClass that does not exist yet) shows on
+/// the job at once: Stalled=True, reason ChildRejected, the API server's message with the
+/// pod's name, and one Warning Event however often the operator retries; once the
+/// PriorityClass exists the retry goes through and the job runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_the_api_server_refuses_stalls_the_job_with_its_message() {
+    use k8s_openapi::api::scheduling::v1::PriorityClass;
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "tj-rejected").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    let class = format!("{}-gold", ns.name);
+    let job = cpu_job("refused", 2, |spec| {
+        spec["worker"] = json!({"priorityClassName": class});
+    });
+    apply(&client, &job, &ns.name, false).await.unwrap();
+
+    eventually(
+        Duration::from_secs(15),
+        "Stalled=True, ChildRejected",
+        || async {
+            let status = job_status(&client, &ns.name, "refused").await;
+            let stalled = condition(&status, "Stalled");
+            stalled["status"] == "True" && stalled["reason"] == "ChildRejected"
+        },
+    )
+    .await;
+    let status = job_status(&client, &ns.name, "refused").await;
+    let message = condition(&status, "Stalled")["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        message.starts_with("creating Pod refused-worker-0: ")
+            && message.contains(&format!("no PriorityClass with name {class} was found")),
+        "{message}"
+    );
+    assert_eq!(condition(&status, "Ready")["reason"], "ChildRejected");
+    assert_eq!(status["observedGeneration"], 1);
+    let warnings = || async {
+        common::events_for(&client, &ns.name, "refused")
+            .await
+            .into_iter()
+            .filter(|e| e.reason.as_deref() == Some("ChildRejected"))
+            .collect::<Vec<_>>()
+    };
+    eventually(
+        Duration::from_secs(10),
+        "a ChildRejected Warning Event",
+        || async {
+            warnings().await.iter().any(|e| {
+                e.type_.as_deref() == Some("Warning") && e.note.as_deref() == Some(message.as_str())
+            })
+        },
+    )
+    .await;
+    // Retries (1 s, 2 s, 4 s apart) meet the same refusal: still one Event.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(warnings().await.len(), 1, "one Event per distinct message");
+
+    let classes: Api<PriorityClass> = Api::all(client.clone());
+    let priority: PriorityClass =
+        serde_json::from_value(json!({"metadata": {"name": class}, "value": 1000})).unwrap();
+    classes
+        .create(&Default::default(), &priority)
+        .await
+        .unwrap();
+    wait_phase(&client, &ns.name, "refused", TrainingJobPhase::Running, 60).await;
+    let status = job_status(&client, &ns.name, "refused").await;
+    assert_eq!(condition(&status, "Stalled")["status"], "False");
+    classes.delete(&class, &Default::default()).await.unwrap();
 }

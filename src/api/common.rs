@@ -39,7 +39,8 @@ pub mod condition_reasons {
     pub const VALID: &str = "Valid";
     /// The spec breaks a rule; the message names the field.
     pub const INVALID_SPEC: &str = "InvalidSpec";
-    /// The spec is valid but this version of the operator does not carry the step that acts
-    /// on it yet; nothing is created.
-    pub const NOT_IMPLEMENTED: &str = "NotImplemented";
+    /// The API server refused a child the operator made from a valid spec (a missing
+    /// PriorityClass, a quota, an admission webhook); the message is the API server's, with
+    /// the child's kind and name. The operator keeps retrying with backoff.
+    pub const CHILD_REJECTED: &str = "ChildRejected";
 }

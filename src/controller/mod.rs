@@ -330,30 +330,31 @@ fn now() -> Time {
     Time(Timestamp::now())
 }
 
-/// The conditions that report the validate step's outcome while the later steps of a kind
-/// are not in this version: a valid spec says plainly that nothing is started yet.
-pub(crate) fn validation_conditions(
-    outcome: Result<(), &FieldErrors>,
-    not_started: &str,
-) -> Vec<DesiredCondition> {
-    use condition_reasons::{INVALID_SPEC, NOT_IMPLEMENTED, VALID};
+/// The conditions of an object whose spec is invalid: not valid, not ready, stalled until
+/// the spec changes, each saying why.
+pub(crate) fn invalid_spec_conditions(errors: &FieldErrors) -> Vec<DesiredCondition> {
+    use condition_reasons::INVALID_SPEC;
     use condition_types::{READY, RECONCILING, SPEC_VALID, STALLED};
-    match outcome {
-        Ok(()) => vec![
-            DesiredCondition::new(SPEC_VALID, true, VALID, "the spec passed validation"),
-            DesiredCondition::new(READY, false, NOT_IMPLEMENTED, not_started),
-            DesiredCondition::new(RECONCILING, false, NOT_IMPLEMENTED, not_started),
-            DesiredCondition::new(STALLED, true, NOT_IMPLEMENTED, not_started),
-        ],
-        Err(errors) => {
-            let message = format!("invalid spec: {errors}");
-            vec![
-                DesiredCondition::new(SPEC_VALID, false, INVALID_SPEC, message.clone()),
-                DesiredCondition::new(READY, false, INVALID_SPEC, message.clone()),
-                DesiredCondition::new(RECONCILING, false, INVALID_SPEC, message.clone()),
-                DesiredCondition::new(STALLED, true, INVALID_SPEC, message),
-            ]
+    let message = format!("invalid spec: {errors}");
+    vec![
+        DesiredCondition::new(SPEC_VALID, false, INVALID_SPEC, message.clone()),
+        DesiredCondition::new(READY, false, INVALID_SPEC, message.clone()),
+        DesiredCondition::new(RECONCILING, false, INVALID_SPEC, message.clone()),
+        DesiredCondition::new(STALLED, true, INVALID_SPEC, message),
+    ]
+}
+
+/// The API server's refusal of a child, when `error` is one: a 4xx or 5xx answer other than
+/// a conflict (409) or throttling (429), which pass by themselves. The text is the API
+/// server's message; it never holds the child's data.
+pub(crate) fn rejection(error: &kube::Error) -> Option<&str> {
+    match error {
+        kube::Error::Api(status)
+            if (400..600).contains(&status.code) && !matches!(status.code, 409 | 429) =>
+        {
+            Some(status.message.as_str())
         }
+        _ => None,
     }
 }
 

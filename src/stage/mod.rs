@@ -245,7 +245,9 @@ pub enum StageError {
     /// The settings cannot work.
     #[error("{0}")]
     Config(String),
-    /// Blob Storage refused the credential or the listing.
+    /// Blob Storage refused the credential or the listing. The message is composed here,
+    /// not the client's error kept as a source: that error can quote the request URL, and
+    /// with it a SAS token's signature.
     #[error("listing {container}/{prefix} in account {account}: {message}")]
     List {
         account: String,
@@ -277,9 +279,16 @@ pub enum StageError {
         attempts: u32,
         message: String,
     },
-    /// Progress reporting could not be set up.
-    #[error("reporting to DataStage {0}")]
-    Report(String),
+    /// `--report-to` is not `NAMESPACE/NAME`.
+    #[error("reporting to DataStage {0}: expected NAMESPACE/NAME")]
+    ReportTarget(String),
+    /// No in-cluster client to report progress with.
+    #[error("reporting to DataStage {target}: {source}")]
+    Report {
+        target: String,
+        #[source]
+        source: kube::Error,
+    },
 }
 
 /// What a run did.
@@ -370,11 +379,14 @@ async fn reporter(args: &StageArgs) -> Result<Reporter, StageError> {
     if let Some(target) = &args.report_to {
         let (namespace, name) = target
             .split_once('/')
-            .ok_or_else(|| StageError::Report(format!("{target}: expected NAMESPACE/NAME")))?;
+            .ok_or_else(|| StageError::ReportTarget(target.clone()))?;
         crate::tls::install_provider();
         let client = kube::Client::try_default()
             .await
-            .map_err(|e| StageError::Report(format!("{target}: {e}")))?;
+            .map_err(|source| StageError::Report {
+                target: target.clone(),
+                source,
+            })?;
         return Ok(Reporter::Status {
             api: Box::new(kube::Api::namespaced(client, namespace)),
             name: name.to_string(),

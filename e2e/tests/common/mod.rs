@@ -263,6 +263,11 @@ impl Operator {
         }
     }
 
+    /// Whether the controllers are still running (they end only when told to, or on a panic).
+    pub fn is_running(&self) -> bool {
+        !self.controllers.is_finished()
+    }
+
     /// Stops the operator the way a crash would: every task dropped wherever it is.
     pub fn kill(self) {
         self.controllers.abort();
@@ -286,4 +291,40 @@ impl Drop for Operator {
     fn drop(&mut self) {
         self.shutdown.cancel();
     }
+}
+
+/// The line the trainer's launcher wrapper writes to the launcher's termination message
+/// (the contract's summary), for KWOK launchers to "write".
+pub fn trainer_summary(images_per_second: f64, steps: u64, final_loss: f64) -> String {
+    ringmaster_contract::trainer::Summary {
+        images_per_second,
+        steps,
+        final_loss: Some(final_loss),
+        final_accuracy: Some(0.5),
+        world_size: 4,
+        global_batch: 64,
+        parameters: 25_557_032,
+        seconds: 60.0,
+    }
+    .to_line()
+}
+
+/// A user's own GPU program in place of the built-in trainer, whose CUDA engine has not
+/// landed (validate refuses GPU jobs that run the built-in trainer).
+pub fn own_gpu_program() -> serde_json::Value {
+    serde_json::json!(["python3", "/workspace/train.py"])
+}
+
+/// The Events about the object `name` in `namespace`.
+pub async fn events_for(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+) -> Vec<k8s_openapi::api::events::v1::Event> {
+    let api: kube::Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(client.clone(), namespace);
+    api.list(&kube::api::ListParams::default().fields(&format!("regarding.name={name}")))
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
 }

@@ -10,7 +10,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use crate::api::{DataStagePhase, DataStageStatus, condition_reasons, condition_types};
 use crate::controller::conditions::{self, DesiredCondition};
-use crate::controller::validation_conditions;
+use crate::controller::invalid_spec_conditions;
 use crate::validation::FieldErrors;
 
 /// Condition types of a DataStage besides the shared ones.
@@ -184,7 +184,7 @@ pub fn invalid(
     let mut status = old.clone();
     status.phase = DataStagePhase::Failed;
     status.observed_generation = generation;
-    for desired in validation_conditions(Err(errors), "") {
+    for desired in invalid_spec_conditions(errors) {
         conditions::set(&mut status.conditions, desired, generation, now);
     }
     status

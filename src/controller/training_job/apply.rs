@@ -26,7 +26,24 @@ pub enum ApplyError {
     },
     /// No randomness for the SSH key.
     #[error("drawing a seed for the SSH key: {0}")]
-    Random(String),
+    Random(#[source] getrandom::Error),
+}
+
+impl ApplyError {
+    /// "creating Pod x: <the API server's message>" when the API server refused a child
+    /// (see [`crate::controller::rejection`]); `None` for errors that pass by themselves.
+    pub fn rejection(&self) -> Option<String> {
+        match self {
+            ApplyError::Kube {
+                action,
+                kind,
+                name,
+                source,
+            } => crate::controller::rejection(source)
+                .map(|message| format!("{action} {kind} {name}: {message}")),
+            ApplyError::Random(_) => None,
+        }
+    }
 }
 
 fn kube_error(
@@ -67,7 +84,7 @@ async fn ensure_ssh_secret(client: &Client, job: &ValidatedTrainingJob) -> Resul
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &job.namespace);
     let name = names::ssh_secret(&job.name);
     let mut seed = [0u8; 32];
-    getrandom::fill(&mut seed).map_err(|e| ApplyError::Random(e.to_string()))?;
+    getrandom::fill(&mut seed).map_err(ApplyError::Random)?;
     let keys = SshKeys::from_seed(&seed, &format!("ringmaster/{}/{}", job.namespace, job.name));
     match secrets
         .create(&PostParams::default(), &build::ssh_secret(job, &keys))
@@ -117,7 +134,12 @@ pub async fn execute(
             ))
         }
     });
-    futures::future::try_join_all(workers).await?;
+    // Every creation is tried; the first failure in worker order is reported, so a refusal
+    // that hits every worker reads the same on each retry (one Event per distinct message).
+    futures::future::join_all(workers)
+        .await
+        .into_iter()
+        .collect::<Result<Vec<()>, _>>()?;
     if plan.create_launcher {
         let pod = build::launcher_pod(job, inputs);
         server_side_apply(&pods, &pod).await.map_err(kube_error(

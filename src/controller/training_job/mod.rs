@@ -22,7 +22,8 @@ use kube::{Api, Resource, ResourceExt};
 
 use super::{Context, Error, is_warning, now, object_key};
 use crate::api::{
-    DataStage, DataStagePhase, TrainingJob, TrainingJobPhase, TrainingJobStatus, condition_types,
+    DataStage, DataStagePhase, TrainingJob, TrainingJobPhase, TrainingJobStatus, condition_reasons,
+    condition_types,
 };
 use crate::validation::FieldErrors;
 use build::BuildInputs;
@@ -201,12 +202,22 @@ async fn run(
         ctx.metrics.training_job_restarted();
     }
     let refresh = old.observed_generation != generation;
-    apply::execute(&ctx.client, validated, &plan, &inputs, refresh)
-        .await
-        .map_err(|source| Error::Apply {
+    if let Err(source) = apply::execute(&ctx.client, validated, &plan, &inputs, refresh).await {
+        if let Some(message) = source.rejection() {
+            // Visible on the job, not only in the log; retried with backoff (a missing
+            // PriorityClass or an exhausted quota can be fixed meanwhile).
+            let written = if restarting { &new } else { &old };
+            let stalled = status::child_rejected(&new, generation, &message, &now);
+            write_status(ctx, object, written, &stalled, &plan.message).await?;
+            if status::rejected_child(&old) != Some(message.as_str()) {
+                publish_warning(ctx, object, condition_reasons::CHILD_REJECTED, &message).await;
+            }
+        }
+        return Err(Error::Apply {
             name: format!("{}/{}", validated.namespace, validated.name),
             source,
-        })?;
+        });
+    }
     if !restarting {
         write_status(ctx, object, &old, &new, &plan.message).await?;
     }
@@ -275,6 +286,25 @@ async fn write_status(
     .await?;
     publish_phase_event(ctx, object, old.phase, new.phase, message).await;
     Ok(())
+}
+
+/// A Warning Event with `reason` and `message` (cut to the 1,000 characters Events keep).
+async fn publish_warning(
+    ctx: &Context,
+    object: &DeserializeGuard<TrainingJob>,
+    reason: &str,
+    message: &str,
+) {
+    let event = Event {
+        type_: EventType::Warning,
+        reason: reason.into(),
+        note: Some(message.chars().take(1000).collect()),
+        action: "Reconcile".into(),
+        secondary: None,
+    };
+    if let Err(error) = ctx.recorder.publish(&event, &object.object_ref(&())).await {
+        tracing::warn!(%error, "could not publish Event");
+    }
 }
 
 /// One Event per phase change: Warning for Restarting and Failed.

@@ -9,7 +9,7 @@ use crate::api::{
     TrainingJobPhase, TrainingJobStatus, WorkerCounts, condition_reasons, condition_types,
 };
 use crate::controller::conditions::{self, DesiredCondition};
-use crate::controller::validation_conditions;
+use crate::controller::invalid_spec_conditions;
 use crate::validation::FieldErrors;
 
 /// The status of a job whose spec is invalid, keeping what `old` says of everything else.
@@ -22,10 +22,49 @@ pub fn invalid(
     let mut status = old.clone();
     status.phase = TrainingJobPhase::Pending;
     status.observed_generation = generation;
-    for desired in validation_conditions(Err(errors), "") {
+    for desired in invalid_spec_conditions(errors) {
         conditions::set(&mut status.conditions, desired, generation, now);
     }
     status
+}
+
+/// The status when the API server refused a child the plan asked for: `planned` with
+/// Stalled=True and Ready=False, reason ChildRejected, and `message` (the child's kind, name
+/// and the API server's words).
+pub fn child_rejected(
+    planned: &TrainingJobStatus,
+    generation: Option<i64>,
+    message: &str,
+    now: &Time,
+) -> TrainingJobStatus {
+    let mut status = planned.clone();
+    for type_ in [condition_types::STALLED, condition_types::READY] {
+        conditions::set(
+            &mut status.conditions,
+            DesiredCondition::new(
+                type_,
+                type_ == condition_types::STALLED,
+                condition_reasons::CHILD_REJECTED,
+                message,
+            ),
+            generation,
+            now,
+        );
+    }
+    status
+}
+
+/// The message of a ChildRejected Stalled condition in `status`, if it has one.
+pub fn rejected_child(status: &TrainingJobStatus) -> Option<&str> {
+    status
+        .conditions
+        .iter()
+        .find(|c| {
+            c.type_ == condition_types::STALLED
+                && c.status == "True"
+                && c.reason == condition_reasons::CHILD_REJECTED
+        })
+        .map(|c| c.message.as_str())
 }
 
 /// The status after a plan, from what was observed before it was carried out.
