@@ -58,22 +58,27 @@ const KEYS: &[&str] = &[
     "",
 ];
 
-/// Draws a value for `schema` (a structural OpenAPI v3 schema).
+/// Draws a value for `schema` (a structural OpenAPI v3 schema). A `careful` generator keeps
+/// to each field's enum, pattern, length and range (so that many objects pass the schema and
+/// meet the operator); a careless one crosses them at random.
 struct Generator {
     rng: StdRng,
+    careful: bool,
 }
 
 impl Generator {
     fn value(&mut self, schema: &Value, depth: usize) -> Value {
         if let Some(values) = schema["enum"].as_array() {
-            return if self.rng.random_bool(0.95) {
+            return if self.careful || self.rng.random_bool(0.95) {
                 values.choose(&mut self.rng).cloned().unwrap_or(Value::Null)
             } else {
                 json!("NotAnEnumValue")
             };
         }
         if schema["x-kubernetes-int-or-string"] == true {
-            return if self.rng.random_bool(0.5) {
+            return if self.careful {
+                json!(["1", "64Gi", "10Gi", "500m"].choose(&mut self.rng))
+            } else if self.rng.random_bool(0.5) {
                 json!(self.rng.random_range(0..4))
             } else {
                 json!(["1", "64Gi", "500m", "1k", "-1", "x"].choose(&mut self.rng))
@@ -83,10 +88,15 @@ impl Generator {
             Some("object") => self.object(schema, depth),
             Some("array") => {
                 let max = schema["maxItems"].as_u64().unwrap_or(3).min(3) as usize;
-                let n = if depth > 4 {
-                    0
+                let min = if self.careful {
+                    schema["minItems"].as_u64().unwrap_or(0) as usize
                 } else {
-                    self.rng.random_range(0..=max)
+                    0
+                };
+                let n = if depth > 4 {
+                    min
+                } else {
+                    self.rng.random_range(min..=max.max(min))
                 };
                 Value::Array(
                     (0..n)
@@ -117,9 +127,25 @@ impl Generator {
                 .map(|r| r.iter().filter_map(Value::as_str).collect())
                 .unwrap_or_default();
             // Optional fields thin out with depth, so Kubernetes' own deep types stay small.
-            let chance = (0.5 / (depth as f64 + 1.0)).max(0.05);
+            let chance = if self.careful { 0.3 } else { 0.5 } / (depth as f64 + 1.0);
+            let chance = chance.max(0.05);
+            // An object of optional fields only, with rules, is mostly "exactly one of"
+            // (a destination, an auth method): a careful generator sets exactly one.
+            let one_of = self.careful
+                && required.is_empty()
+                && schema["x-kubernetes-validations"].is_array();
+            let only = if one_of {
+                let names: Vec<&String> = properties.keys().collect();
+                names.choose(&mut self.rng).map(|n| n.to_string())
+            } else {
+                None
+            };
             for (name, property) in properties {
-                if required.contains(&name.as_str()) || self.rng.random_bool(chance) {
+                let wanted = match &only {
+                    Some(only) => only == name,
+                    None => required.contains(&name.as_str()) || self.rng.random_bool(chance),
+                };
+                if wanted {
                     out.insert(name.clone(), self.value(property, depth + 1));
                 }
             }
@@ -130,7 +156,8 @@ impl Generator {
                 self.rng.random_range(0..=2)
             };
             for _ in 0..n {
-                let key = KEYS.choose(&mut self.rng).unwrap().to_string();
+                let keys = if self.careful { &KEYS[..4] } else { KEYS };
+                let key = keys.choose(&mut self.rng).unwrap().to_string();
                 let value = self.value(&schema["additionalProperties"], depth + 1);
                 out.insert(key, value);
             }
@@ -140,6 +167,23 @@ impl Generator {
 
     fn string(&mut self, schema: &Value) -> String {
         let max = schema["maxLength"].as_u64();
+        if self.careful {
+            let min = schema["minLength"].as_u64().unwrap_or(0) as usize;
+            let pattern = schema["pattern"]
+                .as_str()
+                .map(|p| regex::Regex::new(p).expect("the CRD's patterns compile"));
+            let fits: Vec<&str> = STRINGS
+                .iter()
+                .copied()
+                .filter(|s| s.len() >= min && max.is_none_or(|m| s.len() as u64 <= m))
+                .filter(|s| pattern.as_ref().is_none_or(|p| p.is_match(s)))
+                .collect();
+            return fits
+                .choose(&mut self.rng)
+                .copied()
+                .unwrap_or("a")
+                .to_string();
+        }
         match self.rng.random_range(0..10) {
             // At the length limit and one past it.
             0 if max.is_some() => {
@@ -151,14 +195,14 @@ impl Generator {
     }
 
     fn integer(&mut self, schema: &Value) -> i64 {
-        let min = schema["minimum"].as_i64();
-        let max = schema["maximum"].as_i64();
+        let bound = |key: &str| schema[key].as_f64().map(|v| v as i64);
+        let (min, max) = (bound("minimum"), bound("maximum"));
         let mut candidates = vec![0, 1, 2, -1, i64::from(i32::MAX)];
         for bound in [min, max].into_iter().flatten() {
             candidates.extend([bound, bound - 1, bound + 1]);
         }
         // Mostly small valid numbers, so that many objects are accepted and run.
-        if self.rng.random_bool(0.6) {
+        if self.careful || self.rng.random_bool(0.6) {
             let low = min.unwrap_or(0).max(0);
             let high = max.unwrap_or(low + 4).min(low + 4).max(low);
             return self.rng.random_range(low..=high);
@@ -219,31 +263,41 @@ async fn every_accepted_random_spec_gets_a_status_and_the_operator_never_panics(
         .unwrap_or(120);
     let mut generator = Generator {
         rng: StdRng::seed_from_u64(seed),
+        careful: false,
     };
-    let mut accepted: Vec<(Api<DynamicObject>, String, i64)> = Vec::new();
+    // (api, name, generation, whether its runPolicy lets the operator delete it when done)
+    let mut accepted: Vec<(Api<DynamicObject>, String, i64, bool)> = Vec::new();
     let (mut refused, mut other_errors) = (0, Vec::new());
+    let schemas = [spec_schema("TrainingJob"), spec_schema("DataStage")];
     for i in 0..count {
-        let kind = if i % 3 == 2 {
-            "DataStage"
+        let (kind, schema) = if i % 3 == 2 {
+            ("DataStage", &schemas[1])
         } else {
-            "TrainingJob"
+            ("TrainingJob", &schemas[0])
         };
-        let schema = spec_schema(kind);
+        generator.careful = i % 2 == 0;
         let name = format!("p{i}");
         let object = json!({
             "apiVersion": "ringmaster.dev/v1alpha1",
             "kind": kind,
             "metadata": {"name": name},
-            "spec": generator.value(&schema, 0),
+            "spec": generator.value(schema, 0),
         });
         let api = common::dynamic_api(&client, &object, &ns.name);
+        let has_ttl = object["spec"]["runPolicy"]["ttlSecondsAfterFinished"].is_number();
         let object: DynamicObject = serde_json::from_value(object).unwrap();
         match api.create(&PostParams::default(), &object).await {
             Ok(created) => {
                 let generation = created.metadata.generation.unwrap_or(1);
-                accepted.push((api, name, generation));
+                accepted.push((api, name, generation, has_ttl));
             }
             Err(kube::Error::Api(status)) if status.code == 422 || status.code == 400 => {
+                if std::env::var_os("PROPERTY_VERBOSE").is_some() {
+                    eprintln!(
+                        "refused {name} (careful: {}): {}",
+                        generator.careful, status.message
+                    );
+                }
                 refused += 1
             }
             Err(e) => other_errors.push(format!("{name}: {e}")),
@@ -255,12 +309,22 @@ async fn every_accepted_random_spec_gets_a_status_and_the_operator_never_panics(
     let wait = Duration::from_secs(30);
     let started = Instant::now();
     let mut missing: Vec<String> = Vec::new();
+    let mut deleted;
     loop {
         missing.clear();
-        for (api, name, generation) in &accepted {
-            let object = api.get(name).await.unwrap();
-            if object.data["status"]["observedGeneration"] != json!(generation) {
-                missing.push(name.clone());
+        deleted = 0;
+        for (api, name, generation, has_ttl) in &accepted {
+            match api.get_opt(name).await.unwrap() {
+                Some(object)
+                    if object.data["status"]["observedGeneration"] == json!(generation) => {}
+                Some(object) => missing.push(format!(
+                    "{name}: spec {} status {}",
+                    object.data["spec"], object.data["status"]
+                )),
+                // A finished job whose runPolicy.ttlSecondsAfterFinished ran out is deleted by
+                // the operator; nothing else deletes them here.
+                None if *has_ttl => deleted += 1,
+                None => missing.push(format!("{name} (deleted without a TTL)")),
             }
         }
         if missing.is_empty() || started.elapsed() > wait {
@@ -272,7 +336,7 @@ async fn every_accepted_random_spec_gets_a_status_and_the_operator_never_panics(
     let panics = PANICS.load(Ordering::SeqCst);
     let running = operator.is_running();
     println!(
-        "property: seed {seed}: generated {count}, accepted {}, refused {refused}; accepted without a status after {:.1} s: {}; panics: {panics}; operator running: {running}",
+        "property: seed {seed}: generated {count}, accepted {}, refused {refused}; finished and deleted by their TTL: {deleted}; accepted without a status after {:.1} s: {}; panics: {panics}; operator running: {running}",
         accepted.len(),
         settled.as_secs_f64(),
         missing.len()

@@ -9,10 +9,10 @@ use serde::{Deserialize, Serialize};
 #[serde(rename_all = "camelCase")]
 pub struct SecretKeyRef {
     /// Name of the Secret, in the same namespace as the resource.
-    #[schemars(length(min = 1, max = 253))]
+    #[schemars(length(min = 1, max = 253), regex(pattern = super::kubernetes_rules::DNS_SUBDOMAIN_PATTERN))]
     pub name: String,
     /// Key inside the Secret whose value is used.
-    #[schemars(length(min = 1, max = 253))]
+    #[schemars(length(min = 1, max = 253), regex(pattern = super::kubernetes_rules::CONFIG_KEY_PATTERN))]
     pub key: String,
 }
 

@@ -171,7 +171,7 @@ pub struct BlobAuth {
 pub struct WorkloadIdentity {
     /// ServiceAccount the stager pod runs as; it carries the
     /// `azure.workload.identity/client-id` annotation.
-    #[schemars(length(min = 1, max = 253))]
+    #[schemars(length(min = 1, max = 253), regex(pattern = super::kubernetes_rules::DNS_SUBDOMAIN_PATTERN))]
     pub service_account_name: String,
 }
 
@@ -254,7 +254,7 @@ fn default_azure_file_mount_options() -> Vec<String> {
 pub struct ExistingClaim {
     /// Name of the claim in the DataStage's namespace; it must allow ReadWriteMany or
     /// ReadWriteOnce writes by the copy Job and ReadOnlyMany reads by the trainers.
-    #[schemars(length(min = 1, max = 253))]
+    #[schemars(length(min = 1, max = 253), regex(pattern = super::kubernetes_rules::DNS_SUBDOMAIN_PATTERN))]
     pub claim_name: String,
 }
 

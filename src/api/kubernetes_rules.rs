@@ -8,6 +8,13 @@ use kube::core::Rule;
 /// ends, `-`, `_` and `.` between. Also the pattern of node-selector values.
 pub const LABEL_VALUE_PATTERN: &str = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$";
 
+/// An object name that is a DNS subdomain (Secrets, claims, ServiceAccounts): lowercase
+/// letters, digits, `-` and `.`, alphanumerics at both ends (at most 253, the `maxLength`).
+pub const DNS_SUBDOMAIN_PATTERN: &str = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$";
+
+/// A key of a Secret or ConfigMap: letters, digits, `-`, `_` and `.`.
+pub const CONFIG_KEY_PATTERN: &str = r"^[-._a-zA-Z0-9]+$";
+
 /// A qualified name (a label key): an optional DNS-subdomain prefix and `/`, then a name of at
 /// most 63 characters, alphanumerics at both ends.
 const QUALIFIED_NAME: &str =

@@ -324,7 +324,7 @@ fn default_output_mount() -> String {
 #[serde(rename_all = "camelCase")]
 pub struct ClaimRef {
     /// Name of the claim, in the same namespace.
-    #[schemars(length(min = 1, max = 253))]
+    #[schemars(length(min = 1, max = 253), regex(pattern = kubernetes_rules::DNS_SUBDOMAIN_PATTERN))]
     pub claim_name: String,
 }
 
@@ -337,7 +337,7 @@ pub struct AzureFileOutput {
     pub share_name: String,
     /// Secret with `azurestorageaccountname` and `azurestorageaccountkey`, as the Azure Files
     /// CSI driver expects.
-    #[schemars(length(min = 1, max = 253))]
+    #[schemars(length(min = 1, max = 253), regex(pattern = kubernetes_rules::DNS_SUBDOMAIN_PATTERN))]
     pub secret_name: String,
 }
 

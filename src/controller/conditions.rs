@@ -114,6 +114,28 @@ fn truncate(text: &str, max: usize) -> String {
     format!("{}...", &text[..end])
 }
 
+/// The conditions of an object one of whose children the API server refused: Stalled=True
+/// and Ready=False, reason ChildRejected, with `message` (the child's kind and name and the
+/// API server's words).
+pub fn child_rejected(message: &str) -> [DesiredCondition; 2] {
+    use crate::api::{condition_reasons::CHILD_REJECTED, condition_types};
+    [
+        DesiredCondition::new(condition_types::STALLED, true, CHILD_REJECTED, message),
+        DesiredCondition::new(condition_types::READY, false, CHILD_REJECTED, message),
+    ]
+}
+
+/// The message of a ChildRejected Stalled condition among `conditions`, if there is one.
+pub fn rejected_child(conditions: &[Condition]) -> Option<&str> {
+    use crate::api::{condition_reasons::CHILD_REJECTED, condition_types};
+    conditions
+        .iter()
+        .find(|c| {
+            c.type_ == condition_types::STALLED && c.status == "True" && c.reason == CHILD_REJECTED
+        })
+        .map(|c| c.message.as_str())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

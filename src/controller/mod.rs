@@ -247,6 +247,28 @@ impl Context {
     }
 }
 
+impl Context {
+    /// Publishes a Warning Event about `object` (the note cut to the 1,000 characters Events
+    /// keep); a failure to publish is logged, not returned.
+    pub(crate) async fn warn<K: Resource<DynamicType = ()>>(
+        &self,
+        object: &K,
+        reason: &str,
+        message: &str,
+    ) {
+        let event = kube::runtime::events::Event {
+            type_: kube::runtime::events::EventType::Warning,
+            reason: reason.into(),
+            note: Some(message.chars().take(1000).collect()),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        if let Err(error) = self.recorder.publish(&event, &object.object_ref(&())).await {
+            tracing::warn!(%reason, %error, "could not publish Event");
+        }
+    }
+}
+
 fn kind_label<K: Resource<DynamicType = ()>>() -> &'static str {
     match K::kind(&()).as_ref() {
         "TrainingJob" => training_job::CONTROLLER,
@@ -551,5 +573,32 @@ fn log_result<T: Debug, E: std::error::Error>(controller: &str, result: Result<T
     match result {
         Ok(object) => tracing::debug!(controller, ?object, "reconciled"),
         Err(error) => tracing::debug!(controller, %error, "reconcile did not complete"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn api_error(code: u16) -> kube::Error {
+        kube::Error::Api(
+            kube::core::Status::failure("pods \"w-0\" is forbidden: no PriorityClass", "Forbidden")
+                .with_code(code)
+                .boxed(),
+        )
+    }
+
+    #[test]
+    fn refusals_are_told_from_errors_that_pass_by_themselves() {
+        for code in [400, 403, 404, 422, 500, 503] {
+            assert_eq!(
+                rejection(&api_error(code)),
+                Some("pods \"w-0\" is forbidden: no PriorityClass"),
+                "{code}"
+            );
+        }
+        for code in [409, 429] {
+            assert_eq!(rejection(&api_error(code)), None, "{code}");
+        }
     }
 }

@@ -33,6 +33,21 @@ pub enum ApplyError {
     },
 }
 
+impl ApplyError {
+    /// "creating Job x: <the API server's message>" when the API server refused a child
+    /// (see [`crate::controller::rejection`]).
+    pub fn rejection(&self) -> Option<String> {
+        let ApplyError::Kube {
+            action,
+            kind,
+            name,
+            source,
+        } = self;
+        crate::controller::rejection(source)
+            .map(|message| format!("{action} {kind} {name}: {message}"))
+    }
+}
+
 fn kube_error(
     action: &'static str,
     kind: &'static str,

@@ -16,10 +16,9 @@ use std::time::Duration;
 use kube::Resource;
 use kube::core::error_boundary::DeserializeGuard;
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType};
 
-use super::{Context, Error, is_warning, now, object_key};
-use crate::api::{DataStage, DataStagePhase};
+use super::{Context, Error, conditions, is_warning, now, object_key};
+use crate::api::{DataStage, DataStagePhase, condition_reasons};
 use crate::validation::FieldErrors;
 use status::{ClaimState, CopyState};
 
@@ -67,28 +66,23 @@ pub async fn reconcile(
         }
     };
 
-    apply::ensure_finalizer(&ctx.client, raw, &stage)
-        .await
-        .map_err(stage_error)?;
-    apply::storage_and_rbac(&ctx.client, &stage)
-        .await
-        .map_err(stage_error)?;
-    let claim = apply::claim_state(&ctx.client, &stage)
-        .await
-        .map_err(stage_error)?;
     let inputs = build::BuildInputs {
         stager_image: ctx.config.stager_image.clone(),
     };
-    let copy = if old.phase == DataStagePhase::Ready {
-        // Done once: a Job deleted later (by hand or a TTL) does not copy again.
-        CopyState::Succeeded {
-            start: old.start_time.clone(),
-            completion: old.completion_time.clone(),
+    let (claim, copy) = match carry_out(&ctx, raw, &stage, &inputs, &old).await {
+        Ok(observed) => observed,
+        Err(source) => {
+            if let Some(message) = source.rejection() {
+                // Visible on the DataStage, retried with backoff.
+                let new = status::child_rejected(&old, generation, &message, &now());
+                write(&ctx, &object, &old, &new).await?;
+                if conditions::rejected_child(&old.conditions) != Some(message.as_str()) {
+                    ctx.warn(object.as_ref(), condition_reasons::CHILD_REJECTED, &message)
+                        .await;
+                }
+            }
+            return Err(stage_error(source));
         }
-    } else {
-        apply::copy_state(&ctx.client, &stage, &inputs, claim == ClaimState::Bound)
-            .await
-            .map_err(stage_error)?
     };
     let claim_name = build::Names::of(&stage).claim;
     let new = status::observed(&old, generation, &claim_name, &claim, &copy, &now());
@@ -97,16 +91,7 @@ pub async fn reconcile(
     // Allowed-but-risky settings are said once per change of the spec.
     if first_look {
         for warning in &stage.warnings {
-            let event = Event {
-                type_: EventType::Warning,
-                reason: "InsecureAuth".into(),
-                note: Some(warning.clone()),
-                action: "Validate".into(),
-                secondary: None,
-            };
-            if let Err(error) = ctx.recorder.publish(&event, &object.object_ref(&())).await {
-                tracing::warn!(%error, "could not publish Event");
-            }
+            ctx.warn(object.as_ref(), "InsecureAuth", warning).await;
         }
     }
     ctx.succeeded(&key);
@@ -114,6 +99,30 @@ pub async fn reconcile(
         (ClaimState::Bound, _) => Action::await_change(),
         _ => Action::requeue(BINDING_RECHECK),
     })
+}
+
+/// The apply steps: the finalizer, volume, claim and the stager's RBAC, then the copy Job
+/// once the claim is bound; what they observed of the claim and the copy.
+async fn carry_out(
+    ctx: &Context,
+    raw: &DataStage,
+    stage: &validate::ValidatedDataStage,
+    inputs: &build::BuildInputs,
+    old: &crate::api::DataStageStatus,
+) -> Result<(ClaimState, CopyState), apply::ApplyError> {
+    apply::ensure_finalizer(&ctx.client, raw, stage).await?;
+    apply::storage_and_rbac(&ctx.client, stage).await?;
+    let claim = apply::claim_state(&ctx.client, stage).await?;
+    let copy = if old.phase == DataStagePhase::Ready {
+        // Done once: a Job deleted later (by hand or a TTL) does not copy again.
+        CopyState::Succeeded {
+            start: old.start_time.clone(),
+            completion: old.completion_time.clone(),
+        }
+    } else {
+        apply::copy_state(&ctx.client, stage, inputs, claim == ClaimState::Bound).await?
+    };
+    Ok((claim, copy))
 }
 
 /// The object and its validated form, or what is wrong with it (including an object that

@@ -174,6 +174,23 @@ pub fn observed(
     status
 }
 
+/// The status when the API server refused a child (the volume, the claim, the stager's
+/// ServiceAccount, Role or Job): `old` for this generation, Stalled with the API server's
+/// message.
+pub fn child_rejected(
+    old: &DataStageStatus,
+    generation: Option<i64>,
+    message: &str,
+    now: &Time,
+) -> DataStageStatus {
+    let mut status = old.clone();
+    status.observed_generation = generation;
+    for desired in conditions::child_rejected(message) {
+        conditions::set(&mut status.conditions, desired, generation, now);
+    }
+    status
+}
+
 /// The status of an invalid DataStage: Failed with the field named; nothing is made.
 pub fn invalid(
     old: &DataStageStatus,

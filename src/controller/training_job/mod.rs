@@ -20,7 +20,7 @@ use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
 use kube::{Api, Resource, ResourceExt};
 
-use super::{Context, Error, is_warning, now, object_key};
+use super::{Context, Error, conditions, is_warning, now, object_key};
 use crate::api::{
     DataStage, DataStagePhase, TrainingJob, TrainingJobPhase, TrainingJobStatus, condition_reasons,
     condition_types,
@@ -209,8 +209,9 @@ async fn run(
             let written = if restarting { &new } else { &old };
             let stalled = status::child_rejected(&new, generation, &message, &now);
             write_status(ctx, object, written, &stalled, &plan.message).await?;
-            if status::rejected_child(&old) != Some(message.as_str()) {
-                publish_warning(ctx, object, condition_reasons::CHILD_REJECTED, &message).await;
+            if conditions::rejected_child(&old.conditions) != Some(message.as_str()) {
+                ctx.warn(object, condition_reasons::CHILD_REJECTED, &message)
+                    .await;
             }
         }
         return Err(Error::Apply {
@@ -286,25 +287,6 @@ async fn write_status(
     .await?;
     publish_phase_event(ctx, object, old.phase, new.phase, message).await;
     Ok(())
-}
-
-/// A Warning Event with `reason` and `message` (cut to the 1,000 characters Events keep).
-async fn publish_warning(
-    ctx: &Context,
-    object: &DeserializeGuard<TrainingJob>,
-    reason: &str,
-    message: &str,
-) {
-    let event = Event {
-        type_: EventType::Warning,
-        reason: reason.into(),
-        note: Some(message.chars().take(1000).collect()),
-        action: "Reconcile".into(),
-        secondary: None,
-    };
-    if let Err(error) = ctx.recorder.publish(&event, &object.object_ref(&())).await {
-        tracing::warn!(%error, "could not publish Event");
-    }
 }
 
 /// One Event per phase change: Warning for Restarting and Failed.

@@ -38,33 +38,10 @@ pub fn child_rejected(
     now: &Time,
 ) -> TrainingJobStatus {
     let mut status = planned.clone();
-    for type_ in [condition_types::STALLED, condition_types::READY] {
-        conditions::set(
-            &mut status.conditions,
-            DesiredCondition::new(
-                type_,
-                type_ == condition_types::STALLED,
-                condition_reasons::CHILD_REJECTED,
-                message,
-            ),
-            generation,
-            now,
-        );
+    for desired in conditions::child_rejected(message) {
+        conditions::set(&mut status.conditions, desired, generation, now);
     }
     status
-}
-
-/// The message of a ChildRejected Stalled condition in `status`, if it has one.
-pub fn rejected_child(status: &TrainingJobStatus) -> Option<&str> {
-    status
-        .conditions
-        .iter()
-        .find(|c| {
-            c.type_ == condition_types::STALLED
-                && c.status == "True"
-                && c.reason == condition_reasons::CHILD_REJECTED
-        })
-        .map(|c| c.message.as_str())
 }
 
 /// The status after a plan, from what was observed before it was carried out.
