@@ -3,5 +3,5 @@
 pub mod arm;
 pub mod token;
 
-pub use arm::{AgentPool, AgentPoolRequest, ArmClient, ArmConfig, ArmError, Operation};
+pub use arm::{Accepted, AgentPool, AgentPoolRequest, ArmClient, ArmConfig, ArmError, Operation};
 pub use token::{TokenError, TokenSource};

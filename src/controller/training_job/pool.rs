@@ -4,7 +4,9 @@
 //! Each reconcile reads the pool from ARM and takes at most one step: create it when it is
 //! missing, follow it while it is being made, report Azure's reason when it failed, count
 //! its Ready nodes when it has Succeeded, delete it when the job is done. Throttling and
-//! "another operation in progress" only delay the next look.
+//! "another operation in progress" only delay the next look. A live job's look is three
+//! steps: [`observe`] reads, [`decide`] (pure, unit-tested) chooses, and the one write it
+//! may choose (the PUT) is carried out and reported by [`after_create`] (pure too).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -15,7 +17,7 @@ use kube::{Api, Client, ResourceExt};
 
 use super::plan::PoolState;
 use super::validate::{NodePoolPlan, ValidatedTrainingJob};
-use crate::aks::{AgentPoolRequest, ArmClient, ArmError, Operation};
+use crate::aks::{Accepted, AgentPool, AgentPoolRequest, ArmClient, ArmError, Operation};
 use crate::api::{GpuDriver, NodePoolStatus, Provisioner, TrainingJob, TrainingJobPhase};
 use crate::controller::set_finalizer;
 
@@ -152,63 +154,118 @@ pub async fn look(
 
     // The finalizer goes on before the pool exists, so a deleted job cannot leak it.
     set_pool_finalizer(client, object, true).await?;
-    let transient = |e: &ArmError, status: NodePoolStatus| PoolLook {
-        state: PoolState::Provisioning {
-            message: format!("agent pool {name}: {e}"),
-        },
-        status: Some(status),
-        requeue: Some(e.retry_after()),
+    let seen = observe(client, arm, job, name, &old, gang_exists).await?;
+    let decision = decide(job, pool, name, &old, seen);
+    Ok(match decision.create {
+        None => decision.look,
+        Some(request) => {
+            let result = arm.put_pool(name, &request).await;
+            if result.is_ok() {
+                tracing::info!(job = %job.name, pool = name, "agent pool creation accepted");
+            }
+            after_create(job, pool, name, decision.look, result)
+        }
+    })
+}
+
+/// What a look at a live job's pool read: ARM's answer for the pool, and what that answer
+/// makes worth reading next (the pool's Ready nodes once it has Succeeded and the gang is
+/// not there yet; the failed operation's reason).
+#[derive(Debug)]
+pub struct PoolSeen {
+    /// The pool, `None` when ARM has none of that name.
+    pub pool: Result<Option<AgentPool>, ArmError>,
+    /// Nodes Ready for a worker; `None` when not read.
+    pub ready_nodes: Option<u32>,
+    /// The outcome of the operation that made the pool, when it failed and one is known.
+    pub operation: Option<Result<Operation, ArmError>>,
+}
+
+/// Reads what [`decide`] needs; changes nothing.
+async fn observe(
+    client: &Client,
+    arm: &ArmClient,
+    job: &ValidatedTrainingJob,
+    name: &str,
+    old: &NodePoolStatus,
+    gang_exists: bool,
+) -> Result<PoolSeen, PoolError> {
+    let pool = arm.get_pool(name).await;
+    let state = pool
+        .as_ref()
+        .ok()
+        .and_then(Option::as_ref)
+        .map(|p| p.provisioning_state.as_str());
+    let ready_nodes = match state {
+        // Once the gang exists its pods hold the nodes: no need to list them again.
+        Some("Succeeded") if gang_exists => Some(job.workers),
+        Some("Succeeded") => Some(ready_nodes(client, job, name).await?),
+        _ => None,
     };
-    let current = match arm.get_pool(name).await {
-        Ok(current) => current,
-        Err(e) if e.is_transient() => return Ok(transient(&e, status)),
+    let operation = match (state, &old.operation) {
+        (Some("Failed" | "Canceled"), Some(url)) => Some(arm.operation(url).await),
+        _ => None,
+    };
+    Ok(PoolSeen {
+        pool,
+        ready_nodes,
+        operation,
+    })
+}
+
+/// What to do about a live job's pool.
+#[derive(Debug)]
+pub struct PoolDecision {
+    /// The state and status to report (before any creation is carried out).
+    pub look: PoolLook,
+    /// Create the pool with this request.
+    pub create: Option<AgentPoolRequest>,
+}
+
+/// Decides from what was seen: create a missing pool, follow one being made, report
+/// Azure's reason for one that failed, count the nodes of one that succeeded. Pure.
+pub fn decide(
+    job: &ValidatedTrainingJob,
+    pool: &NodePoolPlan,
+    name: &str,
+    old: &NodePoolStatus,
+    seen: PoolSeen,
+) -> PoolDecision {
+    let mut status = NodePoolStatus {
+        name: name.to_string(),
+        ..old.clone()
+    };
+    let look = |state: PoolState, status: NodePoolStatus, requeue: Option<Duration>| PoolDecision {
+        look: PoolLook {
+            state,
+            status: Some(status),
+            requeue,
+        },
+        create: None,
+    };
+    let current = match seen.pool {
+        Ok(Some(current)) => current,
+        Ok(None) => {
+            return PoolDecision {
+                create: Some(request(job, pool, name)),
+                ..look(PoolState::NotNeeded, status, None)
+            };
+        }
+        Err(e) if e.is_transient() => return transient(name, &e, status),
         Err(e) => {
-            return Ok(PoolLook {
-                state: PoolState::Failed {
+            return look(
+                PoolState::Failed {
                     message: format!("reading agent pool {name}: {e}"),
                 },
-                status: Some(status),
-                requeue: None,
-            });
+                status,
+                None,
+            );
         }
-    };
-    let Some(current) = current else {
-        return match arm.put_pool(name, &request(job, pool, name)).await {
-            Ok(accepted) => {
-                tracing::info!(job = %job.name, pool = name, "agent pool creation accepted");
-                status.provisioning_state = Some("Creating".into());
-                status.operation = accepted.operation;
-                status.ready_nodes = 0;
-                Ok(PoolLook {
-                    state: PoolState::Provisioning {
-                        message: format!(
-                            "creating agent pool {name}: {} × {}",
-                            job.workers,
-                            pool.vm_size.as_deref().unwrap_or_default()
-                        ),
-                    },
-                    status: Some(status),
-                    requeue: Some(Duration::from_secs(5)),
-                })
-            }
-            Err(e) if e.is_transient() => Ok(transient(&e, status)),
-            Err(e) => Ok(PoolLook {
-                state: PoolState::Failed {
-                    message: format!("Azure refused agent pool {name}: {e}"),
-                },
-                status: Some(status),
-                requeue: None,
-            }),
-        };
     };
     status.provisioning_state = Some(current.provisioning_state.clone());
     match current.provisioning_state.as_str() {
         "Succeeded" => {
-            let ready = if gang_exists {
-                job.workers
-            } else {
-                ready_nodes(client, job, name).await?
-            };
+            let ready = seen.ready_nodes.unwrap_or(0);
             status.ready_nodes = ready as i32;
             let state = if ready >= job.workers {
                 PoolState::Ready {
@@ -222,40 +279,86 @@ pub async fn look(
                     ),
                 }
             };
-            Ok(PoolLook {
-                state,
-                status: Some(status),
-                requeue: (ready < job.workers).then_some(Duration::from_secs(5)),
-            })
+            let requeue = (ready < job.workers).then_some(Duration::from_secs(5));
+            look(state, status, requeue)
         }
         "Failed" | "Canceled" => {
-            let reason = match &old.operation {
-                Some(url) => match arm.operation(url).await {
-                    Ok(Operation::Failed { code, message }) => {
-                        let hint = crate::aks::arm::hint(&code)
-                            .map(|h| format!(" ({h})"))
-                            .unwrap_or_default();
-                        format!("{code}: {message}{hint}")
-                    }
-                    _ => current.provisioning_state.clone(),
-                },
-                None => current.provisioning_state.clone(),
+            let reason = match seen.operation {
+                Some(Ok(Operation::Failed { code, message })) => {
+                    let hint = crate::aks::arm::hint(&code)
+                        .map(|h| format!(" ({h})"))
+                        .unwrap_or_default();
+                    format!("{code}: {message}{hint}")
+                }
+                _ => current.provisioning_state.clone(),
             };
-            Ok(PoolLook {
-                state: PoolState::Failed {
+            look(
+                PoolState::Failed {
                     message: format!("agent pool {name} failed: {reason}"),
                 },
-                status: Some(status),
-                requeue: None,
-            })
+                status,
+                None,
+            )
         }
-        other => Ok(PoolLook {
-            state: PoolState::Provisioning {
+        other => look(
+            PoolState::Provisioning {
                 message: format!("agent pool {name} is {other}"),
             },
+            status,
+            Some(Duration::from_secs(5)),
+        ),
+    }
+}
+
+/// A transient ARM error (throttled, busy, unreachable): still provisioning, look again
+/// when ARM said.
+fn transient(name: &str, e: &ArmError, status: NodePoolStatus) -> PoolDecision {
+    PoolDecision {
+        look: PoolLook {
+            state: PoolState::Provisioning {
+                message: format!("agent pool {name}: {e}"),
+            },
             status: Some(status),
-            requeue: Some(Duration::from_secs(5)),
-        }),
+            requeue: Some(e.retry_after()),
+        },
+        create: None,
+    }
+}
+
+/// The state after asking ARM to create the pool. Pure.
+pub fn after_create(
+    job: &ValidatedTrainingJob,
+    pool: &NodePoolPlan,
+    name: &str,
+    before: PoolLook,
+    result: Result<Accepted, ArmError>,
+) -> PoolLook {
+    let mut status = before.status.unwrap_or_default();
+    match result {
+        Ok(accepted) => {
+            status.provisioning_state = Some("Creating".into());
+            status.operation = accepted.operation;
+            status.ready_nodes = 0;
+            PoolLook {
+                state: PoolState::Provisioning {
+                    message: format!(
+                        "creating agent pool {name}: {} × {}",
+                        job.workers,
+                        pool.vm_size.as_deref().unwrap_or_default()
+                    ),
+                },
+                status: Some(status),
+                requeue: Some(Duration::from_secs(5)),
+            }
+        }
+        Err(e) if e.is_transient() => transient(name, &e, status).look,
+        Err(e) => PoolLook {
+            state: PoolState::Failed {
+                message: format!("Azure refused agent pool {name}: {e}"),
+            },
+            status: Some(status),
+            requeue: None,
+        },
     }
 }
 

@@ -1,0 +1,155 @@
+//! The node-pool decisions of the TrainingJob controller, without Azure: what `decide` does
+//! with each answer ARM can give, and how a creation's outcome is reported.
+
+#[path = "common/mod.rs"]
+mod fixtures;
+
+use std::time::Duration;
+
+use ringmaster::aks::{Accepted, AgentPool, ArmError, Operation};
+use ringmaster::api::NodePoolStatus;
+use ringmaster::controller::training_job::plan::PoolState;
+use ringmaster::controller::training_job::pool::{PoolSeen, after_create, decide};
+use ringmaster::controller::training_job::validate::{ValidatedTrainingJob, validate_value_for};
+use ringmaster_contract::trainer::{Capabilities, Device, Precision};
+use serde_json::json;
+
+/// The flagship sample (2 × Standard_ND96asr_v4 in its own pool), as a trainer with the
+/// CUDA engine would take it.
+fn job() -> ValidatedTrainingJob {
+    let path = fixtures::root().join("config/samples/trainingjob-resnet50-nd96asr-v4.yaml");
+    let mut object = fixtures::ringmaster_objects(&path).remove(0);
+    object["metadata"]["namespace"] = json!("ml");
+    object["metadata"]["uid"] = json!("6f1c2d3e-0000-4000-8000-00000000abcd");
+    let caps = Capabilities {
+        devices: vec![Device::Cpu, Device::Cuda],
+        precisions: vec![Precision::Fp32, Precision::Bf16],
+        ..Capabilities::this_release()
+    };
+    validate_value_for(&object, None, &caps).unwrap()
+}
+
+fn seen(pool: Result<Option<AgentPool>, ArmError>) -> PoolSeen {
+    PoolSeen {
+        pool,
+        ready_nodes: None,
+        operation: None,
+    }
+}
+
+fn pool(state: &str) -> Option<AgentPool> {
+    Some(AgentPool {
+        provisioning_state: state.into(),
+        count: 2,
+        vm_size: "Standard_ND96asr_v4".into(),
+    })
+}
+
+#[test]
+fn a_missing_pool_is_created_and_followed() {
+    let job = job();
+    let plan = job.node_pool.clone().unwrap();
+    let name = plan.pool_name.clone().unwrap();
+    let old = NodePoolStatus::default();
+    let decision = decide(&job, &plan, &name, &old, seen(Ok(None)));
+    let request = decision.create.expect("a PUT");
+    assert_eq!(
+        (request.count, request.vm_size.as_str()),
+        (2, "Standard_ND96asr_v4")
+    );
+
+    let accepted = Accepted {
+        operation: Some("https://management.azure.com/op/1".into()),
+    };
+    let look = after_create(&job, &plan, &name, decision.look, Ok(accepted));
+    assert!(
+        matches!(look.state, PoolState::Provisioning { .. }),
+        "{look:?}"
+    );
+    let status = look.status.unwrap();
+    assert_eq!(status.provisioning_state.as_deref(), Some("Creating"));
+    assert_eq!(
+        status.operation.as_deref(),
+        Some("https://management.azure.com/op/1")
+    );
+    assert_eq!(look.requeue, Some(Duration::from_secs(5)));
+}
+
+#[test]
+fn azure_refusing_the_pool_fails_with_its_reason_and_throttling_waits() {
+    let job = job();
+    let plan = job.node_pool.clone().unwrap();
+    let name = plan.pool_name.clone().unwrap();
+    let old = NodePoolStatus::default();
+    let refused = ArmError::Refused {
+        status: 400,
+        code: "InsufficientVCPUQuota".into(),
+        message: "quota of 0 vCPUs".into(),
+    };
+    let before = decide(&job, &plan, &name, &old, seen(Ok(None))).look;
+    match after_create(&job, &plan, &name, before, Err(refused)).state {
+        PoolState::Failed { message } => {
+            assert!(message.contains("InsufficientVCPUQuota"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    let throttled = ArmError::Throttled {
+        retry_after: Duration::from_secs(7),
+    };
+    let look = decide(&job, &plan, &name, &old, seen(Err(throttled))).look;
+    assert!(matches!(look.state, PoolState::Provisioning { .. }));
+    assert_eq!(look.requeue, Some(Duration::from_secs(7)));
+}
+
+#[test]
+fn a_succeeded_pool_is_ready_once_every_worker_has_a_node() {
+    let job = job();
+    let plan = job.node_pool.clone().unwrap();
+    let name = plan.pool_name.clone().unwrap();
+    let old = NodePoolStatus::default();
+    let with_nodes = |ready| PoolSeen {
+        ready_nodes: Some(ready),
+        ..seen(Ok(pool("Succeeded")))
+    };
+    let waiting = decide(&job, &plan, &name, &old, with_nodes(1));
+    assert!(waiting.create.is_none());
+    assert!(matches!(waiting.look.state, PoolState::Provisioning { .. }));
+    assert_eq!(waiting.look.status.unwrap().ready_nodes, 1);
+    let ready = decide(&job, &plan, &name, &old, with_nodes(2)).look;
+    assert!(matches!(ready.state, PoolState::Ready { .. }), "{ready:?}");
+    assert_eq!(ready.requeue, None);
+    let creating = decide(&job, &plan, &name, &old, seen(Ok(pool("Creating")))).look;
+    assert!(matches!(creating.state, PoolState::Provisioning { .. }));
+}
+
+#[test]
+fn a_failed_pool_reports_the_operations_reason_with_a_hint() {
+    let job = job();
+    let plan = job.node_pool.clone().unwrap();
+    let name = plan.pool_name.clone().unwrap();
+    let old = NodePoolStatus {
+        operation: Some("https://management.azure.com/op/1".into()),
+        ..NodePoolStatus::default()
+    };
+    let failed = PoolSeen {
+        operation: Some(Ok(Operation::Failed {
+            code: "QuotaExceeded".into(),
+            message: "Operation could not be completed as it results in exceeding approved quota"
+                .into(),
+        })),
+        ..seen(Ok(pool("Failed")))
+    };
+    match decide(&job, &plan, &name, &old, failed).look.state {
+        PoolState::Failed { message } => {
+            assert!(
+                message.contains("QuotaExceeded: Operation could not"),
+                "{message}"
+            );
+            assert!(
+                message.contains("(the subscription's vCPU quota"),
+                "a hint: {message}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+}
