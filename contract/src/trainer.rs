@@ -58,6 +58,9 @@ impl Model {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Device {
+    /// The GPU when this trainer has the CUDA engine and the machine a usable GPU, else the
+    /// CPU; the trainer says which, and why (a `device` line).
+    Auto,
     /// The CPU engine on all cores.
     Cpu,
     /// NVIDIA GPUs (cuDNN, cuBLAS, NCCL).
@@ -367,7 +370,8 @@ impl TrainArgs {
         let mut errors = Vec::new();
         let mut refuse =
             |setting: Setting, message: String| errors.push(SettingsError { setting, message });
-        if !capabilities.devices.contains(&self.device) {
+        // `auto` is decided on the machine, where the trainer runs.
+        if self.device != Device::Auto && !capabilities.devices.contains(&self.device) {
             refuse(
                 Setting::Device,
                 match self.device {
@@ -556,10 +560,25 @@ impl Capabilities {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "camelCase")]
 pub enum Line {
+    /// Where rank 0 computes (first line), and why `auto` did not pick the GPU.
+    Device(DeviceChoice),
     /// Progress of a step (rank 0, every `--log-every` steps).
     Step(Progress),
     /// The run's result (rank 0, last line).
     Summary(Summary),
+}
+
+/// Where the trainer computes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceChoice {
+    /// What `--device` asked for.
+    pub requested: Device,
+    /// What it computes on.
+    pub device: Device,
+    /// Why `auto` chose the CPU, when it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 /// A progress line.

@@ -197,6 +197,7 @@ fn info() -> Result<(), String> {
         "cpuThreads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         "capabilities": Capabilities::this_release(),
         "nccl": NcclProbe::detect(),
+        "gpu": ringmaster_trainer::gpu::GpuProbe::detect(),
     });
     println!("{info}");
     Ok(())

@@ -7,7 +7,9 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use ringmaster_contract::trainer::{Capabilities, Line, Progress, SettingsError, Summary, exit};
+use ringmaster_contract::trainer::{
+    Capabilities, DeviceChoice, Line, Progress, SettingsError, Summary, exit,
+};
 pub use ringmaster_contract::trainer::{
     Device, Model as ModelName, Precision, Schedule, TrainArgs,
 };
@@ -98,8 +100,28 @@ fn arch(args: &TrainArgs) -> Arch {
 /// Trains on `collective`'s ranks; returns rank 0's summary.
 pub fn run(args: &TrainArgs, collective: &mut dyn Collective) -> Result<Summary, TrainError> {
     // The operator ran this same check on the TrainingJob; a hand-written command meets it here.
-    args.check(&Capabilities::this_release())
+    let capabilities = Capabilities::this_release();
+    args.check(&capabilities)
         .map_err(TrainError::InvalidSettings)?;
+    let probe = crate::gpu::GpuProbe::detect();
+    let (device, reason) = crate::gpu::resolve_device(args.device, &capabilities, &probe);
+    if device != Device::Cpu {
+        // `check` refuses a device this release cannot compute on; `auto` never picks one.
+        return Err(TrainError::Settings(format!(
+            "--device {device}: not in this build of ringmaster-trainer"
+        )));
+    }
+    if collective.rank() == 0 {
+        let line = Line::Device(DeviceChoice {
+            requested: args.device,
+            device,
+            reason,
+        });
+        println!(
+            "{}",
+            serde_json::to_string(&line).expect("a line serializes")
+        );
+    }
     let (rank, world) = (collective.rank(), collective.world_size());
     let (source, classes, dataset_size) = match (&args.data_dir, args.learnable_classes) {
         (Some(dir), _) => {

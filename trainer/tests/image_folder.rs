@@ -89,8 +89,7 @@ fn training_from_a_jpeg_folder_learns() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let lines = common::json_lines(&out.stdout);
-    let first = lines[0]["loss"].as_f64().unwrap();
+    let first = common::steps(&out.stdout)[0]["loss"].as_f64().unwrap();
     let summary = &common::summary(&out.stdout);
     assert_eq!(summary["steps"], 8 * (192 / 32));
     assert!(

@@ -93,6 +93,14 @@ pub fn summary(stdout: &[u8]) -> serde_json::Value {
         .expect("a summary line")
 }
 
+/// The `{"event":"step",…}` lines of a trainer's output, in order.
+pub fn steps(stdout: &[u8]) -> Vec<serde_json::Value> {
+    json_lines(stdout)
+        .into_iter()
+        .filter(|v| v["event"] == "step")
+        .collect()
+}
+
 /// Every JSON line of a trainer's output.
 pub fn json_lines(stdout: &[u8]) -> Vec<serde_json::Value> {
     String::from_utf8_lossy(stdout)
