@@ -654,7 +654,11 @@ async fn a_worker_the_api_server_refuses_stalls_the_job_with_its_message() {
     tokio::time::sleep(Duration::from_secs(5)).await;
     let events = warnings().await;
     assert_eq!(events.len(), 1, "one Event per distinct message");
-    assert!(events[0].series.is_none(), "published once: {:?}", events[0].series);
+    assert!(
+        events[0].series.is_none(),
+        "published once: {:?}",
+        events[0].series
+    );
 
     let classes: Api<PriorityClass> = Api::all(client.clone());
     let priority: PriorityClass =
