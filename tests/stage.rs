@@ -76,6 +76,24 @@ fn dataset() -> BTreeMap<String, Vec<u8>> {
     files
 }
 
+/// `ringmaster stage` from the test container's `ds/` prefix into `destination`, no progress.
+fn stage_command(azurite: &Azurite, destination: &Path) -> std::process::Command {
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_ringmaster"));
+    command
+        .args([
+            "stage",
+            "--account",
+            azurite::ACCOUNT,
+            "--container",
+            CONTAINER,
+        ])
+        .args(["--prefix", "ds/", "--endpoint", &azurite.endpoint()])
+        .args(["--progress", "none"])
+        .arg("--destination")
+        .arg(destination);
+    command
+}
+
 fn args(azurite: &Azurite, destination: &Path) -> StageArgs {
     StageArgs {
         account: azurite::ACCOUNT.into(),
@@ -252,25 +270,8 @@ async fn killed_mid_copy_the_rerun_copies_only_the_rest() {
     let sas = azurite::container_sas(azurite::KEY, CONTAINER, "rl");
     let manifest = dest.path().join(".ringmaster-stage/manifest.jsonl");
 
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ringmaster"))
-        .args([
-            "stage",
-            "--account",
-            azurite::ACCOUNT,
-            "--container",
-            CONTAINER,
-        ])
-        .args([
-            "--prefix",
-            "ds/",
-            "--endpoint",
-            &azurite.endpoint(),
-            "--parallelism",
-            "2",
-        ])
-        .args(["--progress", "none"])
-        .arg("--destination")
-        .arg(dest.path())
+    let mut child = stage_command(&azurite, dest.path())
+        .args(["--parallelism", "2"])
         .env("AZURE_STORAGE_SAS_TOKEN", &sas)
         .stdout(std::process::Stdio::null())
         .spawn()
@@ -318,18 +319,7 @@ async fn the_termination_message_holds_the_outcome() {
     let dest = tempfile::tempdir().unwrap();
     let message = dest.path().join("termination-log");
     let run = |sas: &str| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_ringmaster"))
-            .args([
-                "stage",
-                "--account",
-                azurite::ACCOUNT,
-                "--container",
-                CONTAINER,
-            ])
-            .args(["--prefix", "ds/", "--endpoint", &azurite.endpoint()])
-            .args(["--progress", "none"])
-            .arg("--destination")
-            .arg(dest.path().join("copy"))
+        stage_command(&azurite, &dest.path().join("copy"))
             .arg("--termination-message")
             .arg(&message)
             .env("AZURE_STORAGE_SAS_TOKEN", sas)

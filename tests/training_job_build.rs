@@ -7,18 +7,8 @@ use ringmaster::controller::training_job::build::{self, BuildInputs, SshKeys};
 use ringmaster::controller::training_job::validate::{
     Program, ValidatedTrainingJob, validate_value_for,
 };
-use ringmaster_contract::trainer::{Capabilities, Device, Precision, TrainArgs};
+use ringmaster_contract::trainer::{Capabilities, TrainArgs};
 use serde_json::{Value, json};
-
-/// A trainer with the CUDA engine: the GPU jobs below are built as it would run them (the
-/// trainer of this release refuses them in validate; see tests/validate.rs).
-fn with_cuda() -> Capabilities {
-    Capabilities {
-        devices: vec![Device::Cpu, Device::Cuda],
-        precisions: vec![Precision::Fp32, Precision::Bf16],
-        ..Capabilities::this_release()
-    }
-}
 
 fn sample(file: &str, edit: impl FnOnce(&mut Value)) -> ValidatedTrainingJob {
     let path = fixtures::root().join("config/samples").join(file);
@@ -26,7 +16,8 @@ fn sample(file: &str, edit: impl FnOnce(&mut Value)) -> ValidatedTrainingJob {
     object["metadata"]["namespace"] = json!("ml");
     object["metadata"]["uid"] = json!("6f1c2d3e-0000-4000-8000-00000000abcd");
     edit(&mut object);
-    validate_value_for(&object, None, &with_cuda()).unwrap_or_else(|e| panic!("{file}: {e}"))
+    validate_value_for(&object, None, &fixtures::with_cuda())
+        .unwrap_or_else(|e| panic!("{file}: {e}"))
 }
 
 fn gpu_job() -> ValidatedTrainingJob {
@@ -359,7 +350,7 @@ fn the_trainer_accepts_the_command_the_operator_builds() {
             if object["kind"] != "TrainingJob" {
                 continue;
             }
-            for capabilities in [Capabilities::this_release(), with_cuda()] {
+            for capabilities in [Capabilities::this_release(), fixtures::with_cuda()] {
                 let Ok(job) = validate_value_for(&object, None, &capabilities) else {
                     continue;
                 };

@@ -11,7 +11,6 @@ use ringmaster::api::NodePoolStatus;
 use ringmaster::controller::training_job::plan::PoolState;
 use ringmaster::controller::training_job::pool::{PoolSeen, after_create, decide};
 use ringmaster::controller::training_job::validate::{ValidatedTrainingJob, validate_value_for};
-use ringmaster_contract::trainer::{Capabilities, Device, Precision};
 use serde_json::json;
 
 /// The flagship sample (2 × Standard_ND96asr_v4 in its own pool), as a trainer with the
@@ -21,12 +20,7 @@ fn job() -> ValidatedTrainingJob {
     let mut object = fixtures::ringmaster_objects(&path).remove(0);
     object["metadata"]["namespace"] = json!("ml");
     object["metadata"]["uid"] = json!("6f1c2d3e-0000-4000-8000-00000000abcd");
-    let caps = Capabilities {
-        devices: vec![Device::Cpu, Device::Cuda],
-        precisions: vec![Precision::Fp32, Precision::Bf16],
-        ..Capabilities::this_release()
-    };
-    validate_value_for(&object, None, &caps).unwrap()
+    validate_value_for(&object, None, &fixtures::with_cuda()).unwrap()
 }
 
 fn seen(pool: Result<Option<AgentPool>, ArmError>) -> PoolSeen {

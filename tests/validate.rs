@@ -6,7 +6,7 @@ mod fixtures;
 
 use ringmaster::controller::{data_stage, training_job};
 use ringmaster::validation::FieldErrors;
-use ringmaster_contract::trainer::{Capabilities, Device, Precision, TrainArgs};
+use ringmaster_contract::trainer::{Capabilities, TrainArgs};
 use serde_json::Value;
 
 fn validate(object: &Value, old: Option<&Value>) -> Result<(), FieldErrors> {
@@ -14,15 +14,6 @@ fn validate(object: &Value, old: Option<&Value>) -> Result<(), FieldErrors> {
         Some("TrainingJob") => training_job::validate::validate_value(object, old).map(|_| ()),
         Some("DataStage") => data_stage::validate::validate_value(object, old).map(|_| ()),
         other => panic!("unexpected kind {other:?}"),
-    }
-}
-
-/// A trainer with the CUDA engine (GPU devices and bf16): what the GPU samples are written for.
-fn with_cuda() -> Capabilities {
-    Capabilities {
-        devices: vec![Device::Cpu, Device::Cuda],
-        precisions: vec![Precision::Fp32, Precision::Bf16],
-        ..Capabilities::this_release()
     }
 }
 
@@ -45,7 +36,7 @@ fn every_sample_is_valid_or_refused_for_what_this_trainer_cannot_run() {
                 }
                 continue;
             }
-            training_job::validate::validate_value_for(&object, None, &with_cuda())
+            training_job::validate::validate_value_for(&object, None, &fixtures::with_cuda())
                 .unwrap_or_else(|e| panic!("{} is invalid: {e}", path.display()));
             match training_job::validate::validate_value(&object, None) {
                 Ok(job) => {
@@ -137,7 +128,7 @@ fn defaults_are_filled_in() {
     let job = training_job::validate::validate_value_for(
         &fixtures::ringmaster_objects(&path).remove(0),
         None,
-        &with_cuda(),
+        &fixtures::with_cuda(),
     )
     .unwrap();
     assert_eq!(

@@ -101,8 +101,9 @@ pub enum CollectiveKind {
     Nccl,
 }
 
-/// The flag spelling of a value enum (`resnet50`, `tcp-ring`, …).
-fn flag_value<T: ValueEnum>(value: T) -> String {
+/// The flag spelling of a value enum (`resnet50`, `tcp-ring`, …), as a command line or an
+/// environment variable carries it.
+pub fn flag_value<T: ValueEnum>(value: T) -> String {
     value
         .to_possible_value()
         .expect("no variant is skipped")

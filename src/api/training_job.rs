@@ -284,7 +284,7 @@ pub struct DataStageRef {
     /// Name of a DataStage in the job's namespace.
     #[schemars(
         length(min = 1, max = 253),
-        regex(pattern = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+        regex(pattern = kubernetes_rules::DNS_SUBDOMAIN_PATTERN)
     )]
     pub name: String,
     /// Where the dataset is mounted (read-only) in the workers. Default: /data.

@@ -58,15 +58,6 @@ pub mod env {
     pub const REPORT_TO: &str = "RINGMASTER_DATASTAGE";
 }
 
-/// The flag spelling of a value enum, as the environment carries it.
-fn flag_value<T: clap::ValueEnum>(value: T) -> String {
-    value
-        .to_possible_value()
-        .expect("no variant is skipped")
-        .get_name()
-        .to_string()
-}
-
 /// What the DataStage controller asks of the stager: typed, and turned into the copy Job's
 /// environment by [`StageSettings::to_env`], which [`StageArgs`] reads back (a test runs the
 /// stager's own parser on a built Job's environment).
@@ -102,8 +93,14 @@ impl StageSettings {
             (env::ENDPOINT, self.endpoint.clone()),
             (env::DESTINATION, self.destination.clone()),
             (env::PARALLELISM, self.parallelism.to_string()),
-            (env::VERIFY, flag_value(self.verify)),
-            (env::AUTH, flag_value(self.auth)),
+            (
+                env::VERIFY,
+                ringmaster_contract::trainer::flag_value(self.verify),
+            ),
+            (
+                env::AUTH,
+                ringmaster_contract::trainer::flag_value(self.auth),
+            ),
             (env::REPORT_TO, self.report_to.clone()),
         ]
     }

@@ -141,22 +141,23 @@ impl GpuProbe {
     }
 }
 
-/// Where `requested` computes on a trainer with `capabilities` on a machine `probe` found,
-/// and why when `auto` did not pick the GPU. `cpu` and `cuda` are taken as asked (the
-/// settings check refuses what the trainer cannot do).
+/// Where `requested` computes on a trainer with `capabilities`, and why when `auto` did not
+/// pick the GPU. `probe` looks at the machine; it is called only when `auto` could take the
+/// GPU. `cpu` and `cuda` are taken as asked (the settings check refuses what the trainer
+/// cannot do).
 pub fn resolve_device(
     requested: Device,
     capabilities: &Capabilities,
-    probe: &GpuProbe,
+    probe: impl FnOnce() -> GpuProbe,
 ) -> (Device, Option<String>) {
     match requested {
         Device::Auto if !capabilities.devices.contains(&Device::Cuda) => (
             Device::Cpu,
             Some("this release of ringmaster-trainer has no CUDA engine yet".into()),
         ),
-        Device::Auto => match &probe.missing {
+        Device::Auto => match probe().missing {
             None => (Device::Cuda, None),
-            Some(why) => (Device::Cpu, Some(why.clone())),
+            Some(why) => (Device::Cpu, Some(why)),
         },
         other => (other, None),
     }
@@ -185,17 +186,18 @@ mod tests {
             devices: vec![Device::Cpu, Device::Cuda],
             ..Capabilities::this_release()
         };
-        let (device, why) = resolve_device(Device::Auto, &this_release, &probe(None));
+        let never = || -> GpuProbe { panic!("no probe needed") };
+        let (device, why) = resolve_device(Device::Auto, &this_release, never);
         assert_eq!(device, Device::Cpu);
         assert!(why.unwrap().contains("no CUDA engine"));
         assert_eq!(
-            resolve_device(Device::Auto, &with_cuda, &probe(None)),
+            resolve_device(Device::Auto, &with_cuda, || probe(None)),
             (Device::Cuda, None)
         );
-        let (device, why) = resolve_device(Device::Auto, &with_cuda, &probe(Some("no GPU")));
+        let (device, why) = resolve_device(Device::Auto, &with_cuda, || probe(Some("no GPU")));
         assert_eq!((device, why.as_deref()), (Device::Cpu, Some("no GPU")));
         assert_eq!(
-            resolve_device(Device::Cpu, &with_cuda, &probe(None)),
+            resolve_device(Device::Cpu, &with_cuda, never),
             (Device::Cpu, None)
         );
     }

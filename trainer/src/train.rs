@@ -103,8 +103,8 @@ pub fn run(args: &TrainArgs, collective: &mut dyn Collective) -> Result<Summary,
     let capabilities = Capabilities::this_release();
     args.check(&capabilities)
         .map_err(TrainError::InvalidSettings)?;
-    let probe = crate::gpu::GpuProbe::detect();
-    let (device, reason) = crate::gpu::resolve_device(args.device, &capabilities, &probe);
+    let (device, reason) =
+        crate::gpu::resolve_device(args.device, &capabilities, crate::gpu::GpuProbe::detect);
     if device != Device::Cpu {
         // `check` refuses a device this release cannot compute on; `auto` never picks one.
         return Err(TrainError::Settings(format!(

@@ -2,16 +2,10 @@
 //! engine, so `auto` computes on the CPU and says why; `info` lists what the trainer can run
 //! (the contract's capabilities) and what the machine offers, consistently.
 
-use std::process::Command;
+mod common;
 
+use common::{TINY_RUN, trainer};
 use ringmaster_contract::trainer::{Capabilities, Device, Line};
-
-fn trainer(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_ringmaster-trainer"))
-        .args(args)
-        .output()
-        .expect("trainer runs")
-}
 
 #[test]
 fn info_prints_the_capabilities_and_the_gpu_probe() {
@@ -39,17 +33,12 @@ fn info_prints_the_capabilities_and_the_gpu_probe() {
 
 #[test]
 fn auto_computes_on_the_cpu_and_says_why() {
-    let out = trainer(&[
-        "train",
-        "--model=cifar8",
-        "--width=4",
-        "--image-size=8",
-        "--batch-size=4",
-        "--learnable-classes=2",
-        "--dataset-size=64",
-        "--steps=2",
-        "--device=auto",
-    ]);
+    let args = [
+        &["train"],
+        TINY_RUN,
+        &["--dataset-size=64", "--steps=2", "--device=auto"],
+    ];
+    let out = trainer(&args.concat());
     assert!(
         out.status.success(),
         "{}",

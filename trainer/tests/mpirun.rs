@@ -107,18 +107,9 @@ fn a_rank_killed_under_mpirun_leaves_the_launcher_with_the_lost_peer_code() {
         .arg(&termination)
         .arg("--")
         .args(common::mpirun_command(3))
-        .args([
-            trainer,
-            "train",
-            "--model=cifar8",
-            "--width=4",
-            "--image-size=8",
-            "--batch-size=4",
-            "--learnable-classes=2",
-            "--dataset-size=4096",
-            "--steps=100000",
-            "--log-every=1",
-        ])
+        .args([trainer, "train"])
+        .args(common::TINY_RUN)
+        .args(["--dataset-size=4096", "--steps=100000", "--log-every=1"])
         .envs(common::mpirun_env())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

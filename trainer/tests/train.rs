@@ -3,10 +3,9 @@
 //! accumulates the same four micro-batches.
 
 mod common;
-use common::{json_lines, summary};
+use common::{json_lines, summary, trainer};
 
 use std::path::Path;
-use std::process::Command;
 
 use ringmaster_trainer::engine::checkpoint;
 use ringmaster_trainer::engine::{Arch, Model};
@@ -26,13 +25,6 @@ const SMALL: &[&str] = &[
     "--log-every",
     "1",
 ];
-
-fn trainer(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_ringmaster-trainer"))
-        .args(args)
-        .output()
-        .expect("trainer runs")
-}
 
 #[test]
 fn training_on_learnable_data_drives_the_loss_down() {

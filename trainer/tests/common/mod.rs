@@ -3,6 +3,24 @@
 
 use std::process::Command;
 
+/// The smallest network that trains: a 4-wide CIFAR ResNet-8 on 8×8 images of two
+/// learnable classes, 4 images per rank (add `--dataset-size` and `--steps`).
+pub const TINY_RUN: &[&str] = &[
+    "--model=cifar8",
+    "--width=4",
+    "--image-size=8",
+    "--batch-size=4",
+    "--learnable-classes=2",
+];
+
+/// `ringmaster-trainer ARGS…`, run to the end.
+pub fn trainer(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_ringmaster-trainer"))
+        .args(args)
+        .output()
+        .expect("trainer runs")
+}
+
 /// A port on 127.0.0.1 that was free a moment ago.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
