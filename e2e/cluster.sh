@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Ringmaster's local Kubernetes control plane: upstream etcd, kube-apiserver,
 # kube-controller-manager and kube-scheduler built from source (tools/build.sh), run by
-# `kwokctl --runtime binary`, with KWOK playing AKS-shaped nodes (kwok/stages.yaml).
-# Everything listens on 127.0.0.1 only.
+# `kwokctl --runtime binary`, with KWOK playing AKS-shaped nodes (kwok/stages.yaml), and one
+# real node (node.sh: kubelet, containerd, runc) where pods that tolerate it really run.
+# Everything listens on 127.0.0.1, except what pods on the real node must reach (node.sh).
 #
 #   e2e/cluster.sh up       start it (a no-op when it is up); writes e2e/.state/kubeconfig
 #   e2e/cluster.sh down     stop every process it started and remove its state
@@ -60,6 +61,11 @@ up() {
   rm -f "$kubeconfig"
   log "starting etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok-controller"
   local start=$SECONDS
+  # kwokctl v0.8.0 files a component's later --extra-args under the index of its first one in
+  # the list: a component's first argument must come before any second argument of another,
+  # so the API server's and KWOK's later arguments go last. The real node's kubelet is reached
+  # at its InternalIP (its hostname resolves nowhere); the API server advertises the address
+  # node.sh relays to it for pods; KWOK plays only the nodes annotated as its own.
   "$bin/kwokctl" create cluster --name "$name" --runtime binary \
     --kube-apiserver-binary "$bin/kube-apiserver" \
     --kube-controller-manager-binary "$bin/kube-controller-manager" \
@@ -67,7 +73,7 @@ up() {
     --etcd-binary "$bin/etcd" \
     --kwok-controller-binary "$bin/kwok" \
     --kubeconfig "$kubeconfig" \
-    -c "$here/kwok/stages.yaml" \
+    -c "$here/kwok/stages.yaml" -c "$here/kwok/kwokctl.yaml" \
     --kube-authorization=true \
     --disable-qps-limits \
     --kube-apiserver-port "$api_port" --etcd-port "$etcd_port" \
@@ -81,6 +87,12 @@ up() {
     --extra-args "etcd=listen-peer-urls=http://127.0.0.1:$etcd_peer_port" \
     --extra-args "etcd=initial-advertise-peer-urls=http://127.0.0.1:$etcd_peer_port" \
     --extra-args "etcd=initial-cluster=node0=http://127.0.0.1:$etcd_peer_port" \
+    --extra-args "kube-apiserver=kubelet-preferred-address-types=InternalIP" \
+    --extra-args "kube-apiserver=advertise-address=10.244.0.1" \
+    --extra-args "kube-apiserver=kubelet-client-certificate=$KWOK_WORKDIR/clusters/$name/pki/admin.crt" \
+    --extra-args "kube-apiserver=kubelet-client-key=$KWOK_WORKDIR/clusters/$name/pki/admin.key" \
+    --extra-args "kwok-controller=manage-all-nodes=false" \
+    --extra-args "kwok-controller=manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake" \
     --wait 120s -v WARN
   log "control plane ready after $((SECONDS - start)) s; adding simulated AKS nodes"
   kwok_nodes add --pool system --vm-size Standard_D4s_v5 --count 2 --mode system
@@ -91,6 +103,7 @@ up() {
     "$bin/kubectl" --kubeconfig "$kubeconfig" get serviceaccount default -n default >/dev/null 2>&1 && break
     sleep 0.5
   done
+  "$here/node.sh" up
   log "up in $((SECONDS - start)) s"
   usage_hint
 }
@@ -98,6 +111,8 @@ up() {
 down() {
   bin=$(binaries)
   local dir="$KWOK_WORKDIR/clusters/$name" pids=()
+  # The real node first: its containers, mounts and network go before the state folder does.
+  "$here/node.sh" down
   if [ -d "$dir" ]; then
     for f in "$dir"/pids/*.pid; do [ -f "$f" ] && pids+=("$(cat "$f")"); done
     "$bin/kwokctl" delete cluster --name "$name" --kubeconfig "$kubeconfig" -v WARN || true

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Builds the local control plane's binaries from upstream Go modules into a cache outside
 # the repository, keyed by version; a binary already in the cache is not rebuilt.
-#   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl  (k8s.io/kubernetes)
+#   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl,
+#   kubelet, kube-proxy                                               (k8s.io/kubernetes)
 #   etcd                                                              (go.etcd.io/etcd/server/v3)
 #   kwok, kwokctl                                                     (sigs.k8s.io/kwok)
 #   helm                                                              (helm.sh/helm/v3)
+#   containerd, containerd-shim-runc-v2, ctr                          (github.com/containerd/containerd/v2)
+#   coredns                                                           (github.com/coredns/coredns)
 # Prints the folder holding them all on stdout (cluster.sh captures it); what it builds, and
 # how long each build took, goes to stderr. Versions live in e2e/versions.env.
 set -euo pipefail
@@ -22,7 +25,7 @@ log() { printf '[build] %s\n' "$*" >&2; }
 building() { started=$SECONDS; log "building $*"; }
 built() { log "built $1 in $((SECONDS - started)) s"; }
 
-k8s_cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+k8s_cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy)
 missing=()
 for c in "${k8s_cmds[@]}"; do [ -x "$bin/$c" ] || missing+=("k8s.io/kubernetes/cmd/$c"); done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -58,5 +61,25 @@ if [ ! -x "$bin/helm" ] || ! "$bin/helm" version --short 2>/dev/null | grep -q "
     -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" \
     "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" >&2
   built "Helm $HELM_VERSION"
+fi
+# The real node's runtime and the cluster's DNS (e2e/node.sh). runc and the CNI plugins are
+# Debian's (installed by node.sh), as a distribution's kubelet would use them.
+# (Versions are read into a variable first: `grep -q` closing the pipe early would fail it.)
+if [ "$("$bin/containerd" --version 2>/dev/null || true)" != "containerd github.com/containerd/containerd/v2 $CONTAINERD_VERSION " ]; then
+  building "containerd $CONTAINERD_VERSION"
+  work=$(mktemp -d); cp "$here/containerd/go.mod" "$here/containerd/go.sum" "$here/containerd/tools.go" "$work/"
+  (cd "$work" && go build -trimpath -tags "no_btrfs no_devmapper no_zfs" \
+    -ldflags "-s -w -X github.com/containerd/containerd/v2/version.Version=$CONTAINERD_VERSION" \
+    -o "$bin/" github.com/containerd/containerd/v2/cmd/containerd \
+    github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 \
+    github.com/containerd/containerd/v2/cmd/ctr >&2)
+  rm -rf "$work"
+  built "containerd $CONTAINERD_VERSION"
+fi
+if [ "$("$bin/coredns" -version 2>/dev/null | head -1 || true)" != "CoreDNS-${COREDNS_VERSION#v}" ]; then
+  building "CoreDNS $COREDNS_VERSION"
+  GOBIN="$bin" GOFLAGS= go install -trimpath -ldflags "-s -w" \
+    "github.com/coredns/coredns@$COREDNS_VERSION" >&2
+  built "CoreDNS $COREDNS_VERSION"
 fi
 echo "$bin"

@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# Builds the real node's container images as an OCI image archive, without a Docker engine
+# or a registry, for `ctr images import` (e2e/node.sh). Prints the archive's path on stdout;
+# progress goes to stderr.
+#
+#   ringmaster.local/pause:3.10
+#       the pod sandbox: Debian's static catatonit in pause mode (`catatonit -P`).
+#   ringmaster.local/ringmaster-trainer:e2e        (runs as uid 1000, as the Dockerfile's)
+#   ringmaster.local/ringmaster-trainer:e2e-root   (the same files, run as root)
+#       layer 1: Debian bookworm from debootstrap, set up by trainer/image/setup.sh (the
+#                script the Dockerfile's trainer stage runs) with MPICH added; cached by the
+#                script's hash, made once (a few minutes: packages come from the Debian
+#                mirror).
+#       layer 2: /usr/local/bin/ringmaster-trainer and /usr/local/bin/ringmaster, the
+#                binaries given; remade when they change.
+#
+# Usage: image.sh TRAINER_BINARY RINGMASTER_BINARY
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+cache=${RINGMASTER_CACHE:-$HOME/.cache/ringmaster}/images
+trainer_bin=${1:?usage: image.sh TRAINER_BINARY RINGMASTER_BINARY}
+ringmaster_bin=${2:?usage: image.sh TRAINER_BINARY RINGMASTER_BINARY}
+setup="$root/trainer/image/setup.sh"
+suite=bookworm
+mirror=${RINGMASTER_DEBIAN_MIRROR:-http://deb.debian.org/debian}
+extra_packages=(mpich)
+mkdir -p "$cache"
+
+log() { printf '[image] %s\n' "$*" >&2; }
+sha() { sha256sum "$1" | cut -d' ' -f1; }
+need() {
+  local missing=()
+  for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  [ ${#missing[@]} -eq 0 ] && return
+  log "installing ${missing[*]} (apt)"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+need debootstrap catatonit
+
+# Layer 1: the root filesystem. Its name holds what decides its contents.
+base_key=$(printf '%s %s %s\n' "$suite" "${extra_packages[*]}" "$(sha "$setup")" | sha256sum | cut -c1-16)
+base="$cache/trainer-base-$base_key.tar"
+if [ ! -f "$base" ]; then
+  started=$SECONDS
+  log "making the trainer image's root filesystem: debootstrap $suite, then trainer/image/setup.sh (first time: a few minutes)"
+  work=$(mktemp -d "$cache/rootfs.XXXXXX")
+  trap 'umount "$work/rootfs/proc" 2>/dev/null || true; rm -rf "$work"' EXIT
+  debootstrap --variant=minbase "$suite" "$work/rootfs" "$mirror" >"$work/debootstrap.log" 2>&1 \
+    || { tail -20 "$work/debootstrap.log" >&2; exit 1; }
+  cp /etc/resolv.conf "$work/rootfs/etc/resolv.conf"
+  # Packages' scripts must not start services in the chroot.
+  printf '#!/bin/sh\nexit 101\n' >"$work/rootfs/usr/sbin/policy-rc.d"
+  chmod +x "$work/rootfs/usr/sbin/policy-rc.d"
+  cp "$setup" "$work/rootfs/tmp/setup.sh"
+  mount -t proc proc "$work/rootfs/proc"
+  chroot "$work/rootfs" /bin/sh /tmp/setup.sh "${extra_packages[@]}" >"$work/setup.log" 2>&1 \
+    || { tail -30 "$work/setup.log" >&2; exit 1; }
+  umount "$work/rootfs/proc"
+  rm -f "$work/rootfs/tmp/setup.sh" "$work/rootfs/usr/sbin/policy-rc.d"
+  : >"$work/rootfs/etc/resolv.conf"
+  rm -rf "$work/rootfs/var/cache/apt/archives/"*.deb "$work/rootfs/var/log/"*
+  tar --numeric-owner --xattrs -C "$work/rootfs" -cf "$base.partial" .
+  mv "$base.partial" "$base"
+  rm -rf "$work"; trap - EXIT
+  log "root filesystem made in $((SECONDS - started)) s ($(du -h "$base" | cut -f1))"
+fi
+
+# Layer 2 and the archive, named by what they hold.
+key=$(printf '%s %s %s\n' "$base_key" "$(sha "$trainer_bin")" "$(sha "$ringmaster_bin")" | sha256sum | cut -c1-16)
+archive="$cache/ringmaster-node-images-$key.tar"
+if [ -f "$archive" ]; then echo "$archive"; exit 0; fi
+log "packing the images (trainer and ringmaster binaries changed)"
+work=$(mktemp -d "$cache/oci.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+blobs="$work/layout/blobs/sha256"
+mkdir -p "$blobs" "$work/bins/usr/local/bin" "$work/pause"
+# Adds a file as a blob; prints `"digest":"sha256:…","size":N`.
+blob() {
+  local digest size
+  digest=$(sha "$1"); size=$(stat -c %s "$1")
+  mv "$1" "$blobs/$digest"
+  printf '"digest":"sha256:%s","size":%s' "$digest" "$size"
+}
+layer_of_tar() { ln "$1" "$work/layer.tar" 2>/dev/null || cp "$1" "$work/layer.tar"; blob "$work/layer.tar"; }
+diff_id() { sed 's/.*"digest":"\([^"]*\)".*/\1/' <<<"$1"; }
+
+install -m 0755 "$trainer_bin" "$work/bins/usr/local/bin/ringmaster-trainer"
+install -m 0755 "$ringmaster_bin" "$work/bins/usr/local/bin/ringmaster"
+strip --strip-debug "$work/bins/usr/local/bin/"* 2>/dev/null || true
+tar --numeric-owner --owner=0 --group=0 -C "$work/bins" -cf "$work/bins.tar" .
+base_layer=$(layer_of_tar "$base")
+bins_layer=$(layer_of_tar "$work/bins.tar")
+catatonit=$(command -v catatonit || echo /usr/bin/catatonit)
+install -m 0755 "$catatonit" "$work/pause/pause"
+tar --numeric-owner --owner=0 --group=0 -C "$work/pause" -cf "$work/pause.tar" .
+pause_layer=$(layer_of_tar "$work/pause.tar")
+
+tar_layer='"mediaType":"application/vnd.oci.image.layer.v1.tar"'
+# image NAME USER CONFIG-EXTRA LAYER... → one manifest entry for index.json
+image() {
+  local name=$1 user=$2 extra=$3; shift 3
+  local diffs=() layers=() l
+  for l in "$@"; do diffs+=("\"$(diff_id "$l")\""); layers+=("{$tar_layer,$l}"); done
+  local IFS=,
+  printf '{"architecture":"amd64","os":"linux","config":{"User":"%s","Env":["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]%s},"rootfs":{"type":"layers","diff_ids":[%s]}}' \
+    "$user" "$extra" "${diffs[*]}" >"$work/config.json"
+  local config; config=$(blob "$work/config.json")
+  printf '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{"mediaType":"application/vnd.oci.image.config.v1+json",%s},"layers":[%s]}' \
+    "$config" "${layers[*]}" >"$work/manifest.json"
+  local manifest; manifest=$(blob "$work/manifest.json")
+  printf '{"mediaType":"application/vnd.oci.image.manifest.v1+json",%s,"annotations":{"io.containerd.image.name":"%s","org.opencontainers.image.ref.name":"%s"}}' \
+    "$manifest" "$name" "${name##*:}"
+}
+trainer_config=',"WorkingDir":"/home/trainer","Cmd":["ringmaster-trainer","info"]'
+entries=(
+  "$(image ringmaster.local/pause:3.10 0:0 ',"Entrypoint":["/pause","-P"]' "$pause_layer")"
+  "$(image ringmaster.local/ringmaster-trainer:e2e 1000:1000 "$trainer_config" "$base_layer" "$bins_layer")"
+  "$(image ringmaster.local/ringmaster-trainer:e2e-root 0:0 "$trainer_config" "$base_layer" "$bins_layer")"
+)
+(IFS=,; printf '{"schemaVersion":2,"manifests":[%s]}' "${entries[*]}") >"$work/layout/index.json"
+printf '{"imageLayoutVersion":"1.0.0"}' >"$work/layout/oci-layout"
+tar -C "$work/layout" -cf "$archive.partial" .
+mv "$archive.partial" "$archive"
+# Older archives of other binaries are of no further use.
+find "$cache" -maxdepth 1 -name 'ringmaster-node-images-*.tar' ! -name "${archive##*/}" -delete
+log "images packed: $(du -h "$archive" | cut -f1)"
+echo "$archive"
