@@ -501,7 +501,7 @@ pub enum MpiImplementation {
     OpenMPI,
     /// Intel MPI: `mpirun` (Hydra), hostfile lines `host:N`.
     IntelMPI,
-    /// MPICH: `mpiexec` (Hydra), hostfile lines `host:N`.
+    /// MPICH: `mpiexec.hydra` (Hydra by its own name), hostfile lines `host:N`.
     MPICH,
 }
 

@@ -7,7 +7,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use serde_json::{Value, json};
 
-use super::names::{self, LAUNCHER_ROLE, RENDEZVOUS_PORT, SSH_MOUNT, WORKER_ROLE};
+use super::names::{self, LAUNCHER_ROLE, RENDEZVOUS_PORT, SSH_MOUNT, SSH_SECRET_MOUNT, WORKER_ROLE};
 use super::pool;
 use super::validate::{Program, TrainerSettings, ValidatedTrainingJob};
 use crate::api::{MpiImplementation, OutputSpec, PodOverrides};
@@ -205,11 +205,31 @@ fn output_volume(output: &OutputSpec) -> (Value, Value) {
     )
 }
 
-fn ssh_volume(job: &ValidatedTrainingJob) -> (Value, Value) {
-    (
-        json!({"name": "ssh", "secret": {"secretName": names::ssh_secret(&job.name), "defaultMode": 0o600}}),
-        json!({"name": "ssh", "mountPath": SSH_MOUNT, "readOnly": true}),
-    )
+/// The SSH Secret (read only) and the memory folder the container's user copies it into.
+fn ssh_volumes(job: &ValidatedTrainingJob) -> [(Value, Value); 2] {
+    [
+        (
+            json!({"name": "ssh-secret", "secret": {"secretName": names::ssh_secret(&job.name), "defaultMode": 0o600}}),
+            json!({"name": "ssh-secret", "mountPath": SSH_SECRET_MOUNT, "readOnly": true}),
+        ),
+        (
+            json!({"name": "ssh", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}),
+            json!({"name": "ssh", "mountPath": SSH_MOUNT}),
+        ),
+    ]
+}
+
+/// `command` run after the container's own user has copied the SSH key and
+/// `authorized_keys` into [`SSH_MOUNT`], readable by that user alone. Whoever the image runs
+/// as (root, or a user that reads the Secret through `fsGroup`), the copies are its own with
+/// mode 0600, which ssh, sshd and the readiness probe accept.
+fn with_private_ssh_keys(command: Vec<String>) -> Vec<String> {
+    let prepare = format!(
+        "umask 077 && cp {SSH_SECRET_MOUNT}/ssh-privatekey {SSH_SECRET_MOUNT}/authorized_keys {SSH_MOUNT}/ && exec \"$@\""
+    );
+    let mut wrapped: Vec<String> = vec!["sh".into(), "-c".into(), prepare, "sh".into()];
+    wrapped.extend(command);
+    wrapped
 }
 
 /// Applies the user's additions to a pod value (labels, annotations, env, volumes, ...).
@@ -278,9 +298,7 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
     let mut labels = names::pod_labels(&job.name, WORKER_ROLE, inputs.attempt);
     labels.insert(names::WORKER_INDEX_LABEL.into(), index.to_string());
     let port = job.mpi.ssh_port;
-    let (ssh_vol, ssh_mount) = ssh_volume(job);
-    let mut volumes = vec![ssh_vol];
-    let mut mounts = vec![ssh_mount];
+    let (mut volumes, mut mounts): (Vec<Value>, Vec<Value>) = ssh_volumes(job).into_iter().unzip();
     let mut limits = serde_json::Map::new();
     let mut capabilities = Vec::new();
     if job.gpus_per_worker > 0 {
@@ -337,13 +355,7 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
             "containers": [{
                 "name": "worker",
                 "image": job.image,
-                "command": [
-                    "/usr/sbin/sshd", "-D", "-e", "-p", port.to_string(),
-                    "-h", format!("{SSH_MOUNT}/ssh-privatekey"),
-                    "-o", format!("AuthorizedKeysFile={SSH_MOUNT}/authorized_keys"),
-                    "-o", "PidFile=/tmp/sshd.pid",
-                    "-o", "UsePAM=no",
-                ],
+                "command": with_private_ssh_keys(sshd_command(port)),
                 "ports": [
                     {"name": "ssh", "containerPort": port},
                     {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
@@ -362,6 +374,32 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
     });
     merge_overrides(&mut pod, &job.worker);
     typed(pod)
+}
+
+/// sshd in the foreground, logging to stderr, with the job's key as its host key and the
+/// job's public key as the only one it accepts. `StrictModes=no`: the folders above the key
+/// copies are volume mounts the user does not own (sshd would refuse them otherwise); the
+/// copies themselves are the user's own, mode 0600. `UsePAM=no` lets it run as any user.
+fn sshd_command(port: i32) -> Vec<String> {
+    [
+        "/usr/sbin/sshd",
+        "-D",
+        "-e",
+        "-p",
+        &port.to_string(),
+        "-h",
+        &format!("{SSH_MOUNT}/ssh-privatekey"),
+        "-o",
+        &format!("AuthorizedKeysFile={SSH_MOUNT}/authorized_keys"),
+        "-o",
+        "StrictModes=no",
+        "-o",
+        "PidFile=/tmp/sshd.pid",
+        "-o",
+        "UsePAM=no",
+    ]
+    .map(String::from)
+    .to_vec()
 }
 
 /// Environment every rank needs. Ranks are started by sshd, which passes no container
@@ -397,15 +435,11 @@ fn own_pool_placement(
 
 /// The launcher pod of gang `inputs.attempt`: runs the MPI launcher over the hostfile.
 pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
-    let (ssh_vol, ssh_mount) = ssh_volume(job);
-    let mut volumes = vec![
-        ssh_vol,
+    let (mut volumes, mut mounts): (Vec<Value>, Vec<Value>) = ssh_volumes(job).into_iter().unzip();
+    volumes.push(
         json!({"name": "hostfile", "configMap": {"name": names::hostfile_config_map(&job.name)}}),
-    ];
-    let mut mounts = vec![
-        ssh_mount,
-        json!({"name": "hostfile", "mountPath": names::HOSTFILE_MOUNT, "readOnly": true}),
-    ];
+    );
+    mounts.push(json!({"name": "hostfile", "mountPath": names::HOSTFILE_MOUNT, "readOnly": true}));
     if let Some(output) = &job.output {
         let (volume, mount) = output_volume(output);
         volumes.push(volume);
@@ -434,7 +468,7 @@ pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
             "containers": [{
                 "name": "launcher",
                 "image": job.image,
-                "command": launcher_command(job),
+                "command": with_private_ssh_keys(launcher_command(job)),
                 "env": env,
                 "volumeMounts": mounts,
                 "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -480,6 +514,9 @@ pub fn launcher_command(job: &ValidatedTrainingJob) -> Vec<String> {
             .map(String::from)
             .to_vec();
             c.extend(["--mca", "plm_rsh_args", &ssh].map(String::from));
+            // Open MPI shortens hostfile names to their first label unless told not to, and
+            // a worker's short name resolves nowhere (only `pod.service.namespace.svc` does).
+            c.extend(["--mca", "orte_keep_fqdn_hostnames", "1"].map(String::from));
             for name in &forwarded {
                 c.extend(["-x".to_string(), name.clone()]);
             }
@@ -503,8 +540,10 @@ pub fn launcher_command(job: &ValidatedTrainingJob) -> Vec<String> {
             c
         }
         MpiImplementation::MPICH => {
+            // Hydra by its own name: where Open MPI is installed too (Debian with both), plain
+            // `mpiexec` is Open MPI's.
             let mut c: Vec<String> = [
-                "mpiexec",
+                "mpiexec.hydra",
                 "-f",
                 &hostfile,
                 "-n",
