@@ -85,8 +85,31 @@ fn gpu_worker_pods_get_gpus_rdma_shared_memory_data_and_ssh() {
             .unwrap_or_else(|| panic!("no volume {name}"))
     };
     assert_eq!(
-        volume("ssh")["secret"],
+        volume("ssh-secret")["secret"],
         json!({"secretName": "resnet50-imagenet-ssh", "defaultMode": 0o600})
+    );
+    // The container's own user copies the key out of the Secret (root-owned, made
+    // group-readable by fsGroup) into memory, mode 0600, before sshd starts.
+    assert_eq!(
+        volume("ssh")["emptyDir"],
+        json!({"medium": "Memory", "sizeLimit": "1Mi"})
+    );
+    let command: Vec<&str> = c["command"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert_eq!(&command[..2], ["sh", "-c"]);
+    assert_eq!(
+        command[2],
+        "umask 077 && cp /etc/ringmaster/ssh-secret/ssh-privatekey /etc/ringmaster/ssh-secret/authorized_keys /etc/ringmaster/ssh/ && exec \"$@\""
+    );
+    assert_eq!(&command[3..5], ["sh", "/usr/sbin/sshd"]);
+    assert!(command.contains(&"StrictModes=no"), "{command:?}");
+    assert!(
+        command.contains(&"AuthorizedKeysFile=/etc/ringmaster/ssh/authorized_keys"),
+        "{command:?}"
     );
     assert_eq!(
         volume("dshm")["emptyDir"],
@@ -105,6 +128,12 @@ fn gpu_worker_pods_get_gpus_rdma_shared_memory_data_and_ssh() {
     assert_eq!(mount("data")["mountPath"], "/data");
     assert_eq!(mount("data")["readOnly"], true);
     assert_eq!(mount("dshm")["mountPath"], "/dev/shm");
+    assert_eq!(
+        mount("ssh-secret")["mountPath"],
+        "/etc/ringmaster/ssh-secret"
+    );
+    assert_eq!(mount("ssh-secret")["readOnly"], true);
+    assert_eq!(mount("ssh")["mountPath"], "/etc/ringmaster/ssh");
 
     // Ready means: ssh with the job's key to the worker's DNS name works.
     let probe = c["readinessProbe"]["exec"]["command"][2].as_str().unwrap();
@@ -189,6 +218,8 @@ fn the_launcher_runs_mpirun_over_every_rank_with_the_trainer() {
         text.contains("-x NCCL_IB_DISABLE") && text.contains("-x RINGMASTER_RENDEZVOUS"),
         "{text}"
     );
+    // Hostfile names are pod.service.namespace.svc; Open MPI would cut them to the pod name.
+    assert!(text.contains("--mca orte_keep_fqdn_hostnames 1"), "{text}");
     let train = command
         .iter()
         .position(|a| a == "train")
@@ -211,6 +242,19 @@ fn the_launcher_runs_mpirun_over_every_rank_with_the_trainer() {
     }
 
     let pod = value(&build::launcher_pod(&job, &inputs()));
+    // The pod runs that command once its user has its own copy of the key.
+    let pod_command = pod["spec"]["containers"][0]["command"].as_array().unwrap();
+    assert!(
+        pod_command[2]
+            .as_str()
+            .unwrap()
+            .starts_with("umask 077 && cp /etc/ringmaster/ssh-secret/ssh-privatekey"),
+        "{pod_command:?}"
+    );
+    assert_eq!(
+        &pod_command[4..],
+        &command.iter().map(|a| json!(a)).collect::<Vec<_>>()[..]
+    );
     let env = pod["spec"]["containers"][0]["env"]
         .as_array()
         .unwrap()
@@ -245,15 +289,36 @@ fn mpich_and_a_users_command() {
     let command = build::launcher_command(&job);
     assert_eq!(
         &command[..5],
-        ["mpiexec", "-f", "/etc/ringmaster/mpi/hostfile", "-n", "4"]
+        [
+            "mpiexec.hydra",
+            "-f",
+            "/etc/ringmaster/mpi/hostfile",
+            "-n",
+            "4"
+        ]
     );
     assert_eq!(
         &command[command.len() - 4..],
         ["python", "train.py", "--epochs", "1"]
     );
+    // Hydra runs a program, not a command line: the ConfigMap's ssh program has the options.
+    // Hydra's proxies call back to the launcher at its pod IP (its host name resolves nowhere).
+    assert_eq!(&command[5..7], ["-localhost", "$(RINGMASTER_LAUNCHER_IP)"]);
+    let launcher = value(&build::launcher_pod(&job, &BuildInputs::default()));
+    let env = launcher["spec"]["containers"][0]["env"].as_array().unwrap();
     assert!(
-        command.iter().any(|a| a.starts_with("ssh -p 3022")),
-        "{command:?}"
+        env.contains(&json!({"name": "RINGMASTER_LAUNCHER_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})),
+        "{env:?}"
+    );
+    let exec = command.iter().position(|a| a == "-launcher-exec").unwrap();
+    assert_eq!(command[exec + 1], "/etc/ringmaster/mpi/ssh");
+    let config_map = value(&build::hostfile_config_map(&job));
+    let program = config_map["data"]["ssh"].as_str().unwrap();
+    assert!(program.starts_with("#!/bin/sh\n"), "{program}");
+    assert!(
+        program.contains("exec ssh -p 3022 -i /etc/ringmaster/ssh/ssh-privatekey ")
+            && program.ends_with(" \"$@\"\n"),
+        "{program}"
     );
 }
 

@@ -7,10 +7,13 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Operator, TestNamespace, apply, client, ensure_crds, eventually};
+use common::{
+    Operator, TestNamespace, apply, client, condition, ensure_crds, eventually, job_status,
+    phase_is, pods, ready_since, wait_phase,
+};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
-use kube::{Api, Client, ResourceExt};
+use kube::{Api, ResourceExt};
 use ringmaster::api::{TrainingJob, TrainingJobPhase};
 use serde_json::{Value, json};
 
@@ -39,66 +42,6 @@ fn launcher_exits(spec: &mut Value, code: i32, after: &str) {
         "kwok.ringmaster.dev/exit-after": after,
         "kwok.ringmaster.dev/termination-message": common::trainer_summary(2790.5, 100, 1.25),
     }});
-}
-
-async fn job_status(client: &Client, ns: &str, name: &str) -> Value {
-    let jobs: Api<TrainingJob> = Api::namespaced(client.clone(), ns);
-    jobs.get_opt(name)
-        .await
-        .unwrap()
-        .and_then(|j| j.status)
-        .map(|s| serde_json::to_value(s).unwrap())
-        .unwrap_or(Value::Null)
-}
-
-fn phase_is(status: &Value, phase: TrainingJobPhase) -> bool {
-    status["phase"] == serde_json::to_value(phase).unwrap()
-}
-
-async fn wait_phase(
-    client: &Client,
-    ns: &str,
-    name: &str,
-    phase: TrainingJobPhase,
-    timeout: u64,
-) -> Value {
-    let what = format!("{name} {phase:?}");
-    let mut last = Value::Null;
-    let deadline = std::time::Instant::now() + Duration::from_secs(timeout);
-    while std::time::Instant::now() < deadline {
-        last = job_status(client, ns, name).await;
-        if phase_is(&last, phase) {
-            return last;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    panic!("timed out waiting for {what}; last status: {last:#}");
-}
-
-fn condition<'a>(status: &'a Value, type_: &str) -> &'a Value {
-    status["conditions"]
-        .as_array()
-        .and_then(|cs| cs.iter().find(|c| c["type"] == type_))
-        .unwrap_or(&Value::Null)
-}
-
-async fn pods(client: &Client, ns: &str, job: &str) -> Vec<Pod> {
-    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
-    api.list(&ListParams::default().labels(&format!("ringmaster.dev/job-name={job}")))
-        .await
-        .unwrap()
-        .items
-}
-
-fn ready_since(pod: &Pod) -> Option<k8s_openapi::jiff::Timestamp> {
-    pod.status
-        .as_ref()?
-        .conditions
-        .as_ref()?
-        .iter()
-        .find(|c| c.type_ == "Ready" && c.status == "True")
-        .and_then(|c| c.last_transition_time.as_ref())
-        .map(|t| t.0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

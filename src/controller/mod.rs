@@ -171,7 +171,7 @@ impl Context {
             controller: FIELD_MANAGER.into(),
             instance,
         };
-        let (pods, pods_writer) = reflector::store_shared(1024);
+        let (pods, pods_writer) = reflector::store();
         Self {
             recorder: Recorder::new(client.clone(), reporter),
             client,
@@ -439,20 +439,19 @@ pub async fn run(
         .expect("pods writer lock")
         .take()
         .expect("controller::run is called once per Context");
-    let pod_events = pods_writer
-        .subscribe()
-        .expect("a shared store can be subscribed to");
     let pod_watch = watcher::Config::default()
         .labels(training_job::names::JOB_NAME_LABEL)
         .any_semantic();
-    let pod_reflector = watcher(scope.api::<Pod>(&ctx.client), pod_watch)
+    // One watch of the operator's pods fills the store reconcile reads and wakes the owning
+    // jobs: every applied *and deleted* pod triggers its owner (a gang restart waits for the
+    // old pods to be gone). kube-runtime's shared-store subscription is not used: it dispatches
+    // no deletions, and its handle stalls (Pending without a wake-up) when an object it
+    // announces has left the store before it is read, which real pods being deleted do
+    // (found on the real node: the job stopped hearing of its pods).
+    let pod_events = watcher(scope.api::<Pod>(&ctx.client), pod_watch)
         .default_backoff()
-        .reflect_shared(pods_writer)
-        .for_each(|event| async move {
-            if let Err(error) = event {
-                tracing::warn!(%error, "watching pods");
-            }
-        });
+        .reflect(pods_writer)
+        .touched_objects();
 
     let jobs = Controller::new(
         scope.api::<DeserializeGuard<TrainingJob>>(&ctx.client),
@@ -461,7 +460,7 @@ pub async fn run(
     let job_store = jobs.store();
     let jobs_by_stage = job_store.clone();
     let jobs = jobs
-        .owns_shared_stream(pod_events)
+        .owns_stream(pod_events)
         .watches(
             scope.api::<DataStage>(&ctx.client),
             watch.clone(),
@@ -544,10 +543,7 @@ pub async fn run(
     let stages = stages
         .run(data_stage::reconcile, error_policy, ctx.clone())
         .for_each(|result| async move { log_result(data_stage::CONTROLLER, result) });
-    tokio::select! {
-        _ = futures::future::join(jobs, stages) => {}
-        () = pod_reflector => tracing::warn!("the pod watch ended"),
-    }
+    futures::future::join(jobs, stages).await;
     tracing::info!("controllers stopped");
 }
 

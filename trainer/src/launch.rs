@@ -60,6 +60,7 @@ pub fn run(command: &[String], termination_message: &Path) -> Result<u8, LaunchE
             program: program.clone(),
             source,
         })?;
+    forward_termination(child.id())?;
     let stdout = child.stdout.take().expect("piped stdout");
     let mut summary = None;
     let mut out = std::io::stdout().lock();
@@ -83,6 +84,22 @@ pub fn run(command: &[String], termination_message: &Path) -> Result<u8, LaunchE
     }
     use std::os::unix::process::ExitStatusExt;
     Ok(exit_code(status.code(), status.signal()))
+}
+
+/// Passes SIGTERM and SIGINT on to the MPI launcher, which stops its ranks and exits, and
+/// with it `launch`. As a container's first process, `launch` would otherwise ignore the
+/// SIGTERM the kubelet sends when the pod is deleted and be killed only when the grace period
+/// (30 s) ends: every gang restart and every deletion would wait for it.
+fn forward_termination(child: u32) -> std::io::Result<()> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT])?;
+    std::thread::spawn(move || {
+        for signal in signals.forever() {
+            // SAFETY: kill(2) takes any pid and signal number; the pid is our own child's.
+            unsafe { libc::kill(child as libc::pid_t, signal) };
+        }
+    });
+    Ok(())
 }
 
 #[cfg(test)]

@@ -162,3 +162,54 @@ fn a_rank_killed_under_mpirun_leaves_the_launcher_with_the_lost_peer_code() {
     );
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// The kubelet stops a pod with SIGTERM to its first process, `launch` in the launcher pod:
+/// `launch` passes it to the MPI launcher (here a stand-in that records its pid and sleeps)
+/// and leaves when it has exited, rather than ignoring it (as a container's first process
+/// would) or dying alone and leaving it running.
+#[test]
+fn sigterm_to_launch_reaches_the_mpi_launcher_which_ends() {
+    let dir = std::env::temp_dir().join(format!("sigterm-launch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let pid_file = dir.join("launcher.pid");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ringmaster-trainer"))
+        .arg("launch")
+        .arg("--termination-message")
+        .arg(dir.join("termination-log"))
+        .args(["--", "sh", "-c"])
+        .arg(format!("echo $$ > {}; exec sleep 60", pid_file.display()))
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("launch starts");
+    let started = Instant::now();
+    let launcher: i32 = loop {
+        if let Some(pid) = std::fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+        {
+            break pid;
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "no pid file");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = child.wait().unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "launch took {:?} to end",
+        started.elapsed()
+    );
+    // The stand-in died of the SIGTERM: launch leaves with 128 + 15.
+    assert_eq!(status.code(), Some(143));
+    assert!(
+        !std::path::Path::new(&format!("/proc/{launcher}")).exists(),
+        "the MPI launcher {launcher} is still running"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

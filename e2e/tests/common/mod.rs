@@ -328,3 +328,69 @@ pub async fn events_for(
         .map(|l| l.items)
         .unwrap_or_default()
 }
+
+/// The TrainingJob's status as JSON (null while it has none, or is gone).
+pub async fn job_status(client: &Client, ns: &str, name: &str) -> Value {
+    let jobs: Api<ringmaster::api::TrainingJob> = Api::namespaced(client.clone(), ns);
+    jobs.get_opt(name)
+        .await
+        .unwrap()
+        .and_then(|j| j.status)
+        .map(|s| serde_json::to_value(s).unwrap())
+        .unwrap_or(Value::Null)
+}
+
+/// Whether the status is in `phase`.
+pub fn phase_is(status: &Value, phase: ringmaster::api::TrainingJobPhase) -> bool {
+    status["phase"] == serde_json::to_value(phase).unwrap()
+}
+
+/// Polls until the job is in `phase`; panics with the last status after `timeout` seconds.
+pub async fn wait_phase(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    phase: ringmaster::api::TrainingJobPhase,
+    timeout: u64,
+) -> Value {
+    let what = format!("{name} {phase:?}");
+    let mut last = Value::Null;
+    let deadline = std::time::Instant::now() + Duration::from_secs(timeout);
+    while std::time::Instant::now() < deadline {
+        last = job_status(client, ns, name).await;
+        if phase_is(&last, phase) {
+            return last;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("timed out waiting for {what}; last status: {last:#}");
+}
+
+/// The condition `type_` of a status (null when absent).
+pub fn condition<'a>(status: &'a Value, type_: &str) -> &'a Value {
+    status["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == type_))
+        .unwrap_or(&Value::Null)
+}
+
+/// The job's pods (every attempt).
+pub async fn pods(client: &Client, ns: &str, job: &str) -> Vec<k8s_openapi::api::core::v1::Pod> {
+    let api: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), ns);
+    api.list(&kube::api::ListParams::default().labels(&format!("ringmaster.dev/job-name={job}")))
+        .await
+        .unwrap()
+        .items
+}
+
+/// When the pod last became Ready, if it is.
+pub fn ready_since(pod: &k8s_openapi::api::core::v1::Pod) -> Option<k8s_openapi::jiff::Timestamp> {
+    pod.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "Ready" && c.status == "True")
+        .and_then(|c| c.last_transition_time.as_ref())
+        .map(|t| t.0)
+}

@@ -7,14 +7,22 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use serde_json::{Value, json};
 
-use super::names::{self, LAUNCHER_ROLE, RENDEZVOUS_PORT, SSH_MOUNT, SSH_SECRET_MOUNT, WORKER_ROLE};
+use super::names::{
+    self, LAUNCHER_ROLE, RENDEZVOUS_PORT, SSH_MOUNT, SSH_SECRET_MOUNT, WORKER_ROLE,
+};
 use super::pool;
 use super::validate::{Program, TrainerSettings, ValidatedTrainingJob};
 use crate::api::{MpiImplementation, OutputSpec, PodOverrides};
 
 /// Group the pods' volumes are given to, so a non-root user (the trainer image's uid/gid
-/// 1000) can read the SSH key, which is mounted 0600 and owned by root.
+/// 1000) can read the SSH key, which is mounted owned by root (0600 becomes 0640 with the
+/// group); every container copies it into a file of its own before use.
 pub const POD_FS_GROUP: i64 = 1000;
+/// The key of the ssh program in the launcher's ConfigMap, and its file name under
+/// [`names::HOSTFILE_MOUNT`].
+pub const SSH_PROGRAM: &str = "ssh";
+/// The launcher's variable with its own pod IP (downward API).
+pub const LAUNCHER_IP_ENV: &str = "RINGMASTER_LAUNCHER_IP";
 
 /// NCCL and UCX settings for InfiniBand on Azure ND-series VMs; `infiniband.env` overrides them.
 pub const DEFAULT_IB_ENV: &[(&str, &str)] = &[
@@ -132,7 +140,16 @@ pub fn hostfile(job: &ValidatedTrainingJob) -> String {
         .collect()
 }
 
-/// The hostfile ConfigMap.
+/// `ssh` with the job's settings, as a program: Hydra (MPICH, Intel MPI) takes the path of
+/// the program it launches with, not a command line.
+pub fn ssh_program(job: &ValidatedTrainingJob) -> String {
+    format!(
+        "#!/bin/sh\n# ssh as the MPI launcher uses it: the job's port and key, no host-key prompts.\nexec ssh {} \"$@\"\n",
+        ssh_options(job)
+    )
+}
+
+/// The launcher's ConfigMap: the hostfile, and the ssh program Hydra runs.
 pub fn hostfile_config_map(job: &ValidatedTrainingJob) -> ConfigMap {
     let mut labels = names::job_labels(&job.name);
     labels.insert(names::ROLE_LABEL.into(), "hostfile".into());
@@ -140,7 +157,7 @@ pub fn hostfile_config_map(job: &ValidatedTrainingJob) -> ConfigMap {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": metadata(job, &names::hostfile_config_map(&job.name), labels),
-        "data": {"hostfile": hostfile(job)},
+        "data": {"hostfile": hostfile(job), SSH_PROGRAM: ssh_program(job)},
     }))
 }
 
@@ -437,7 +454,7 @@ fn own_pool_placement(
 pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
     let (mut volumes, mut mounts): (Vec<Value>, Vec<Value>) = ssh_volumes(job).into_iter().unzip();
     volumes.push(
-        json!({"name": "hostfile", "configMap": {"name": names::hostfile_config_map(&job.name)}}),
+        json!({"name": "hostfile", "configMap": {"name": names::hostfile_config_map(&job.name), "defaultMode": 0o755}}),
     );
     mounts.push(json!({"name": "hostfile", "mountPath": names::HOSTFILE_MOUNT, "readOnly": true}));
     if let Some(output) = &job.output {
@@ -449,6 +466,9 @@ pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
     // The user's worker environment reaches the ranks through the launcher too.
     env.extend(job.worker.env.iter().map(as_value));
     env.push(json!({"name": "OMPI_ALLOW_RUN_AS_ROOT", "value": "1"}));
+    env.push(
+        json!({"name": LAUNCHER_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}),
+    );
     env.push(json!({"name": "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "value": "1"}));
     // A job with its own pool runs its launcher there too: it needs no other capacity.
     let (node_selector, tolerations) = match own_pool_placement(job) {
@@ -481,13 +501,36 @@ pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
 
 /// Names of the variables mpirun forwards to every rank.
 fn forwarded_env(job: &ValidatedTrainingJob) -> Vec<String> {
+    let mut names = spec_env_names(job);
+    names.extend(IMAGE_ENV.map(String::from));
+    names
+}
+
+/// The variables of the launcher container's spec that every rank needs: Ringmaster's own and
+/// the user's worker environment.
+fn spec_env_names(job: &ValidatedTrainingJob) -> Vec<String> {
     let mut names: Vec<String> = rank_env(job)
         .iter()
         .filter_map(|e| e["name"].as_str().map(str::to_string))
         .collect();
     names.extend(job.worker.env.iter().map(|e| e.name.clone()));
-    names.extend(["PATH", "LD_LIBRARY_PATH"].map(String::from));
     names
+}
+
+/// Variables the image sets that the ranks need too.
+const IMAGE_ENV: [&str; 2] = ["PATH", "LD_LIBRARY_PATH"];
+
+/// Hydra's (MPICH, Intel MPI) environment flags: `-genv NAME $(NAME)` for each variable of the
+/// container's spec (the kubelet puts in the value), then `-genvlist` for the image's. Hydra
+/// 4.0's `-genvlist` silently drops some names (RINGMASTER_RENDEZVOUS among them, seen on the
+/// real node) while `-genv` sets every one.
+fn hydra_env_flags(job: &ValidatedTrainingJob) -> Vec<String> {
+    let mut flags = Vec::new();
+    for name in spec_env_names(job) {
+        flags.extend(["-genv".to_string(), name.clone(), format!("$({name})")]);
+    }
+    flags.extend(["-genvlist".to_string(), IMAGE_ENV.join(",")]);
+    flags
 }
 
 /// The launcher's command: the MPI launcher with the process count, hostfile, ssh settings
@@ -497,6 +540,11 @@ pub fn launcher_command(job: &ValidatedTrainingJob) -> Vec<String> {
     let hostfile = format!("{}/hostfile", names::HOSTFILE_MOUNT);
     let np = job.world_size().to_string();
     let ssh = ssh_options(job);
+    let ssh_program = format!("{}/{SSH_PROGRAM}", names::HOSTFILE_MOUNT);
+    // Hydra's proxies call back to the launcher by the name it gives them, its host name by
+    // default, which no DNS resolves (only workers are in the Service): its address instead,
+    // which the kubelet substitutes for `$(VAR)` in the command.
+    let launcher_ip = format!("$({LAUNCHER_IP_ENV})");
     let forwarded = forwarded_env(job);
     let mut command: Vec<String> = match job.mpi.implementation {
         MpiImplementation::OpenMPI => {
@@ -529,14 +577,16 @@ pub fn launcher_command(job: &ValidatedTrainingJob) -> Vec<String> {
                 &hostfile,
                 "-n",
                 &np,
+                "-localhost",
+                &launcher_ip,
                 "-bootstrap",
                 "ssh",
-                "-bootstrap-exec-args",
-                &ssh,
+                "-bootstrap-exec",
+                &ssh_program,
             ]
             .map(String::from)
             .to_vec();
-            c.extend(["-genvlist".to_string(), forwarded.join(",")]);
+            c.extend(hydra_env_flags(job));
             c
         }
         MpiImplementation::MPICH => {
@@ -548,14 +598,16 @@ pub fn launcher_command(job: &ValidatedTrainingJob) -> Vec<String> {
                 &hostfile,
                 "-n",
                 &np,
+                "-localhost",
+                &launcher_ip,
                 "-launcher",
                 "ssh",
                 "-launcher-exec",
+                &ssh_program,
             ]
             .map(String::from)
             .to_vec();
-            c.push(format!("ssh {ssh}"));
-            c.extend(["-genvlist".to_string(), forwarded.join(",")]);
+            c.extend(hydra_env_flags(job));
             c
         }
     };

@@ -1,0 +1,320 @@
+//! TrainingJobs on the real node (e2e/node.sh): the kubelet, containerd and runc run the pods.
+//! Workers' sshd answers the ssh readiness probe, the launcher's `mpirun` (or MPICH's Hydra)
+//! starts every rank over ssh with the hostfile, keys and environment the operator made, the
+//! ranks all-reduce across pods, and the result comes from the launcher container's own
+//! termination message. Nothing here is played by KWOK.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::{
+    Operator, TestNamespace, apply, client, ensure_crds, events_for, eventually, pods, ready_since,
+    repo_root, tool, wait_phase,
+};
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::api::LogParams;
+use ringmaster::api::TrainingJobPhase;
+use ringmaster_contract::trainer::Summary;
+use serde_json::{Value, json};
+
+/// The trainer image node.sh imports: the Dockerfile's trainer recipe on Debian, run as
+/// uid 1000 like the published image.
+const IMAGE: &str = "ringmaster.local/ringmaster-trainer:e2e";
+/// The same files, run as root (as many MPI images are).
+const ROOT_IMAGE: &str = "ringmaster.local/ringmaster-trainer:e2e-root";
+const REAL_NODE_LABEL: &str = "ringmaster.dev/real-node";
+
+/// The CPU sample (config/samples/trainingjob-cpu-small.yaml) as `name`, on the real node:
+/// its image is the local one and its pods tolerate and select the real node. Requests are
+/// made small so two tests' gangs fit the node's two CPUs at once; `edit` changes the spec.
+fn sample_on_real_node(name: &str, edit: impl FnOnce(&mut Value)) -> Value {
+    let path = repo_root().join("config/samples/trainingjob-cpu-small.yaml");
+    let mut job = common::documents(&path).remove(0);
+    job["metadata"]["name"] = json!(name);
+    let spec = &mut job["spec"];
+    spec["image"] = json!(IMAGE);
+    for role in ["worker", "launcher"] {
+        spec[role]["tolerations"] =
+            json!([{"key": REAL_NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}]);
+        spec[role]["nodeSelector"] = json!({REAL_NODE_LABEL: "true"});
+    }
+    spec["worker"]["resources"] = json!({"requests": {"cpu": "250m", "memory": "512Mi"}});
+    edit(spec);
+    job
+}
+
+/// `kubectl exec` into a pod's only container; its stdout.
+fn exec(ns: &str, pod: &str, command: &[&str]) -> String {
+    let out = Command::new(tool("kubectl"))
+        .arg("--kubeconfig")
+        .arg(ringmaster_e2e::cluster::kubeconfig_path())
+        .args(["exec", "-n", ns, pod, "--"])
+        .args(command)
+        .output()
+        .expect("running kubectl exec");
+    assert!(
+        out.status.success(),
+        "kubectl exec {pod} {command:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+async fn logs(client: &kube::Client, ns: &str, pod: &str) -> String {
+    Api::<Pod>::namespaced(client.clone(), ns)
+        .logs(pod, &LogParams::default())
+        .await
+        .unwrap_or_default()
+}
+
+/// Waits for the launcher of the job's first gang to be running, and checks the order the
+/// operator promises: every worker Ready (through the real ssh probe) before the launcher was
+/// made. Returns the workers' names.
+async fn launcher_started_after_ready_workers(
+    client: &kube::Client,
+    ns: &str,
+    job: &str,
+) -> Vec<String> {
+    let launcher = format!("{job}-launcher");
+    eventually(
+        Duration::from_secs(120),
+        &format!("{launcher} running"),
+        || async {
+            pods(client, ns, job).await.iter().any(|p| {
+                p.metadata.name.as_deref() == Some(launcher.as_str())
+                    && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+            })
+        },
+    )
+    .await;
+    let all = pods(client, ns, job).await;
+    let launcher_made = all
+        .iter()
+        .find(|p| p.metadata.name.as_deref() == Some(launcher.as_str()))
+        .and_then(|p| p.metadata.creation_timestamp.clone())
+        .expect("the launcher's creation time")
+        .0;
+    let workers: Vec<&Pod> =
+        all.iter()
+            .filter(|p| {
+                p.metadata.labels.as_ref().is_some_and(|l| {
+                    l.get("ringmaster.dev/role").map(String::as_str) == Some("worker")
+                })
+            })
+            .collect();
+    assert_eq!(workers.len(), 2, "two workers");
+    for worker in &workers {
+        let ready = ready_since(worker).unwrap_or_else(|| {
+            panic!(
+                "{} is not Ready while the launcher runs",
+                worker.metadata.name.as_deref().unwrap_or_default()
+            )
+        });
+        // Timestamps have whole seconds: Ready no later than the launcher's creation.
+        assert!(
+            ready <= launcher_made,
+            "{:?} became Ready at {ready}, after the launcher was made at {launcher_made}",
+            worker.metadata.name
+        );
+    }
+    workers
+        .iter()
+        .map(|w| w.metadata.name.clone().unwrap())
+        .collect()
+}
+
+/// The launcher's termination message, as the trainer's summary.
+async fn launcher_summary(client: &kube::Client, ns: &str, job: &str) -> Summary {
+    let launcher = Api::<Pod>::namespaced(client.clone(), ns)
+        .get(&format!("{job}-launcher"))
+        .await
+        .unwrap();
+    let terminated = launcher
+        .status
+        .and_then(|s| s.container_statuses)
+        .and_then(|c| c.into_iter().next())
+        .and_then(|c| c.state)
+        .and_then(|s| s.terminated)
+        .expect("the launcher container terminated");
+    assert_eq!(terminated.exit_code, 0);
+    let message = terminated.message.unwrap_or_default();
+    Summary::find_in(&message)
+        .unwrap_or_else(|| panic!("no trainer summary in the termination message: {message}"))
+}
+
+/// What every successful run must show in its status: the trainer's own figures.
+fn assert_result_is_the_trainers(status: &Value, summary: &Summary, steps: u64) {
+    assert_eq!(summary.world_size, 4, "2 workers × 2 ranks");
+    assert_eq!(summary.steps, steps);
+    assert!(summary.images_per_second > 0.0, "{summary:?}");
+    assert_eq!(
+        status["result"]["imagesPerSecond"].as_f64(),
+        Some(summary.images_per_second),
+        "{status:#}"
+    );
+    assert_eq!(status["result"]["steps"].as_u64(), Some(steps));
+    assert_eq!(
+        status["result"]["finalLoss"].as_f64(),
+        summary.final_loss,
+        "{status:#}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cpu_sample_trains_across_real_pods_over_ssh_with_open_mpi() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "real-ompi").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    let job = sample_on_real_node("sample", |_| {});
+    let steps = job["spec"]["trainer"]["steps"].as_u64().unwrap();
+    apply(&client, &job, &ns.name, false).await.unwrap();
+
+    let workers = launcher_started_after_ready_workers(&client, &ns.name, "sample").await;
+    // The probe really logged in: sshd in the worker accepted the job's key, for the image's
+    // own non-root user, whose private copy of the key is its own, mode 0600.
+    let sshd_log = logs(&client, &ns.name, &workers[0]).await;
+    assert!(
+        sshd_log.contains("Accepted publickey for trainer"),
+        "{sshd_log}"
+    );
+    assert_eq!(exec(&ns.name, &workers[0], &["id", "-u"]).trim(), "1000");
+    assert_eq!(
+        exec(
+            &ns.name,
+            &workers[0],
+            &["stat", "-c", "%a %U", "/etc/ringmaster/ssh/ssh-privatekey"]
+        )
+        .trim(),
+        "600 trainer"
+    );
+
+    let status = wait_phase(
+        &client,
+        &ns.name,
+        "sample",
+        TrainingJobPhase::Succeeded,
+        300,
+    )
+    .await;
+    let summary = launcher_summary(&client, &ns.name, "sample").await;
+    assert_result_is_the_trainers(&status, &summary, steps);
+    assert_eq!(status["restarts"], 0);
+    // Every rank ran: the launcher printed rank 0's steps, and `mpirun` reached both workers.
+    let launcher_log = logs(&client, &ns.name, "sample-launcher").await;
+    assert!(launcher_log.contains(r#""event":"step""#), "{launcher_log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mpich_trains_across_real_pods_as_root() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "real-mpich").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    let job = sample_on_real_node("mpich", |spec| {
+        spec["image"] = json!(ROOT_IMAGE);
+        spec["mpi"] = json!({"implementation": "MPICH"});
+        spec["trainer"]["imageSize"] = json!(32);
+        spec["trainer"]["steps"] = json!(8);
+    });
+    apply(&client, &job, &ns.name, false).await.unwrap();
+
+    let workers = launcher_started_after_ready_workers(&client, &ns.name, "mpich").await;
+    // As root, the key copy is root's own, mode 0600 (the Secret's file is group-readable
+    // through fsGroup, which ssh refuses from its owner).
+    assert_eq!(exec(&ns.name, &workers[1], &["id", "-u"]).trim(), "0");
+    assert_eq!(
+        exec(
+            &ns.name,
+            &workers[1],
+            &["stat", "-c", "%a %U", "/etc/ringmaster/ssh/ssh-privatekey"]
+        )
+        .trim(),
+        "600 root"
+    );
+
+    let status = wait_phase(&client, &ns.name, "mpich", TrainingJobPhase::Succeeded, 300).await;
+    let summary = launcher_summary(&client, &ns.name, "mpich").await;
+    assert_result_is_the_trainers(&status, &summary, 8);
+}
+
+/// Kills a container through containerd (SIGKILL to its task), as the OOM killer or a crash
+/// would end it: the kubelet sees it exit.
+fn kill_container(container_id: &str) {
+    let id = container_id
+        .strip_prefix("containerd://")
+        .unwrap_or(container_id);
+    let socket = repo_root().join("e2e/.state/node/containerd/containerd.sock");
+    let out = Command::new(tool("ctr"))
+        .arg("--address")
+        .arg(&socket)
+        .args([
+            "--namespace",
+            "k8s.io",
+            "tasks",
+            "kill",
+            "--signal",
+            "SIGKILL",
+            id,
+        ])
+        .output()
+        .expect("running ctr");
+    assert!(
+        out.status.success(),
+        "ctr tasks kill {id}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_mid_training_restarts_the_gang_which_then_succeeds() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "real-kill").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    let job = sample_on_real_node("kill", |spec| {
+        spec["trainer"]["imageSize"] = json!(32);
+        spec["trainer"]["steps"] = json!(30);
+        spec["runPolicy"]["backoffLimit"] = json!(2);
+    });
+    apply(&client, &job, &ns.name, false).await.unwrap();
+    launcher_started_after_ready_workers(&client, &ns.name, "kill").await;
+
+    // Training is under way once rank 0 has printed a step.
+    eventually(Duration::from_secs(120), "a training step", || async {
+        logs(&client, &ns.name, "kill-launcher")
+            .await
+            .contains(r#""event":"step""#)
+    })
+    .await;
+    let worker = Api::<Pod>::namespaced(client.clone(), &ns.name)
+        .get("kill-worker-1")
+        .await
+        .unwrap();
+    let container_id = worker
+        .status
+        .and_then(|s| s.container_statuses)
+        .and_then(|c| c.into_iter().next())
+        .and_then(|c| c.container_id)
+        .expect("worker 1's container id");
+    kill_container(&container_id);
+
+    let status = wait_phase(&client, &ns.name, "kill", TrainingJobPhase::Succeeded, 400).await;
+    assert_eq!(status["restarts"], 1, "{status:#}");
+    let restarting = events_for(&client, &ns.name, "kill")
+        .await
+        .into_iter()
+        .find(|e| e.reason.as_deref() == Some("Restarting"))
+        .expect("a Restarting Event");
+    assert_eq!(restarting.type_.as_deref(), Some("Warning"));
+    let note = restarting.note.unwrap_or_default();
+    assert!(
+        note.contains("kill-worker-1 exited with code 137"),
+        "the Event names the killed worker and its exit: {note}"
+    );
+    let summary = launcher_summary(&client, &ns.name, "kill").await;
+    assert_result_is_the_trainers(&status, &summary, 30);
+}
