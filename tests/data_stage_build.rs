@@ -331,3 +331,35 @@ fn the_stager_reads_the_copy_jobs_environment_as_the_controller_meant_it() {
         );
     }
 }
+
+#[test]
+fn the_copy_pod_goes_where_the_spec_places_it() {
+    let stage = sample("datastage-azurite.yaml", |o| {
+        o["spec"]["nodeSelector"] = json!({"kubernetes.azure.com/mode": "system"});
+        o["spec"]["tolerations"] =
+            json!([{"key": "CriticalAddonsOnly", "operator": "Exists", "effect": "NoSchedule"}]);
+    });
+    let job = value(&build::job(&stage, &inputs()));
+    let pod = &job["spec"]["template"]["spec"];
+    assert_eq!(
+        pod["nodeSelector"],
+        json!({"kubernetes.azure.com/mode": "system"})
+    );
+    assert_eq!(
+        pod["tolerations"],
+        json!([{"key": "CriticalAddonsOnly", "operator": "Exists", "effect": "NoSchedule"}])
+    );
+    // Without them the pod goes anywhere the scheduler likes.
+    let anywhere = value(&build::job(
+        &sample("datastage-azurite.yaml", |_| {}),
+        &inputs(),
+    ));
+    assert_eq!(
+        anywhere["spec"]["template"]["spec"]["nodeSelector"],
+        json!({})
+    );
+    assert_eq!(
+        anywhere["spec"]["template"]["spec"]["tolerations"],
+        json!([])
+    );
+}

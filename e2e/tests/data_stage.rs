@@ -11,7 +11,10 @@ mod azurite;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{Operator, TestNamespace, apply, client, ensure_crds, eventually};
+use common::{
+    Operator, TestNamespace, apply, client, ensure_crds, eventually, sas_secret, stage_status,
+    wait_stage_phase,
+};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod, Secret};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -44,16 +47,6 @@ fn stage_object(name: &str, endpoint: &str, backoff_limit: u32) -> Value {
     })
 }
 
-async fn stage_status(client: &Client, ns: &str, name: &str) -> Value {
-    let api: Api<DataStage> = Api::namespaced(client.clone(), ns);
-    api.get_opt(name)
-        .await
-        .unwrap()
-        .and_then(|s| s.status)
-        .map(|s| serde_json::to_value(s).unwrap())
-        .unwrap_or(Value::Null)
-}
-
 fn condition(status: &Value, type_: &str) -> Value {
     status["conditions"]
         .as_array()
@@ -62,31 +55,6 @@ fn condition(status: &Value, type_: &str) -> Value {
         .find(|c| c["type"] == type_)
         .cloned()
         .unwrap_or(Value::Null)
-}
-
-async fn wait_stage_phase(client: &Client, ns: &str, name: &str, phase: &str) -> Value {
-    let mut last = Value::Null;
-    for _ in 0..300 {
-        last = stage_status(client, ns, name).await;
-        if last["phase"] == phase {
-            return last;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    panic!("DataStage {name} never reached {phase}: {last:#}");
-}
-
-async fn sas_secret(client: &Client, ns: &str, sas: &str) {
-    let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
-    let secret: Secret = serde_json::from_value(json!({
-        "metadata": {"name": "blob-sas"},
-        "stringData": {"sasToken": sas},
-    }))
-    .unwrap();
-    secrets
-        .create(&PostParams::default(), &secret)
-        .await
-        .unwrap();
 }
 
 /// The copy Job's pod, once the Job controller made it.

@@ -2,16 +2,21 @@
 //! Workers' sshd answers the ssh readiness probe, the launcher's `mpirun` (or MPICH's Hydra)
 //! starts every rank over ssh with the hostfile, keys and environment the operator made, the
 //! ranks all-reduce across pods, and the result comes from the launcher container's own
-//! termination message. Nothing here is played by KWOK.
+//! termination message. A DataStage's stager pod copies from Azurite onto the node. Nothing
+//! here is played by KWOK.
 
 mod common;
+
+#[path = "../../tests/support/azurite.rs"]
+#[allow(dead_code)] // only `start_on` is used here
+mod azurite;
 
 use std::process::Command;
 use std::time::Duration;
 
 use common::{
     Operator, TestNamespace, apply, client, ensure_crds, events_for, eventually, pods, ready_since,
-    repo_root, tool, wait_phase,
+    repo_root, sas_secret, tool, wait_phase, wait_stage_phase,
 };
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
@@ -25,7 +30,13 @@ use serde_json::{Value, json};
 const IMAGE: &str = "ringmaster.local/ringmaster-trainer:e2e";
 /// The same files, run as root (as many MPI images are).
 const ROOT_IMAGE: &str = "ringmaster.local/ringmaster-trainer:e2e-root";
+/// The image DataStage copy Jobs run: the Dockerfile's operator image (entrypoint
+/// `ringmaster`, uid 65532), made from the same files.
+const STAGER_IMAGE: &str = "ringmaster.local/ringmaster:e2e";
+const REAL_NODE: &str = "real-node-0";
 const REAL_NODE_LABEL: &str = "ringmaster.dev/real-node";
+/// The host's address on the real node's pod network (node.sh): what pods reach it at.
+const NODE_BRIDGE_ADDRESS: &str = "10.244.0.1";
 
 /// The CPU sample (config/samples/trainingjob-cpu-small.yaml) as `name`, on the real node:
 /// its image is the local one and its pods tolerate and select the real node. Requests are
@@ -317,4 +328,203 @@ async fn a_worker_killed_mid_training_restarts_the_gang_which_then_succeeds() {
     );
     let summary = launcher_summary(&client, &ns.name, "kill").await;
     assert_result_is_the_trainers(&status, &summary, 30);
+}
+
+/// The trainer binary node.sh built (release) for the image.
+fn trainer_binary() -> std::path::PathBuf {
+    let target = std::env::var("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|_| repo_root().join("target"));
+    target.join("release/ringmaster-trainer")
+}
+
+/// Uploads every file under `dir` as a blob named `prefix` + its relative path.
+fn upload_folder(
+    azurite: &azurite::Azurite,
+    container: &str,
+    dir: &std::path::Path,
+    prefix: &str,
+) -> usize {
+    let mut count = 0;
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(folder) = pending.pop() {
+        for entry in std::fs::read_dir(&folder).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                pending.push(path);
+                continue;
+            }
+            let name = path.strip_prefix(dir).unwrap().to_str().unwrap();
+            let status = azurite.put_blob(
+                container,
+                &format!("{prefix}{name}"),
+                &std::fs::read(&path).unwrap(),
+            );
+            assert_eq!(status, 201, "uploading {name}");
+            count += 1;
+        }
+    }
+    count
+}
+
+/// A PersistentVolume on a folder of the real node (`local`: this kernel has no NFS client),
+/// and a claim bound to it.
+async fn local_volume(
+    client: &kube::Client,
+    ns: &str,
+    claim: &str,
+    dir: &std::path::Path,
+) -> String {
+    let volume_name = format!("{ns}-{claim}");
+    let volume = json!({
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": volume_name},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteOnce"],
+            "persistentVolumeReclaimPolicy": "Retain",
+            "storageClassName": "ringmaster-local",
+            "local": {"path": dir.to_str().unwrap()},
+            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "kubernetes.io/hostname", "operator": "In", "values": [REAL_NODE]},
+            ]}]}},
+        },
+    });
+    let volumes: Api<k8s_openapi::api::core::v1::PersistentVolume> = Api::all(client.clone());
+    volumes
+        .create(
+            &Default::default(),
+            &serde_json::from_value(volume).unwrap(),
+        )
+        .await
+        .unwrap();
+    let claim = json!({
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": claim},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": "ringmaster-local",
+            "volumeName": volume_name,
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    });
+    apply(client, &claim, ns, false).await.unwrap();
+    volume_name
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_datastage_copies_from_azurite_onto_the_node_and_a_job_trains_on_the_folder() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "real-data").await;
+    let _operator = Operator::start_with(
+        &client,
+        &ns.name,
+        ringmaster::controller::OperatorConfig {
+            restart_backoff: Duration::from_millis(500),
+            stager_image: STAGER_IMAGE.into(),
+            ..Default::default()
+        },
+    )
+    .await;
+
+    // The trainer's own learnable data set (4 classes of JPEGs), in Azurite where the node's
+    // pods reach it.
+    let source = tempfile::tempdir().unwrap();
+    let made = Command::new(trainer_binary())
+        .args([
+            "make-dataset",
+            "--classes",
+            "4",
+            "--per-class",
+            "16",
+            "--image-size",
+            "32",
+            "--out",
+        ])
+        .arg(source.path())
+        .output()
+        .expect("ringmaster-trainer make-dataset");
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let azurite = azurite::Azurite::start_on(NODE_BRIDGE_ADDRESS);
+    azurite.create_container("datasets");
+    let files = upload_folder(&azurite, "datasets", source.path(), "tiny/");
+    assert_eq!(files, 64);
+    sas_secret(
+        &client,
+        &ns.name,
+        &azurite::container_sas(azurite::KEY, "datasets", "rl"),
+    )
+    .await;
+
+    // The destination: a folder on the real node, made by its administrator (root).
+    let dir = repo_root().join("e2e/.state/node/volumes").join(&ns.name);
+    std::fs::create_dir_all(&dir).unwrap();
+    let volume = local_volume(&client, &ns.name, "tiny-local", &dir).await;
+
+    let stage = json!({
+        "apiVersion": "ringmaster.dev/v1alpha1",
+        "kind": "DataStage",
+        "metadata": {"name": "tiny"},
+        "spec": {
+            "source": {"azureBlob": {
+                "account": azurite::ACCOUNT,
+                "container": "datasets",
+                "prefix": "tiny/",
+                "endpoint": azurite.endpoint(),
+                "auth": {"sasTokenSecretRef": {"name": "blob-sas", "key": "sasToken"}},
+            }},
+            "destination": {"existingClaim": {"claimName": "tiny-local"}},
+            "nodeSelector": {REAL_NODE_LABEL: "true"},
+            "tolerations": [{"key": REAL_NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
+        },
+    });
+    apply(&client, &stage, &ns.name, false).await.unwrap();
+    let job = sample_on_real_node("fed", |spec| {
+        spec["dataStageRef"] = json!({"name": "tiny"});
+        spec["trainer"] = json!({
+            "model": "resnet18", "data": "imageFolder", "dataPath": "train",
+            "imageSize": 32, "batchSize": 8, "steps": 6,
+        });
+    });
+    apply(&client, &job, &ns.name, false).await.unwrap();
+
+    // The stager pod copied every blob onto the node, reporting progress as it went.
+    let status = wait_stage_phase(&client, &ns.name, "tiny", "Ready").await;
+    assert_eq!(status["progress"]["filesDone"], 64, "{status:#}");
+    assert_eq!(status["progress"]["filesTotal"], 64, "{status:#}");
+    let mut copied = 0;
+    let mut pending = vec![dir.join("train")];
+    while let Some(folder) = pending.pop() {
+        for entry in std::fs::read_dir(&folder).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                pending.push(path);
+            } else if path.extension().is_some_and(|e| e == "jpg") {
+                let relative = path.strip_prefix(&dir).unwrap();
+                assert_eq!(
+                    std::fs::read(&path).unwrap(),
+                    std::fs::read(source.path().join(relative)).unwrap(),
+                    "{}",
+                    relative.display()
+                );
+                copied += 1;
+            }
+        }
+    }
+    assert_eq!(copied, 64, "JPEGs on the node");
+
+    // The job waited for the data, then trained on the folder.
+    let status = wait_phase(&client, &ns.name, "fed", TrainingJobPhase::Succeeded, 300).await;
+    let summary = launcher_summary(&client, &ns.name, "fed").await;
+    assert_result_is_the_trainers(&status, &summary, 6);
+
+    let volumes: Api<k8s_openapi::api::core::v1::PersistentVolume> = Api::all(client.clone());
+    volumes.delete(&volume, &Default::default()).await.ok();
 }

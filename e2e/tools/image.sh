@@ -7,6 +7,8 @@
 #       the pod sandbox: Debian's static catatonit in pause mode (`catatonit -P`).
 #   ringmaster.local/ringmaster-trainer:e2e        (runs as uid 1000, as the Dockerfile's)
 #   ringmaster.local/ringmaster-trainer:e2e-root   (the same files, run as root)
+#   ringmaster.local/ringmaster:e2e                (the same files, run as the Dockerfile's
+#       operator image is: `ringmaster` as entrypoint, uid 65532; DataStage copy Jobs run it)
 #       layer 1: Debian bookworm from debootstrap, set up by trainer/image/setup.sh (the
 #                script the Dockerfile's trainer stage runs) with MPICH added; cached by the
 #                script's hash, made once (a few minutes: packages come from the Debian
@@ -117,6 +119,7 @@ entries=(
   "$(image ringmaster.local/pause:3.10 0:0 ',"Entrypoint":["/pause","-P"]' "$pause_layer")"
   "$(image ringmaster.local/ringmaster-trainer:e2e 1000:1000 "$trainer_config" "$base_layer" "$bins_layer")"
   "$(image ringmaster.local/ringmaster-trainer:e2e-root 0:0 "$trainer_config" "$base_layer" "$bins_layer")"
+  "$(image ringmaster.local/ringmaster:e2e 65532:65532 ',"Entrypoint":["/usr/local/bin/ringmaster"],"Cmd":["run"]' "$base_layer" "$bins_layer")"
 )
 (IFS=,; printf '{"schemaVersion":2,"manifests":[%s]}' "${entries[*]}") >"$work/layout/index.json"
 printf '{"imageLayoutVersion":"1.0.0"}' >"$work/layout/oci-layout"

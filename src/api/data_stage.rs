@@ -4,6 +4,9 @@
 // The repeated `printcolumn(...)` arguments of the kube derive look like duplicated attributes to clippy.
 #![allow(clippy::duplicated_attributes)]
 
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::Toleration;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::{CustomResource, KubeSchema};
@@ -11,6 +14,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::common::{Conditions, SecretKeyRef};
+use super::kubernetes_rules;
 
 /// Stages a dataset: copies the blobs under a prefix of an Azure Blob Storage container onto
 /// an NFS share (or an existing claim) and exposes it as a PersistentVolumeClaim that
@@ -97,6 +101,22 @@ pub struct DataStageSpec {
     #[serde(default = "default_backoff_limit")]
     #[schemars(range(min = 0, max = 100))]
     pub backoff_limit: i32,
+    /// Node labels the copy Job's pod must match: keep it on a system pool, or on the node
+    /// that holds a node-local destination.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("maxProperties" = 32, "additionalProperties" = {"type": "string", "maxLength": 63, "pattern": kubernetes_rules::LABEL_VALUE_PATTERN}))]
+    #[x_kube(validation = kubernetes_rules::label_keys("nodeSelector"))]
+    pub node_selector: BTreeMap<String, String>,
+    /// Tolerations of the copy Job's pod, for nodes with taints (a dedicated or tainted pool).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    #[x_kube(
+        validation = kubernetes_rules::tolerations()[0].clone(),
+        validation = kubernetes_rules::tolerations()[1].clone(),
+        validation = kubernetes_rules::tolerations()[2].clone(),
+        validation = kubernetes_rules::tolerations()[3].clone(),
+    )]
+    pub tolerations: Vec<Toleration>,
 }
 
 fn default_parallelism() -> i32 {

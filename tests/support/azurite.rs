@@ -19,7 +19,9 @@ pub const KEY: &str =
 /// A running Azurite blob service.
 pub struct Azurite {
     child: Child,
-    /// Its port on 127.0.0.1.
+    /// The address it listens on (127.0.0.1 unless started with [`Azurite::start_on`]).
+    pub host: String,
+    /// Its port on `host`.
     pub port: u16,
     _data: tempfile::TempDir,
 }
@@ -38,22 +40,28 @@ pub fn azurite_blob() -> PathBuf {
 }
 
 impl Azurite {
-    /// Starts Azurite and waits until it accepts connections.
+    /// Starts Azurite on 127.0.0.1 and waits until it accepts connections.
     pub fn start() -> Self {
+        Self::start_on("127.0.0.1")
+    }
+
+    /// Starts Azurite on `host`, a local address (the real node's pods reach the host at its
+    /// bridge address, not at 127.0.0.1), and waits until it accepts connections.
+    pub fn start_on(host: &str) -> Self {
         let bin = azurite_blob();
         assert!(
             bin.exists(),
             "{} is missing: run `make azurite` (make test does it)",
             bin.display()
         );
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
+        let port = std::net::TcpListener::bind((host, 0))
             .unwrap()
             .local_addr()
             .unwrap()
             .port();
         let data = tempfile::tempdir().unwrap();
         let child = Command::new(bin)
-            .args(["--blobHost", "127.0.0.1", "--blobPort", &port.to_string()])
+            .args(["--blobHost", host, "--blobPort", &port.to_string()])
             .args(["--skipApiVersionCheck", "--loose", "--silent"])
             .arg("--location")
             .arg(data.path())
@@ -62,7 +70,7 @@ impl Azurite {
             .spawn()
             .expect("start azurite-blob");
         let deadline = Instant::now() + Duration::from_secs(60);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        while TcpStream::connect((host, port)).is_err() {
             assert!(
                 Instant::now() < deadline,
                 "Azurite did not listen on {port} in 60 s"
@@ -71,6 +79,7 @@ impl Azurite {
         }
         Self {
             child,
+            host: host.to_string(),
             port,
             _data: data,
         }
@@ -78,7 +87,7 @@ impl Azurite {
 
     /// The account's blob endpoint, as a DataStage's `endpoint` takes it.
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}/{ACCOUNT}", self.port)
+        format!("http://{}:{}/{ACCOUNT}", self.host, self.port)
     }
 }
 
@@ -177,7 +186,8 @@ impl Azurite {
     fn put(&self, path: &str, headers: &[(&str, &str)], body: &[u8]) -> u16 {
         use std::io::{Read, Write};
         let mut request = format!(
-            "PUT /{ACCOUNT}/{path} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nContent-Length: {}\r\nConnection: close\r\n",
+            "PUT /{ACCOUNT}/{path} HTTP/1.1\r\nHost: {}:{}\r\nContent-Length: {}\r\nConnection: close\r\n",
+            self.host,
             self.port,
             body.len()
         );
@@ -185,7 +195,7 @@ impl Azurite {
             request.push_str(&format!("{k}: {v}\r\n"));
         }
         request.push_str("\r\n");
-        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        let mut stream = TcpStream::connect((self.host.as_str(), self.port)).unwrap();
         stream.write_all(request.as_bytes()).unwrap();
         stream.write_all(body).unwrap();
         let mut response = String::new();

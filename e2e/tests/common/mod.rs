@@ -394,3 +394,41 @@ pub fn ready_since(pod: &k8s_openapi::api::core::v1::Pod) -> Option<k8s_openapi:
         .and_then(|c| c.last_transition_time.as_ref())
         .map(|t| t.0)
 }
+
+/// The DataStage's status as JSON (null while it has none).
+pub async fn stage_status(client: &Client, ns: &str, name: &str) -> Value {
+    let api: Api<ringmaster::api::DataStage> = Api::namespaced(client.clone(), ns);
+    api.get_opt(name)
+        .await
+        .unwrap()
+        .and_then(|s| s.status)
+        .map(|s| serde_json::to_value(s).unwrap())
+        .unwrap_or(Value::Null)
+}
+
+/// Polls until the DataStage is in `phase` (at most a minute); panics with its last status.
+pub async fn wait_stage_phase(client: &Client, ns: &str, name: &str, phase: &str) -> Value {
+    let mut last = Value::Null;
+    for _ in 0..300 {
+        last = stage_status(client, ns, name).await;
+        if last["phase"] == phase {
+            return last;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("DataStage {name} never reached {phase}: {last:#}");
+}
+
+/// The Secret `blob-sas` with the SAS token under `sasToken`.
+pub async fn sas_secret(client: &Client, ns: &str, sas: &str) {
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(client.clone(), ns);
+    let secret: k8s_openapi::api::core::v1::Secret = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "blob-sas"},
+        "stringData": {"sasToken": sas},
+    }))
+    .unwrap();
+    secrets
+        .create(&kube::api::PostParams::default(), &secret)
+        .await
+        .unwrap();
+}

@@ -317,6 +317,8 @@ pub fn job(stage: &ValidatedDataStage, inputs: &BuildInputs) -> Job {
                 "spec": {
                     "restartPolicy": "Never",
                     "serviceAccountName": job_service_account(stage),
+                    "nodeSelector": stage.node_selector,
+                    "tolerations": stage.tolerations,
                     "securityContext": {
                         "runAsNonRoot": true,
                         "runAsUser": 65532,

@@ -38,6 +38,10 @@ pub struct ValidatedDataStage {
     pub verify: Verification,
     /// Retries of the copy Job.
     pub backoff_limit: u32,
+    /// Node labels the copy Job's pod must match.
+    pub node_selector: std::collections::BTreeMap<String, String>,
+    /// Tolerations of the copy Job's pod.
+    pub tolerations: Vec<k8s_openapi::api::core::v1::Toleration>,
     /// Things that are allowed but worth a Warning Event.
     pub warnings: Vec<String>,
 }
@@ -166,6 +170,8 @@ fn with_defaults(stage: &DataStage) -> Result<ValidatedDataStage, FieldErrors> {
         parallelism: as_u32(spec.parallelism),
         verify: spec.verify,
         backoff_limit: as_u32(spec.backoff_limit),
+        node_selector: spec.node_selector.clone(),
+        tolerations: spec.tolerations.clone(),
         warnings,
     })
 }
