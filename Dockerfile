@@ -31,14 +31,10 @@ CMD ["run"]
 
 # ---- trainer: CUDA runtime, Open MPI, sshd, NCCL (loaded at run time by the trainer) ----
 FROM ${CUDA_IMAGE} AS trainer
-RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      openmpi-bin openssh-server openssh-client libnccl2 ca-certificates \
- && rm -rf /var/lib/apt/lists/* \
- # cudarc looks for libnccl.so; the package ships libnccl.so.2 only.
- && ln -s "$(ldconfig -p | awk '/libnccl.so.2 /{print $NF; exit}')" /usr/local/lib/libnccl.so \
- && ldconfig \
- && mkdir -p /run/sshd \
- && useradd --uid 1000 --create-home --shell /bin/bash trainer
+# One recipe with the local cluster's real node (e2e/tools/image.sh runs it in a Debian root
+# filesystem): Open MPI, sshd, the non-root user `trainer`; NCCL here (the CUDA image's repository).
+COPY trainer/image/setup.sh /tmp/setup.sh
+RUN sh /tmp/setup.sh libnccl2 && rm /tmp/setup.sh
 COPY --from=build /out/ringmaster-trainer /usr/local/bin/ringmaster-trainer
 USER 1000:1000
 WORKDIR /home/trainer

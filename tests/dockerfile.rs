@@ -46,6 +46,12 @@ fn dockerfile_targets_stages_and_binaries_are_consistent() {
     let trainer_manifest =
         std::fs::read_to_string(fixtures::root().join("trainer/Cargo.toml")).unwrap();
     assert!(trainer_manifest.contains("name = \"ringmaster-trainer\""));
+    // The trainer image is set up by the same script the local cluster's real node builds its
+    // image with (e2e/tools/image.sh), so the e2e tests run the published recipe.
+    assert!(text.contains("COPY trainer/image/setup.sh"));
+    let image_script =
+        std::fs::read_to_string(fixtures::root().join("e2e/tools/image.sh")).unwrap();
+    assert!(image_script.contains("setup=\"$root/trainer/image/setup.sh\""));
     // The chart runs the operator image's entrypoint with `run`.
     let deployment = std::fs::read_to_string(
         fixtures::root().join("charts/ringmaster/templates/deployment.yaml"),

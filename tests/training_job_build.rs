@@ -159,7 +159,7 @@ fn cpu_workers_ask_for_no_gpus() {
         c["resources"]
     );
     assert_eq!(
-        c["resources"]["requests"]["cpu"], "2",
+        c["resources"]["requests"]["cpu"], "1",
         "the user's resources are kept"
     );
     assert_eq!(c["securityContext"]["capabilities"]["add"], json!([]));
