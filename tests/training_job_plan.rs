@@ -31,7 +31,8 @@ fn at(seconds: i64) -> Time {
 }
 
 /// A pod of role `role` in `attempt`, in `state`: "pending", "unschedulable", "running",
-/// "ready", "deleting", "succeeded:<json>", "failed:<code>:<reason>" or "evicted".
+/// "ready", "deleting", "succeeded:<json>", "failed:<code>:<reason>[:<finished at>]" or
+/// "evicted".
 fn pod(role: &str, index: u32, attempt: i32, state: &str) -> Pod {
     let name = match role {
         "launcher" => "resnet18-cpu-launcher".to_string(),
@@ -61,6 +62,13 @@ fn pod(role: &str, index: u32, attempt: i32, state: &str) -> Pod {
         }
         ["failed", code, reason] => {
             json!({"phase": "Failed", "containerStatuses": terminated(code.parse().unwrap(), reason, "")})
+        }
+        // Also when it ended, in seconds on the scenario's clock.
+        ["failed", code, reason, finished] => {
+            let mut statuses = terminated(code.parse().unwrap(), reason, "");
+            statuses[0]["state"]["terminated"]["finishedAt"] =
+                json!(at(finished.parse().unwrap()).0.to_string());
+            json!({"phase": "Failed", "containerStatuses": statuses})
         }
         ["evicted"] => {
             json!({"phase": "Failed", "reason": "Evicted", "containerStatuses": terminated(137, "ContainerStatusUnknown", "")})
@@ -477,5 +485,46 @@ fn the_same_observations_give_the_same_status() {
     assert_eq!(
         s.status, first,
         "no clock-only changes: a resync writes nothing"
+    );
+}
+
+#[test]
+fn a_launcher_that_lost_a_peer_waits_a_moment_for_the_worker_that_caused_it() {
+    let ready = || vec![pod("worker", 0, 0, "ready"), pod("worker", 1, 0, "ready")];
+    // The launcher ended 2 s ago with the lost-peer code; no worker has failed yet: no restart,
+    // a look again when the 5 s are up.
+    let mut s = Scenario::new(job(|_| {}))
+        .pods([ready(), vec![pod("launcher", 0, 0, "failed:75:Error:0")]].concat());
+    s.now = at(2);
+    let p = s.plan();
+    assert_eq!(p.restarts, 0);
+    assert!(p.delete_pods.is_empty(), "{:?}", p.delete_pods);
+    assert_eq!(p.requeue_after, Some(Duration::from_secs(3)));
+
+    // The kubelet then reports worker 1 killed: the restart names it.
+    let mut s = Scenario::new(job(|_| {})).pods(vec![
+        pod("worker", 0, 0, "ready"),
+        pod("worker", 1, 0, "failed:137:Error"),
+        pod("launcher", 0, 0, "failed:75:Error:0"),
+    ]);
+    s.now = at(2);
+    let p = s.step();
+    assert_eq!((p.phase, p.restarts), (Phase::Restarting, 1));
+    let (_, _, message) = s.condition(condition_types::RESTARTING);
+    assert!(
+        message.starts_with("worker resnet18-cpu-worker-1 exited with code 137 (Error)"),
+        "{message}"
+    );
+
+    // No worker failed within the 5 s: the launcher is named.
+    let mut s = Scenario::new(job(|_| {}))
+        .pods([ready(), vec![pod("launcher", 0, 0, "failed:75:Error:0")]].concat());
+    s.now = at(5);
+    let p = s.step();
+    assert_eq!((p.phase, p.restarts), (Phase::Restarting, 1));
+    let (_, _, message) = s.condition(condition_types::RESTARTING);
+    assert!(
+        message.starts_with("launcher resnet18-cpu-launcher exited with code 75"),
+        "{message}"
     );
 }

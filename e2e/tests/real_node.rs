@@ -38,9 +38,13 @@ const REAL_NODE_LABEL: &str = "ringmaster.dev/real-node";
 /// The host's address on the real node's pod network (node.sh): what pods reach it at.
 const NODE_BRIDGE_ADDRESS: &str = "10.244.0.1";
 
+/// One test at a time on the real node: it has two CPUs, which one gang of 4 ranks already
+/// fills (the sample's requests say so); two at once only measure the overload.
+static REAL_NODE_IN_USE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// The CPU sample (config/samples/trainingjob-cpu-small.yaml) as `name`, on the real node:
-/// its image is the local one and its pods tolerate and select the real node. Requests are
-/// made small so two tests' gangs fit the node's two CPUs at once; `edit` changes the spec.
+/// its image is the local one and its pods tolerate and select the real node; its requests
+/// are its own. `edit` changes the spec.
 fn sample_on_real_node(name: &str, edit: impl FnOnce(&mut Value)) -> Value {
     let path = repo_root().join("config/samples/trainingjob-cpu-small.yaml");
     let mut job = common::documents(&path).remove(0);
@@ -52,7 +56,6 @@ fn sample_on_real_node(name: &str, edit: impl FnOnce(&mut Value)) -> Value {
             json!([{"key": REAL_NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}]);
         spec[role]["nodeSelector"] = json!({REAL_NODE_LABEL: "true"});
     }
-    spec["worker"]["resources"] = json!({"requests": {"cpu": "250m", "memory": "512Mi"}});
     edit(spec);
     job
 }
@@ -176,6 +179,7 @@ fn assert_result_is_the_trainers(status: &Value, summary: &Summary, steps: u64) 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cpu_sample_trains_across_real_pods_over_ssh_with_open_mpi() {
+    let _node = REAL_NODE_IN_USE.lock().await;
     let client = client().await;
     ensure_crds(&client).await;
     let ns = TestNamespace::new(&client, "real-ompi").await;
@@ -213,7 +217,15 @@ async fn the_cpu_sample_trains_across_real_pods_over_ssh_with_open_mpi() {
     .await;
     let summary = launcher_summary(&client, &ns.name, "sample").await;
     assert_result_is_the_trainers(&status, &summary, steps);
-    assert_eq!(status["restarts"], 0);
+    let notes: Vec<String> = events_for(&client, &ns.name, "sample")
+        .await
+        .into_iter()
+        .filter_map(|e| e.note)
+        .collect();
+    assert_eq!(
+        status["restarts"], 0,
+        "no restart expected; the job's Events: {notes:#?}"
+    );
     // Every rank ran: the launcher printed rank 0's steps, and `mpirun` reached both workers.
     let launcher_log = logs(&client, &ns.name, "sample-launcher").await;
     assert!(launcher_log.contains(r#""event":"step""#), "{launcher_log}");
@@ -221,6 +233,7 @@ async fn the_cpu_sample_trains_across_real_pods_over_ssh_with_open_mpi() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mpich_trains_across_real_pods_as_root() {
+    let _node = REAL_NODE_IN_USE.lock().await;
     let client = client().await;
     ensure_crds(&client).await;
     let ns = TestNamespace::new(&client, "real-mpich").await;
@@ -282,6 +295,7 @@ fn kill_container(container_id: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_mid_training_restarts_the_gang_which_then_succeeds() {
+    let _node = REAL_NODE_IN_USE.lock().await;
     let client = client().await;
     ensure_crds(&client).await;
     let ns = TestNamespace::new(&client, "real-kill").await;
@@ -416,6 +430,7 @@ async fn local_volume(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_datastage_copies_from_azurite_onto_the_node_and_a_job_trains_on_the_folder() {
+    let _node = REAL_NODE_IN_USE.lock().await;
     let client = client().await;
     ensure_crds(&client).await;
     let ns = TestNamespace::new(&client, "real-data").await;

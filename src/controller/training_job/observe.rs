@@ -15,6 +15,8 @@ pub struct Exit {
     pub reason: String,
     /// The termination message (the trainer's JSON summary, or the log's tail).
     pub message: String,
+    /// When the container ended, as the kubelet reports it.
+    pub finished_at: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
 }
 
 /// The life of one pod.
@@ -65,6 +67,7 @@ impl PodState {
                     .or(t.reason.clone())
                     .unwrap_or_else(|| default_reason.to_string()),
                 message: t.message.unwrap_or_default(),
+                finished_at: t.finished_at,
             }
         };
         let condition = |type_: &str| {

@@ -67,6 +67,9 @@ pub mod reasons {
 
 /// Longest wait between gang restarts.
 pub const MAX_RESTART_BACKOFF: Duration = Duration::from_secs(300);
+/// How long after a launcher exits with the lost-peer code the plan waits for a worker's
+/// failure to show before it restarts the gang naming the launcher.
+pub const PEER_LOST_CAUSE_WAIT: Duration = Duration::from_secs(5);
 
 /// The referenced DataStage, as far as the job is concerned.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -490,6 +493,29 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
         PodLife::Succeeded(exit) => Some((l, exit, true)),
         _ => None,
     });
+    // A launcher that lost a peer (75) has most often lost it to a worker that died, and on a
+    // real node it can notice that before the kubelet reports the worker: for a few seconds
+    // after it ended, wait for the workers' state, so a restart names the cause (the worker
+    // and its exit) rather than the symptom.
+    let peer_lost_wait = match launcher_exit {
+        Some((_, exit, false))
+            if worker_failure.is_none()
+                && exit.code == i32::from(ringmaster_contract::trainer::exit::PEER_LOST) =>
+        {
+            exit.finished_at
+                .as_ref()
+                .map(|finished| {
+                    (PEER_LOST_CAUSE_WAIT.as_secs_f64() - seconds_between(finished, inputs.now))
+                        .min(PEER_LOST_CAUSE_WAIT.as_secs_f64())
+                })
+                .filter(|left| *left > 0.0)
+        }
+        _ => None,
+    };
+    if let Some(left) = peer_lost_wait {
+        plan.requeue(Duration::from_secs_f64(left));
+    }
+    let launcher_exit = launcher_exit.filter(|_| peer_lost_wait.is_none());
     let retryable_launcher_failure = launcher_exit
         .filter(|(_, exit, ok)| !ok && launcher_exit_is_retryable(exit))
         .map(|(pod, exit, _)| format!("launcher {}", describe(pod, exit)));
