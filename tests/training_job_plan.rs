@@ -528,3 +528,27 @@ fn a_launcher_that_lost_a_peer_waits_a_moment_for_the_worker_that_caused_it() {
         "{message}"
     );
 }
+
+#[test]
+fn pods_of_an_earlier_job_of_the_same_name_are_waited_out_not_overwritten() {
+    let mut p = Scenario::new(job(|_| {})).plan();
+    assert_eq!(p.create_workers, vec![0, 1]);
+    // The deleted job's worker 1 is still terminating: only worker 0 is made now.
+    let in_use = std::collections::BTreeSet::from(["resnet18-cpu-worker-1".to_string()]);
+    plan::hold_back_names_in_use(&mut p, "resnet18-cpu", &in_use);
+    assert_eq!(p.create_workers, vec![0]);
+    assert_eq!(p.requeue_after, Some(Duration::from_secs(1)));
+
+    let ready = vec![pod("worker", 0, 0, "ready"), pod("worker", 1, 0, "ready")];
+    let mut p = Scenario::new(job(|_| {})).pods(ready).plan();
+    assert!(p.create_launcher);
+    let in_use = std::collections::BTreeSet::from(["resnet18-cpu-launcher".to_string()]);
+    plan::hold_back_names_in_use(&mut p, "resnet18-cpu", &in_use);
+    assert!(!p.create_launcher);
+
+    // Nothing held: the plan is unchanged.
+    let mut p = Scenario::new(job(|_| {})).plan();
+    let before = p.clone();
+    plan::hold_back_names_in_use(&mut p, "resnet18-cpu", &Default::default());
+    assert_eq!(p, before);
+}

@@ -129,6 +129,27 @@ async fn data_state(
     })
 }
 
+/// Names of pods that carry the job's name label but belong to another UID: an earlier job
+/// of the same name whose pods are still terminating.
+fn names_in_use_by_others(ctx: &Context, job: &TrainingJob) -> std::collections::BTreeSet<String> {
+    let namespace = job.namespace();
+    let name = job.name_any();
+    let uid = job.uid();
+    ctx.pods
+        .state()
+        .into_iter()
+        .filter(|pod| {
+            pod.metadata.namespace == namespace
+                && pod.labels().get(names::JOB_NAME_LABEL) == Some(&name)
+                && !pod
+                    .owner_references()
+                    .iter()
+                    .any(|o| o.controller == Some(true) && Some(&o.uid) == uid.as_ref())
+        })
+        .map(|pod| pod.name_any())
+        .collect()
+}
+
 /// The job's pods from the shared cache: same namespace, its name label, owned by this UID.
 fn pods_of(ctx: &Context, job: &TrainingJob) -> Vec<Arc<Pod>> {
     let namespace = job.namespace();
@@ -173,7 +194,7 @@ async fn run(
         name: format!("{}/{}", validated.namespace, validated.name),
         source,
     })?;
-    let plan = plan::plan(&PlanInputs {
+    let mut plan = plan::plan(&PlanInputs {
         job: validated,
         generation,
         status: &old,
@@ -183,6 +204,11 @@ async fn run(
         now: &now,
         restart_backoff: ctx.config.restart_backoff,
     });
+    plan::hold_back_names_in_use(
+        &mut plan,
+        &validated.name,
+        &names_in_use_by_others(ctx, job),
+    );
     let mut new = status::from_plan(&old, generation, &plan, &observed, &now);
     if pool.status.is_some() {
         new.node_pool = pool.status.clone();

@@ -1,6 +1,7 @@
 //! The TrainingJob state machine: from the validated spec, the last status and the observed
 //! pods, what to create, what to delete and what the status says. Pure: the clock comes in.
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -175,6 +176,24 @@ impl Plan {
     ) {
         self.conditions
             .push(DesiredCondition::new(type_, status, reason, message));
+    }
+}
+
+/// Holds back the creation of pods whose names are still taken by pods of another job: an
+/// earlier job of the same name, deleted, whose pods are still terminating. Creating over
+/// them would be refused by the API server (they are not ours); their deletion wakes the job
+/// again, and a look after a second covers a missed event.
+pub fn hold_back_names_in_use(plan: &mut Plan, job: &str, in_use: &BTreeSet<String>) {
+    let before = plan.create_workers.len();
+    plan.create_workers
+        .retain(|i| !in_use.contains(&super::names::worker_pod(job, *i)));
+    let mut held = plan.create_workers.len() != before;
+    if plan.create_launcher && in_use.contains(&super::names::launcher_pod(job)) {
+        plan.create_launcher = false;
+        held = true;
+    }
+    if held {
+        plan.requeue(Duration::from_secs(1));
     }
 }
 
