@@ -30,17 +30,12 @@ service_range=${RINGMASTER_SERVICE_RANGE:-10.0.0.0/24}
 base=${RINGMASTER_PORT_BASE:-36400}
 kubelet_port=$((base + 50)) kubelet_healthz=$((base + 48))
 proxy_metrics=$((base + 52)) proxy_healthz=$((base + 53))
-export REAL_NODE_LABEL=ringmaster.dev/real-node
+REAL_NODE_LABEL=ringmaster.dev/real-node
 
 log() { printf '[node] %s\n' "$*" >&2; }
 
-need() {
-  local missing=()
-  for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
-  [ ${#missing[@]} -eq 0 ] && return
-  log "installing ${missing[*]} (apt)"
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
-}
+# shellcheck source=tools/need.sh
+source "$here/tools/need.sh"
 
 # start NAME COMMAND...: runs it in its own session, logging to $state/logs/NAME.log.
 start() {

@@ -77,6 +77,17 @@ fn exec(ns: &str, pod: &str, command: &[&str]) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// The uid a worker's container runs as, and the mode and owner of its private key copy.
+fn user_and_key_copy(ns: &str, pod: &str) -> (String, String) {
+    let uid = exec(ns, pod, &["id", "-u"]);
+    let key = exec(
+        ns,
+        pod,
+        &["stat", "-c", "%a %U", "/etc/ringmaster/ssh/ssh-privatekey"],
+    );
+    (uid.trim().to_string(), key.trim().to_string())
+}
+
 async fn logs(client: &kube::Client, ns: &str, pod: &str) -> String {
     Api::<Pod>::namespaced(client.clone(), ns)
         .logs(pod, &LogParams::default())
@@ -196,15 +207,9 @@ async fn the_cpu_sample_trains_across_real_pods_over_ssh_with_open_mpi() {
         sshd_log.contains("Accepted publickey for trainer"),
         "{sshd_log}"
     );
-    assert_eq!(exec(&ns.name, &workers[0], &["id", "-u"]).trim(), "1000");
     assert_eq!(
-        exec(
-            &ns.name,
-            &workers[0],
-            &["stat", "-c", "%a %U", "/etc/ringmaster/ssh/ssh-privatekey"]
-        )
-        .trim(),
-        "600 trainer"
+        user_and_key_copy(&ns.name, &workers[0]),
+        ("1000".into(), "600 trainer".into())
     );
 
     let status = wait_phase(
@@ -249,15 +254,9 @@ async fn mpich_trains_across_real_pods_as_root() {
     let workers = launcher_started_after_ready_workers(&client, &ns.name, "mpich").await;
     // As root, the key copy is root's own, mode 0600 (the Secret's file is group-readable
     // through fsGroup, which ssh refuses from its owner).
-    assert_eq!(exec(&ns.name, &workers[1], &["id", "-u"]).trim(), "0");
     assert_eq!(
-        exec(
-            &ns.name,
-            &workers[1],
-            &["stat", "-c", "%a %U", "/etc/ringmaster/ssh/ssh-privatekey"]
-        )
-        .trim(),
-        "600 root"
+        user_and_key_copy(&ns.name, &workers[1]),
+        ("0".into(), "600 root".into())
     );
 
     let status = wait_phase(&client, &ns.name, "mpich", TrainingJobPhase::Succeeded, 300).await;
@@ -329,13 +328,7 @@ async fn a_worker_killed_mid_training_restarts_the_gang_which_then_succeeds() {
 
     let status = wait_phase(&client, &ns.name, "kill", TrainingJobPhase::Succeeded, 400).await;
     assert_eq!(status["restarts"], 1, "{status:#}");
-    let restarting = events_for(&client, &ns.name, "kill")
-        .await
-        .into_iter()
-        .find(|e| e.reason.as_deref() == Some("Restarting"))
-        .expect("a Restarting Event");
-    assert_eq!(restarting.type_.as_deref(), Some("Warning"));
-    let note = restarting.note.unwrap_or_default();
+    let note = common::restarting_event_note(&client, &ns.name, "kill").await;
     assert!(
         note.contains("kill-worker-1 exited with code 137"),
         "the Event names the killed worker and its exit: {note}"

@@ -187,18 +187,7 @@ async fn an_oom_killed_worker_restarts_the_gang_which_then_succeeds() {
     assert_eq!(status["restarts"], 1);
     // The restart was said, with its cause, in a Warning Event (the phase itself may pass
     // quicker than a poll).
-    let events: Api<k8s_openapi::api::events::v1::Event> =
-        Api::namespaced(client.clone(), &ns.name);
-    let restarting = events
-        .list(&ListParams::default().fields("regarding.name=oom"))
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .find(|e| e.reason.as_deref() == Some("Restarting"))
-        .expect("a Restarting Event");
-    assert_eq!(restarting.type_.as_deref(), Some("Warning"));
-    let note = restarting.note.unwrap_or_default();
+    let note = common::restarting_event_note(&client, &ns.name, "oom").await;
     assert!(
         note.contains("oom-worker-1 exited with code 137 (OOMKilled)"),
         "{note}"

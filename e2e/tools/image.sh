@@ -31,13 +31,8 @@ mkdir -p "$cache"
 
 log() { printf '[image] %s\n' "$*" >&2; }
 sha() { sha256sum "$1" | cut -d' ' -f1; }
-need() {
-  local missing=()
-  for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
-  [ ${#missing[@]} -eq 0 ] && return
-  log "installing ${missing[*]} (apt)"
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
-}
+# shellcheck source=need.sh
+source "$here/need.sh"
 need debootstrap catatonit
 
 # Layer 1: the root filesystem. Its name holds what decides its contents.

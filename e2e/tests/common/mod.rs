@@ -432,3 +432,14 @@ pub async fn sas_secret(client: &Client, ns: &str, sas: &str) {
         .await
         .unwrap();
 }
+
+/// The note of the job's `Restarting` Event, which must be a Warning.
+pub async fn restarting_event_note(client: &kube::Client, namespace: &str, job: &str) -> String {
+    let restarting = events_for(client, namespace, job)
+        .await
+        .into_iter()
+        .find(|e| e.reason.as_deref() == Some("Restarting"))
+        .expect("a Restarting Event");
+    assert_eq!(restarting.type_.as_deref(), Some("Warning"));
+    restarting.note.unwrap_or_default()
+}

@@ -10,6 +10,7 @@ pub mod pool;
 pub mod status;
 pub mod validate;
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Pod;
@@ -129,44 +130,27 @@ async fn data_state(
     })
 }
 
-/// Names of pods that carry the job's name label but belong to another UID: an earlier job
-/// of the same name whose pods are still terminating.
-fn names_in_use_by_others(ctx: &Context, job: &TrainingJob) -> std::collections::BTreeSet<String> {
+/// The pods from the shared cache that carry the job's name label (same namespace), in one
+/// pass: those owned by this UID, and the names of the others (an earlier job of the same
+/// name whose pods are still terminating).
+fn pods_of(ctx: &Context, job: &TrainingJob) -> (Vec<Arc<Pod>>, BTreeSet<String>) {
     let namespace = job.namespace();
     let name = job.name_any();
     let uid = job.uid();
-    ctx.pods
+    let (ours, others): (Vec<Arc<Pod>>, Vec<Arc<Pod>>) = ctx
+        .pods
         .state()
         .into_iter()
         .filter(|pod| {
             pod.metadata.namespace == namespace
                 && pod.labels().get(names::JOB_NAME_LABEL) == Some(&name)
-                && !pod
-                    .owner_references()
-                    .iter()
-                    .any(|o| o.controller == Some(true) && Some(&o.uid) == uid.as_ref())
         })
-        .map(|pod| pod.name_any())
-        .collect()
-}
-
-/// The job's pods from the shared cache: same namespace, its name label, owned by this UID.
-fn pods_of(ctx: &Context, job: &TrainingJob) -> Vec<Arc<Pod>> {
-    let namespace = job.namespace();
-    let name = job.name_any();
-    let uid = job.uid();
-    ctx.pods
-        .state()
-        .into_iter()
-        .filter(|pod| {
-            pod.metadata.namespace == namespace
-                && pod.labels().get(names::JOB_NAME_LABEL) == Some(&name)
-                && pod
-                    .owner_references()
-                    .iter()
-                    .any(|o| o.controller == Some(true) && Some(&o.uid) == uid.as_ref())
-        })
-        .collect()
+        .partition(|pod| {
+            pod.owner_references()
+                .iter()
+                .any(|o| o.controller == Some(true) && Some(&o.uid) == uid.as_ref())
+        });
+    (ours, others.iter().map(|pod| pod.name_any()).collect())
 }
 
 async fn run(
@@ -179,7 +163,7 @@ async fn run(
     let generation = job.meta().generation;
     let now = now();
     let data = data_state(ctx, validated).await?;
-    let pods = pods_of(ctx, job);
+    let (pods, names_in_use) = pods_of(ctx, job);
     let pod_refs: Vec<&Pod> = pods.iter().map(AsRef::as_ref).collect();
     let observed = Observed::sort(&pod_refs, validated.workers, old.restarts);
     let pool = pool::look(
@@ -204,11 +188,7 @@ async fn run(
         now: &now,
         restart_backoff: ctx.config.restart_backoff,
     });
-    plan::hold_back_names_in_use(
-        &mut plan,
-        &validated.name,
-        &names_in_use_by_others(ctx, job),
-    );
+    plan::hold_back_names_in_use(&mut plan, &validated.name, &names_in_use);
     let mut new = status::from_plan(&old, generation, &plan, &observed, &now);
     if pool.status.is_some() {
         new.node_pool = pool.status.clone();
