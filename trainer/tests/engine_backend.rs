@@ -2,18 +2,20 @@
 //! to the CPU backend sees every kernel of a ResNet step, and gives bit-identical results.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use ringmaster_trainer::engine::backend::{
     BatchNormConfig, BatchNormSaved, ConvShape, Matrix, PoolShape,
 };
 use ringmaster_trainer::engine::data::SyntheticData;
-use ringmaster_trainer::engine::{Arch, Backend, CpuBackend, Model};
+use ringmaster_trainer::engine::tensor::DType;
+use ringmaster_trainer::engine::{Arch, Backend, CpuBackend, Model, Sgd};
 
 /// Counts calls per operation, then lets the CPU backend compute.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 struct Counting {
-    calls: Mutex<BTreeMap<&'static str, usize>>,
+    calls: Arc<Mutex<BTreeMap<&'static str, usize>>>,
 }
 
 impl Counting {
@@ -25,11 +27,68 @@ impl Counting {
     }
 }
 
+type HostMatrix<'a> = Matrix<&'a [f32]>;
+
 impl Backend for Counting {
+    type Buf = Vec<f32>;
+    type View<'a> = &'a [f32];
+    type ViewMut<'a> = &'a mut [f32];
+    type ConvSaved = ();
+    type BnSaved = BatchNormSaved;
+    type PoolSaved = Vec<u32>;
+
     fn name(&self) -> &'static str {
         "counting"
     }
-    fn gemm(&self, m: usize, k: usize, n: usize, a: Matrix, b: Matrix, beta: f32, c: &mut [f32]) {
+    fn supports(&self, dtype: DType) -> bool {
+        CpuBackend.supports(dtype)
+    }
+    fn alloc(&self, len: usize, dtype: DType) -> Vec<f32> {
+        CpuBackend.alloc(len, dtype)
+    }
+    fn zeros(&self, len: usize, dtype: DType) -> Vec<f32> {
+        CpuBackend.zeros(len, dtype)
+    }
+    fn upload(&self, host: &[f32], shape: &[usize], dtype: DType) -> Vec<f32> {
+        CpuBackend.upload(host, shape, dtype)
+    }
+    fn download(&self, buf: &Vec<f32>, shape: &[usize]) -> Vec<f32> {
+        CpuBackend.download(buf, shape)
+    }
+    fn with_host<R>(&self, buf: &mut Vec<f32>, f: impl FnOnce(&mut [f32]) -> R) -> R {
+        CpuBackend.with_host(buf, f)
+    }
+    fn begin_step(&self) {
+        self.hit("begin_step");
+    }
+    fn view<'a>(&self, buf: &'a Vec<f32>, range: Range<usize>) -> &'a [f32] {
+        CpuBackend.view(buf, range)
+    }
+    fn view_mut<'a>(&self, buf: &'a mut Vec<f32>, range: Range<usize>) -> &'a mut [f32] {
+        CpuBackend.view_mut(buf, range)
+    }
+    fn view_mut_pair<'a>(
+        &self,
+        buf: &'a mut Vec<f32>,
+        a: Range<usize>,
+        b: Range<usize>,
+    ) -> (&'a mut [f32], &'a mut [f32]) {
+        CpuBackend.view_mut_pair(buf, a, b)
+    }
+    fn fill_zero(&self, x: &mut [f32]) {
+        self.hit("fill_zero");
+        CpuBackend.fill_zero(x)
+    }
+    fn gemm(
+        &self,
+        m: usize,
+        k: usize,
+        n: usize,
+        a: HostMatrix,
+        b: HostMatrix,
+        beta: f32,
+        c: &mut [f32],
+    ) {
         self.hit("gemm");
         CpuBackend.gemm(m, k, n, a, b, beta, c)
     }
@@ -40,6 +99,7 @@ impl Backend for Counting {
     fn conv2d_backward(
         &self,
         s: &ConvShape,
+        saved: &(),
         x: &[f32],
         w: &[f32],
         dy: &[f32],
@@ -47,7 +107,7 @@ impl Backend for Counting {
         dw: &mut [f32],
     ) {
         self.hit("conv2d_backward");
-        CpuBackend.conv2d_backward(s, x, w, dy, dx, dw)
+        CpuBackend.conv2d_backward(s, saved, x, w, dy, dx, dw)
     }
     fn batch_norm_forward_training(
         &self,
@@ -80,6 +140,7 @@ impl Backend for Counting {
     fn batch_norm_backward(
         &self,
         dims: (usize, usize, usize),
+        config: BatchNormConfig,
         saved: &BatchNormSaved,
         gamma: &[f32],
         dy: &[f32],
@@ -88,7 +149,7 @@ impl Backend for Counting {
         dbeta: &mut [f32],
     ) {
         self.hit("batch_norm_backward");
-        CpuBackend.batch_norm_backward(dims, saved, gamma, dy, dx, dgamma, dbeta)
+        CpuBackend.batch_norm_backward(dims, config, saved, gamma, dy, dx, dgamma, dbeta)
     }
     fn relu_forward(&self, x: &[f32], y: &mut [f32]) {
         self.hit("relu_forward");
@@ -98,21 +159,21 @@ impl Backend for Counting {
         self.hit("relu_backward");
         CpuBackend.relu_backward(y, dy, dx)
     }
-    fn max_pool_forward(&self, s: &PoolShape, x: &[f32], y: &mut [f32], am: &mut [u32]) {
+    fn max_pool_forward(&self, s: &PoolShape, x: &[f32], y: &mut [f32]) -> Vec<u32> {
         self.hit("max_pool_forward");
-        CpuBackend.max_pool_forward(s, x, y, am)
+        CpuBackend.max_pool_forward(s, x, y)
     }
-    fn max_pool_backward(&self, s: &PoolShape, am: &[u32], dy: &[f32], dx: &mut [f32]) {
+    fn max_pool_backward(&self, s: &PoolShape, am: &Vec<u32>, dy: &[f32], dx: &mut [f32]) {
         self.hit("max_pool_backward");
         CpuBackend.max_pool_backward(s, am, dy, dx)
     }
-    fn global_avg_pool_forward(&self, len: usize, x: &[f32], y: &mut [f32]) {
+    fn global_avg_pool_forward(&self, dims: (usize, usize, usize), x: &[f32], y: &mut [f32]) {
         self.hit("global_avg_pool_forward");
-        CpuBackend.global_avg_pool_forward(len, x, y)
+        CpuBackend.global_avg_pool_forward(dims, x, y)
     }
-    fn global_avg_pool_backward(&self, len: usize, dy: &[f32], dx: &mut [f32]) {
+    fn global_avg_pool_backward(&self, dims: (usize, usize, usize), dy: &[f32], dx: &mut [f32]) {
         self.hit("global_avg_pool_backward");
-        CpuBackend.global_avg_pool_backward(len, dy, dx)
+        CpuBackend.global_avg_pool_backward(dims, dy, dx)
     }
     fn broadcast_rows(&self, bias: &[f32], y: &mut [f32]) {
         self.hit("broadcast_rows");
@@ -126,11 +187,23 @@ impl Backend for Counting {
         self.hit("add_assign");
         CpuBackend.add_assign(a, b)
     }
+    fn sgd_update(
+        &self,
+        w: &mut [f32],
+        g: &[f32],
+        v: &mut [f32],
+        lr: f32,
+        momentum: f32,
+        weight_decay: f32,
+    ) {
+        self.hit("sgd_update");
+        CpuBackend.sgd_update(w, g, v, lr, momentum, weight_decay)
+    }
 }
 
 #[test]
 fn a_resnet18_step_runs_every_kernel_through_the_backend() {
-    let counting = Arc::new(Counting::default());
+    let counting = Counting::default();
     let mut counted = Model::with_backend(Arch::ResNet18, 10, 7, counting.clone());
     let mut reference = Model::new(Arch::ResNet18, 10, 7);
     let data = SyntheticData::new(10, 32, 4, 1);
@@ -164,6 +237,18 @@ fn a_resnet18_step_runs_every_kernel_through_the_backend() {
     for (op, n) in expected {
         assert_eq!(counting.count(op), n, "{op}");
     }
+
+    // One step: the gradients zeroed once, the arena recycled once.
+    assert_eq!(counting.count("fill_zero"), 1);
+    assert_eq!(counting.count("begin_step"), 1);
+
+    // The optimizer updates each parameter tensor through the backend, as the CPU one does.
+    let mut sgd = Sgd::on(&counting, counted.params(), 0.9, 1e-4);
+    let mut reference_sgd = Sgd::new(reference.params(), 0.9, 1e-4);
+    sgd.step(counted.params_mut(), 0.1);
+    reference_sgd.step(reference.params_mut(), 0.1);
+    assert_eq!(counting.count("sgd_update"), counted.params().entries.len());
+    assert_eq!(counted.params().values, reference.params().values);
 
     let before = counting.count("batch_norm_forward_inference");
     counted.evaluate(&images, &labels);

@@ -1,7 +1,5 @@
 //! ResNets: torchvision's ImageNet family and the CIFAR family of He et al.
 
-use std::sync::Arc;
-
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -11,7 +9,7 @@ use super::layers::{
     softmax_cross_entropy,
 };
 use super::params::ParamStore;
-use super::tensor::Tensor;
+use super::tensor::{DType, Tensor};
 
 /// Which ResNet to build.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,34 +47,34 @@ pub struct StepStats {
 
 /// A ResNet with its parameters.
 #[derive(Debug, Clone)]
-pub struct Model {
+pub struct Model<B: Backend = CpuBackend> {
     arch: Arch,
     num_classes: usize,
-    params: ParamStore,
-    stem_conv: Conv2d,
-    stem_bn: BatchNorm2d,
-    stem_relu: Relu,
-    maxpool: Option<MaxPool2d>,
-    blocks: Vec<ResidualBlock>,
-    pool: GlobalAvgPool,
-    fc: Linear,
-    backend: Arc<dyn Backend>,
+    params: ParamStore<B>,
+    stem_conv: Conv2d<B>,
+    stem_bn: BatchNorm2d<B>,
+    stem_relu: Relu<B>,
+    maxpool: Option<MaxPool2d<B>>,
+    blocks: Vec<ResidualBlock<B>>,
+    pool: GlobalAvgPool<B>,
+    fc: Linear<B>,
+    backend: B,
+    /// The activations' type (parameters stay f32).
+    dtype: DType,
 }
 
 impl Model {
-    /// Builds `arch` for `num_classes` classes, initialised deterministically from
-    /// `seed`. Panics for a CIFAR depth that is not `6n + 2`.
+    /// Builds `arch` for `num_classes` classes on the CPU, initialised deterministically
+    /// from `seed`. Panics for a CIFAR depth that is not `6n + 2`.
     pub fn new(arch: Arch, num_classes: usize, seed: u64) -> Self {
-        Self::with_backend(arch, num_classes, seed, Arc::new(CpuBackend))
+        Self::with_backend(arch, num_classes, seed, CpuBackend)
     }
+}
 
-    /// [`Model::new`] computing on `backend`.
-    pub fn with_backend(
-        arch: Arch,
-        num_classes: usize,
-        seed: u64,
-        backend: Arc<dyn Backend>,
-    ) -> Self {
+impl<B: Backend> Model<B> {
+    /// [`Model::new`] computing on `backend` in f32: the same initial parameters on every
+    /// backend (they are drawn on the host and copied over).
+    pub fn with_backend(arch: Arch, num_classes: usize, seed: u64, backend: B) -> Self {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let mut store = ParamStore::new();
         let (stem_conv, stem_bn, maxpool, stem_out) = match arch {
@@ -130,7 +128,7 @@ impl Model {
         Self {
             arch,
             num_classes,
-            params: store,
+            params: store.to_backend(&backend),
             stem_conv,
             stem_bn,
             stem_relu: Relu::new(),
@@ -139,7 +137,30 @@ impl Model {
             pool: GlobalAvgPool::new(),
             fc,
             backend,
+            dtype: DType::F32,
         }
+    }
+
+    /// Computes activations in `dtype` (bf16 for mixed precision); panics when the backend
+    /// cannot (the trainer's settings check refuses such a pairing first).
+    pub fn with_activations(mut self, dtype: DType) -> Self {
+        assert!(
+            self.backend.supports(dtype),
+            "the {} backend does not compute in {dtype:?}",
+            self.backend.name()
+        );
+        self.dtype = dtype;
+        self
+    }
+
+    /// The backend the model computes on.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The activations' type.
+    pub fn activations(&self) -> DType {
+        self.dtype
     }
 
     /// The architecture.
@@ -158,19 +179,28 @@ impl Model {
     }
 
     /// Parameters, gradients and buffers.
-    pub fn params(&self) -> &ParamStore {
+    pub fn params(&self) -> &ParamStore<B> {
         &self.params
     }
 
     /// Mutable parameters, e.g. for all-reduce, the optimizer or loading a checkpoint.
-    pub fn params_mut(&mut self) -> &mut ParamStore {
+    pub fn params_mut(&mut self) -> &mut ParamStore<B> {
         &mut self.params
     }
 
-    /// Logits `[N, classes]` for NCHW images with 3 channels, any size. `train` selects
-    /// batch statistics (and caching for backward) over running statistics.
+    /// Logits `[N, classes]` (on the host) for NCHW host images with 3 channels, any size.
+    /// `train` selects batch statistics (and caching for backward) over running statistics.
     pub fn forward(&mut self, images: &Tensor, train: bool) -> Tensor {
-        let (be, p) = (self.backend.as_ref(), &mut self.params);
+        self.backend.begin_step();
+        let images = Tensor::upload(&self.backend, images, self.dtype);
+        let logits = self.forward_on_device(&images, train);
+        logits.download(&self.backend)
+    }
+
+    /// [`Model::forward`] on images already on the backend, in the activations' type;
+    /// logits stay there too.
+    pub fn forward_on_device(&mut self, images: &Tensor<B>, train: bool) -> Tensor<B> {
+        let (be, p) = (&self.backend, &mut self.params);
         let mut h = self.stem_conv.forward(be, p, images, train);
         h = self.stem_bn.forward(be, p, &h, train);
         h = self.stem_relu.forward(be, p, &h, train);
@@ -184,8 +214,8 @@ impl Model {
         self.fc.forward(be, p, &h, train)
     }
 
-    fn backward(&mut self, grad_logits: &Tensor) {
-        let (be, p) = (self.backend.as_ref(), &mut self.params);
+    fn backward(&mut self, grad_logits: &Tensor<B>) {
+        let (be, p) = (&self.backend, &mut self.params);
         let mut g = self.fc.backward(be, p, grad_logits);
         g = self.pool.backward(be, p, &g);
         for block in self.blocks.iter_mut().rev() {
@@ -202,7 +232,7 @@ impl Model {
 
     /// Sets every gradient to zero.
     pub fn zero_grads(&mut self) {
-        self.params.zero_grads();
+        self.params.zero_grads_on(&self.backend);
     }
 
     /// Adds `grad_scale` times the gradient of this micro-batch's mean loss into
@@ -218,9 +248,11 @@ impl Model {
         grad_scale: f32,
     ) -> StepStats {
         let logits = self.forward(images, true);
+        // The loss runs on the host: the logits are a few kilobytes a step.
         let mut out = softmax_cross_entropy(&logits, labels, label_smoothing);
         out.grad_logits.scale(grad_scale);
-        self.backward(&out.grad_logits);
+        let grad_logits = Tensor::upload(&self.backend, &out.grad_logits, DType::F32);
+        self.backward(&grad_logits);
         StepStats {
             loss: out.loss,
             correct: out.correct,

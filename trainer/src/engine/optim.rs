@@ -1,29 +1,40 @@
 //! SGD with momentum and weight decay, and learning-rate schedules.
 
+use super::backend::{Backend, CpuBackend};
 use super::params::ParamStore;
+use super::tensor::DType;
 
 /// SGD with heavy-ball momentum in PyTorch's form: `v = μ v + (g + λ w)`, `w -= lr v`.
 ///
 /// Weight decay skips one-dimensional parameters — batch-norm scales and shifts and
 /// biases — as is common for ResNets: decaying them only fights the normalisation.
 #[derive(Debug, Clone)]
-pub struct Sgd {
+pub struct Sgd<B: Backend = CpuBackend> {
     /// Momentum coefficient μ.
     pub momentum: f32,
     /// Weight-decay coefficient λ.
     pub weight_decay: f32,
-    velocity: Vec<f32>,
+    velocity: B::Buf,
     /// Per parameter entry: its range and whether it is decayed.
     decay: Vec<(std::ops::Range<usize>, bool)>,
+    backend: B,
 }
 
 impl Sgd {
-    /// An optimizer for the parameters in `params`, with zero initial velocity.
+    /// An optimizer for the host parameters in `params`, with zero initial velocity.
     pub fn new(params: &ParamStore, momentum: f32, weight_decay: f32) -> Self {
+        Self::on(&CpuBackend, params, momentum, weight_decay)
+    }
+}
+
+impl<B: Backend> Sgd<B> {
+    /// An optimizer on `be` for the parameters in `params`, with zero initial velocity.
+    pub fn on(be: &B, params: &ParamStore<B>, momentum: f32, weight_decay: f32) -> Self {
         Self {
             momentum,
             weight_decay,
-            velocity: vec![0.0; params.values.len()],
+            velocity: be.zeros(params.num_parameters(), DType::F32),
+            backend: be.clone(),
             decay: params
                 .entries
                 .iter()
@@ -33,26 +44,30 @@ impl Sgd {
     }
 
     /// The momentum buffer (same layout as the parameters).
-    pub fn velocity(&self) -> &[f32] {
+    pub fn velocity(&self) -> &B::Buf {
         &self.velocity
     }
 
-    /// Applies one update with learning rate `lr` from `params.grads`.
-    pub fn step(&mut self, params: &mut ParamStore, lr: f32) {
+    /// Applies one update with learning rate `lr` from `params.grads`, one backend call
+    /// per parameter tensor.
+    pub fn step(&mut self, params: &mut ParamStore<B>, lr: f32) {
+        let be = &self.backend;
         assert_eq!(
-            params.values.len(),
-            self.velocity.len(),
+            params.num_parameters(),
+            self.decay.last().map_or(0, |(r, _)| r.end),
             "optimizer built for another model"
         );
+        let ParamStore { values, grads, .. } = params;
         for (range, decayed) in &self.decay {
             let wd = if *decayed { self.weight_decay } else { 0.0 };
-            let w = &mut params.values[range.clone()];
-            let g = &params.grads[range.clone()];
-            let v = &mut self.velocity[range.clone()];
-            for ((w, &g), v) in w.iter_mut().zip(g).zip(v.iter_mut()) {
-                *v = self.momentum * *v + g + wd * *w;
-                *w -= lr * *v;
-            }
+            be.sgd_update(
+                be.view_mut(values, range.clone()),
+                be.view(grads, range.clone()),
+                be.view_mut(&mut self.velocity, range.clone()),
+                lr,
+                self.momentum,
+                wd,
+            );
         }
     }
 }

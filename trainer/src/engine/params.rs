@@ -6,6 +6,9 @@
 
 use std::ops::Range;
 
+use super::backend::{Backend, CpuBackend};
+use super::tensor::DType;
+
 /// Where one named tensor lives inside a flat buffer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParamEntry {
@@ -35,25 +38,97 @@ impl ParamEntry {
 }
 
 /// Learnable parameters with their gradients, plus buffers such as batch-norm
-/// running statistics that are saved with the model but never trained.
-#[derive(Debug, Clone, Default)]
-pub struct ParamStore {
+/// running statistics that are saved with the model but never trained. All f32, in
+/// PyTorch's layouts, on backend `B` (host vectors for the default CPU backend); models are
+/// built on the host and then moved with [`ParamStore::to_backend`].
+#[derive(Debug, Clone)]
+pub struct ParamStore<B: Backend = CpuBackend> {
     /// All parameter values, back to back.
-    pub values: Vec<f32>,
+    pub values: B::Buf,
     /// Gradients, same layout as `values`.
-    pub grads: Vec<f32>,
+    pub grads: B::Buf,
     /// Names and ranges of the parameters.
     pub entries: Vec<ParamEntry>,
     /// Non-learned state (batch-norm running mean and variance).
-    pub buffers: Vec<f32>,
+    pub buffers: B::Buf,
     /// Names and ranges of the buffers.
     pub buffer_entries: Vec<ParamEntry>,
+}
+
+impl Default for ParamStore {
+    fn default() -> Self {
+        Self {
+            values: Vec::new(),
+            grads: Vec::new(),
+            entries: Vec::new(),
+            buffers: Vec::new(),
+            buffer_entries: Vec::new(),
+        }
+    }
+}
+
+impl<B: Backend> ParamStore<B> {
+    /// Number of learnable scalars.
+    pub fn num_parameters(&self) -> usize {
+        self.entries.last().map_or(0, |e| e.offset + e.len())
+    }
+
+    /// Number of buffer scalars.
+    pub fn num_buffer_values(&self) -> usize {
+        self.buffer_entries.last().map_or(0, |e| e.offset + e.len())
+    }
+
+    /// The parameter entry called `name`.
+    pub fn entry(&self, name: &str) -> Option<&ParamEntry> {
+        self.entries.iter().find(|e| e.name == name)
+    }
+
+    /// Sets every gradient to zero.
+    pub fn zero_grads_on(&mut self, be: &B) {
+        let len = self.num_parameters();
+        be.fill_zero(be.view_mut(&mut self.grads, 0..len));
+    }
+
+    /// A copy of the values, gradients and buffers on the host.
+    pub fn to_host(&self, be: &B) -> ParamStore {
+        ParamStore {
+            values: be.download(&self.values, &[self.num_parameters()]),
+            grads: be.download(&self.grads, &[self.num_parameters()]),
+            entries: self.entries.clone(),
+            buffers: be.download(&self.buffers, &[self.num_buffer_values()]),
+            buffer_entries: self.buffer_entries.clone(),
+        }
+    }
+
+    /// Overwrites the values and buffers with a host store of the same layout (a loaded
+    /// checkpoint).
+    pub fn load_from_host(&mut self, be: &B, host: &ParamStore) {
+        assert_eq!(self.entries, host.entries, "parameter layouts differ");
+        assert_eq!(
+            self.buffer_entries, host.buffer_entries,
+            "buffer layouts differ"
+        );
+        self.values = be.upload(&host.values, &[host.values.len()], DType::F32);
+        self.buffers = be.upload(&host.buffers, &[host.buffers.len()], DType::F32);
+    }
 }
 
 impl ParamStore {
     /// An empty store.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// This store's values, gradients and buffers on `be`.
+    pub fn to_backend<B: Backend>(&self, be: &B) -> ParamStore<B> {
+        let upload = |v: &Vec<f32>| be.upload(v, &[v.len()], DType::F32);
+        ParamStore {
+            values: upload(&self.values),
+            grads: upload(&self.grads),
+            entries: self.entries.clone(),
+            buffers: upload(&self.buffers),
+            buffer_entries: self.buffer_entries.clone(),
+        }
     }
 
     /// Registers a parameter filled with `init` and returns its range.
@@ -85,11 +160,6 @@ impl ParamStore {
         range
     }
 
-    /// Number of learnable scalars.
-    pub fn num_parameters(&self) -> usize {
-        self.values.len()
-    }
-
     /// A parameter's values and its gradients, borrowed together.
     pub fn values_and_grads(&mut self, range: Range<usize>) -> (&[f32], &mut [f32]) {
         (&self.values[range.clone()], &mut self.grads[range])
@@ -98,11 +168,6 @@ impl ParamStore {
     /// Sets every gradient to zero.
     pub fn zero_grads(&mut self) {
         self.grads.iter_mut().for_each(|g| *g = 0.0);
-    }
-
-    /// The parameter entry called `name`.
-    pub fn entry(&self, name: &str) -> Option<&ParamEntry> {
-        self.entries.iter().find(|e| e.name == name)
     }
 
     /// The values of the parameter called `name`.

@@ -1,55 +1,103 @@
-//! A minimal dense `f32` tensor (row-major, NCHW for images).
+//! Tensors that know their backend (and so their device) and their element type.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
-/// A contiguous row-major tensor; images are NCHW.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Tensor {
-    /// Dimensions, outermost first.
-    pub shape: Vec<usize>,
-    /// Elements in row-major order; `data.len()` equals the product of `shape`.
-    pub data: Vec<f32>,
+use super::backend::{Backend, CpuBackend};
+
+/// Element types of activations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// IEEE single precision.
+    F32,
+    /// bfloat16: f32's range with 8 bits of mantissa (activations and conv weights in
+    /// mixed precision; master weights, gradients and statistics stay f32).
+    Bf16,
 }
 
-impl Tensor {
-    /// A tensor of zeros.
-    pub fn zeros(shape: &[usize]) -> Self {
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::Bf16 => 2,
+        }
+    }
+}
+
+/// A dense tensor on backend `B` (a host `Vec<f32>` for the default CPU backend). The shape
+/// is logical, outermost first, NCHW for images; the backend decides the memory layout.
+#[derive(Debug)]
+pub struct Tensor<B: Backend = CpuBackend> {
+    /// Dimensions, outermost first.
+    pub shape: Vec<usize>,
+    /// Element type.
+    pub dtype: DType,
+    /// The elements, in the backend's memory.
+    pub data: B::Buf,
+}
+
+impl<B: Backend> Clone for Tensor<B> {
+    fn clone(&self) -> Self {
+        Self {
+            shape: self.shape.clone(),
+            dtype: self.dtype,
+            data: self.data.clone(),
+        }
+    }
+}
+
+impl PartialEq for Tensor<CpuBackend> {
+    fn eq(&self, other: &Self) -> bool {
+        self.shape == other.shape && self.dtype == other.dtype && self.data == other.data
+    }
+}
+
+impl<B: Backend> Tensor<B> {
+    /// A tensor of `shape` and `dtype` on `be`, contents unspecified (every operation
+    /// overwrites its output).
+    pub fn alloc(be: &B, shape: &[usize], dtype: DType) -> Self {
         Self {
             shape: shape.to_vec(),
-            data: vec![0.0; shape.iter().product()],
+            dtype,
+            data: be.alloc(shape.iter().product(), dtype),
         }
     }
 
-    /// Wraps `data`; panics when its length does not match `shape`.
-    pub fn from_vec(shape: &[usize], data: Vec<f32>) -> Self {
-        assert_eq!(
-            shape.iter().product::<usize>(),
-            data.len(),
-            "tensor data length does not match shape {shape:?}"
-        );
+    /// Copies a host tensor onto `be` as `dtype`.
+    pub fn upload(be: &B, host: &Tensor, dtype: DType) -> Self {
         Self {
-            shape: shape.to_vec(),
-            data,
+            shape: host.shape.clone(),
+            dtype,
+            data: be.upload(&host.data, &host.shape, dtype),
         }
     }
 
-    /// A tensor of independent standard-normal samples scaled by `std`.
-    pub fn randn(shape: &[usize], std: f32, rng: &mut impl Rng) -> Self {
-        let mut t = Self::zeros(shape);
-        fill_normal(&mut t.data, std, rng);
-        t
+    /// Copies this tensor to the host as f32.
+    pub fn download(&self, be: &B) -> Tensor {
+        Tensor::from_vec(&self.shape, be.download(&self.data, &self.shape))
+    }
+
+    /// A view of all elements.
+    pub fn view<'a>(&'a self, be: &B) -> B::View<'a> {
+        be.view(&self.data, 0..self.len())
+    }
+
+    /// A writable view of all elements.
+    pub fn view_mut<'a>(&'a mut self, be: &B) -> B::ViewMut<'a> {
+        let len = self.len();
+        be.view_mut(&mut self.data, 0..len)
     }
 
     /// Number of elements.
     pub fn len(&self) -> usize {
-        self.data.len()
+        self.shape.iter().product()
     }
 
     /// Whether the tensor has no elements.
     pub fn is_empty(&self) -> bool {
-        self.data.is_empty()
+        self.len() == 0
     }
 
     /// The four dimensions of an NCHW tensor; panics for other ranks.
@@ -66,6 +114,38 @@ impl Tensor {
             [r, c] => (r, c),
             _ => panic!("expected a 2-D tensor, got shape {:?}", self.shape),
         }
+    }
+}
+
+impl Tensor {
+    /// A host tensor of zeros.
+    pub fn zeros(shape: &[usize]) -> Self {
+        Self {
+            shape: shape.to_vec(),
+            dtype: DType::F32,
+            data: vec![0.0; shape.iter().product()],
+        }
+    }
+
+    /// Wraps `data`; panics when its length does not match `shape`.
+    pub fn from_vec(shape: &[usize], data: Vec<f32>) -> Self {
+        assert_eq!(
+            shape.iter().product::<usize>(),
+            data.len(),
+            "tensor data length does not match shape {shape:?}"
+        );
+        Self {
+            shape: shape.to_vec(),
+            dtype: DType::F32,
+            data,
+        }
+    }
+
+    /// A tensor of independent standard-normal samples scaled by `std`.
+    pub fn randn(shape: &[usize], std: f32, rng: &mut impl Rng) -> Self {
+        let mut t = Self::zeros(shape);
+        fill_normal(&mut t.data, std, rng);
+        t
     }
 
     /// Multiplies every element by `s`.

@@ -2,18 +2,96 @@
 
 use rayon::prelude::*;
 
+use std::ops::Range;
+
 use super::{Backend, BatchNormConfig, BatchNormSaved, ConvShape, Matrix, PoolShape};
+use crate::engine::tensor::DType;
+
+/// A row-major operand on the host.
+type HostMatrix<'a> = Matrix<&'a [f32]>;
 
 /// The reference backend; runs on all cores of the rayon pool.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuBackend;
 
+impl CpuBackend {
+    fn f32_only(dtype: DType) {
+        assert_eq!(dtype, DType::F32, "the CPU backend computes in f32 only");
+    }
+}
+
 impl Backend for CpuBackend {
+    type Buf = Vec<f32>;
+    type View<'a> = &'a [f32];
+    type ViewMut<'a> = &'a mut [f32];
+    type ConvSaved = ();
+    type BnSaved = BatchNormSaved;
+    /// Per output, the index of the winner within its plane.
+    type PoolSaved = Vec<u32>;
+
     fn name(&self) -> &'static str {
         "cpu"
     }
 
-    fn gemm(&self, m: usize, k: usize, n: usize, a: Matrix, b: Matrix, beta: f32, c: &mut [f32]) {
+    fn supports(&self, dtype: DType) -> bool {
+        dtype == DType::F32
+    }
+
+    fn alloc(&self, len: usize, dtype: DType) -> Vec<f32> {
+        self.zeros(len, dtype)
+    }
+
+    fn zeros(&self, len: usize, dtype: DType) -> Vec<f32> {
+        Self::f32_only(dtype);
+        vec![0.0; len]
+    }
+
+    fn upload(&self, host: &[f32], _shape: &[usize], dtype: DType) -> Vec<f32> {
+        Self::f32_only(dtype);
+        host.to_vec()
+    }
+
+    fn download(&self, buf: &Vec<f32>, _shape: &[usize]) -> Vec<f32> {
+        buf.clone()
+    }
+
+    fn with_host<R>(&self, buf: &mut Vec<f32>, f: impl FnOnce(&mut [f32]) -> R) -> R {
+        f(buf)
+    }
+
+    fn view<'a>(&self, buf: &'a Vec<f32>, range: Range<usize>) -> &'a [f32] {
+        &buf[range]
+    }
+
+    fn view_mut<'a>(&self, buf: &'a mut Vec<f32>, range: Range<usize>) -> &'a mut [f32] {
+        &mut buf[range]
+    }
+
+    fn view_mut_pair<'a>(
+        &self,
+        buf: &'a mut Vec<f32>,
+        a: Range<usize>,
+        b: Range<usize>,
+    ) -> (&'a mut [f32], &'a mut [f32]) {
+        assert!(a.end <= b.start, "view_mut_pair needs a before b, disjoint");
+        let (head, tail) = buf.split_at_mut(b.start);
+        (&mut head[a], &mut tail[..b.len()])
+    }
+
+    fn fill_zero(&self, x: &mut [f32]) {
+        x.fill(0.0);
+    }
+
+    fn gemm(
+        &self,
+        m: usize,
+        k: usize,
+        n: usize,
+        a: HostMatrix,
+        b: HostMatrix,
+        beta: f32,
+        c: &mut [f32],
+    ) {
         sgemm(m, k, n, a, b, beta, c, n);
     }
 
@@ -35,6 +113,7 @@ impl Backend for CpuBackend {
     fn conv2d_backward(
         &self,
         s: &ConvShape,
+        _saved: &(),
         x: &[f32],
         weight: &[f32],
         dy: &[f32],
@@ -176,6 +255,7 @@ impl Backend for CpuBackend {
     fn batch_norm_backward(
         &self,
         (n, c, hw): (usize, usize, usize),
+        _config: BatchNormConfig,
         saved: &BatchNormSaved,
         gamma: &[f32],
         dy: &[f32],
@@ -229,7 +309,8 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn max_pool_forward(&self, s: &PoolShape, x: &[f32], y: &mut [f32], argmax: &mut [u32]) {
+    fn max_pool_forward(&self, s: &PoolShape, x: &[f32], y: &mut [f32]) -> Vec<u32> {
+        let mut argmax = vec![0u32; y.len()];
         let (h, w) = (s.h, s.w);
         let (oh, ow) = s.output_size();
         let (k, stride, p) = (s.kernel, s.stride, s.padding as isize);
@@ -263,9 +344,10 @@ impl Backend for CpuBackend {
                     }
                 }
             });
+        argmax
     }
 
-    fn max_pool_backward(&self, s: &PoolShape, argmax: &[u32], dy: &[f32], dx: &mut [f32]) {
+    fn max_pool_backward(&self, s: &PoolShape, argmax: &Vec<u32>, dy: &[f32], dx: &mut [f32]) {
         let (oh, ow) = s.output_size();
         dx.par_chunks_mut(s.h * s.w)
             .zip(dy.par_chunks(oh * ow))
@@ -278,13 +360,23 @@ impl Backend for CpuBackend {
             });
     }
 
-    fn global_avg_pool_forward(&self, plane_len: usize, x: &[f32], y: &mut [f32]) {
+    fn global_avg_pool_forward(
+        &self,
+        (_, _, plane_len): (usize, usize, usize),
+        x: &[f32],
+        y: &mut [f32],
+    ) {
         for (y, p) in y.iter_mut().zip(x.chunks(plane_len)) {
             *y = p.iter().sum::<f32>() / plane_len as f32;
         }
     }
 
-    fn global_avg_pool_backward(&self, plane_len: usize, dy: &[f32], dx: &mut [f32]) {
+    fn global_avg_pool_backward(
+        &self,
+        (_, _, plane_len): (usize, usize, usize),
+        dy: &[f32],
+        dx: &mut [f32],
+    ) {
         dx.chunks_mut(plane_len)
             .zip(dy)
             .for_each(|(dx, &g)| dx.fill(g / plane_len as f32));
@@ -306,11 +398,35 @@ impl Backend for CpuBackend {
         assert_eq!(a.len(), b.len(), "add_assign lengths differ");
         a.iter_mut().zip(b).for_each(|(x, y)| *x += y);
     }
+
+    fn sgd_update(
+        &self,
+        w: &mut [f32],
+        g: &[f32],
+        v: &mut [f32],
+        lr: f32,
+        momentum: f32,
+        weight_decay: f32,
+    ) {
+        for ((w, &g), v) in w.iter_mut().zip(g).zip(v.iter_mut()) {
+            *v = momentum * *v + g + weight_decay * *w;
+            *w -= lr * *v;
+        }
+    }
 }
 
 /// `c = a · b + beta · c` on row-major `c` with row stride `rsc`.
 #[allow(clippy::too_many_arguments)]
-fn sgemm(m: usize, k: usize, n: usize, a: Matrix, b: Matrix, beta: f32, c: &mut [f32], rsc: usize) {
+fn sgemm(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: HostMatrix,
+    b: HostMatrix,
+    beta: f32,
+    c: &mut [f32],
+    rsc: usize,
+) {
     if m == 0 || n == 0 {
         return;
     }

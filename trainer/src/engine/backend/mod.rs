@@ -6,16 +6,28 @@
 //! GEMM, tensor add), so a CUDA backend maps each to a library call or one NVRTC kernel.
 //! [`CpuBackend`] is the reference: im2col + `matrixmultiply`'s SGEMM, rayon over all cores.
 //!
-//! Buffers are host slices today. The CUDA engine (a later issue) will give the trait an
-//! associated buffer type; the shapes and the contract (what is overwritten, what is
-//! accumulated) stay as written here.
+//! Memory belongs to the backend: [`Backend::Buf`] is a host `Vec<f32>` for the CPU and
+//! device memory for CUDA, and operations take views of buffers ([`Backend::View`],
+//! [`Backend::ViewMut`]), so layers never touch host memory on the GPU path. Tensor shapes
+//! are logical (NCHW); how a backend lays a 4-D activation out in memory is its own affair
+//! (NCHW on the CPU, NHWC on CUDA), and only [`Backend::upload`] and [`Backend::download`]
+//! convert. Parameters live in one flat fp32 buffer in PyTorch's layout on every backend.
+//!
+//! What an operation saves for its backward pass is the backend's own type
+//! ([`Backend::ConvSaved`], [`Backend::BnSaved`], [`Backend::PoolSaved`]).
 
 mod cpu;
+pub mod cuda;
 
 pub use cpu::CpuBackend;
+pub use cuda::{CudaBackend, CudaError};
+
+use std::ops::Range;
+
+use crate::engine::tensor::DType;
 
 /// Shapes of a 2-D convolution over an NCHW batch with a `[out, in, k, k]` weight.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ConvShape {
     /// Images.
     pub n: usize,
@@ -54,6 +66,8 @@ impl ConvShape {
 pub struct PoolShape {
     /// Planes (images × channels).
     pub planes: usize,
+    /// Channels per image (a channels-last backend walks planes by image and channel).
+    pub channels: usize,
     /// Input height.
     pub h: usize,
     /// Input width.
@@ -92,20 +106,21 @@ pub struct BatchNormConfig {
     pub eps: f32,
 }
 
-/// A matrix operand: its elements and (row stride, column stride), so a transpose is free.
+/// A matrix operand: a view of its elements and (row stride, column stride), so a transpose
+/// is free.
 #[derive(Clone, Copy, Debug)]
-pub struct Matrix<'a> {
+pub struct Matrix<V> {
     /// Elements.
-    pub data: &'a [f32],
+    pub data: V,
     /// Distance between rows.
     pub row_stride: usize,
     /// Distance between columns.
     pub col_stride: usize,
 }
 
-impl<'a> Matrix<'a> {
+impl<V> Matrix<V> {
     /// A row-major matrix with `cols` columns.
-    pub fn rows(data: &'a [f32], cols: usize) -> Self {
+    pub fn rows(data: V, cols: usize) -> Self {
         Self {
             data,
             row_stride: cols,
@@ -114,7 +129,7 @@ impl<'a> Matrix<'a> {
     }
 
     /// The transpose of a row-major matrix with `cols` columns.
-    pub fn transposed(data: &'a [f32], cols: usize) -> Self {
+    pub fn transposed(data: V, cols: usize) -> Self {
         Self {
             data,
             row_stride: 1,
@@ -123,46 +138,124 @@ impl<'a> Matrix<'a> {
     }
 }
 
-/// The arithmetic of the engine. Shapes are trusted: a mismatch is a programming error and
-/// may panic. "Accumulates" means `+=`, so micro-batches add into the same gradients;
-/// everything else overwrites its output.
-pub trait Backend: Send + Sync + std::fmt::Debug {
+/// The memory and arithmetic of the engine. Shapes are trusted: a mismatch is a programming
+/// error and may panic. "Accumulates" means `+=`, so micro-batches add into the same
+/// gradients; everything else overwrites its output.
+pub trait Backend: Clone + std::fmt::Debug + 'static {
+    /// A buffer of elements on this backend's device (its element type is the tensor's).
+    type Buf: Clone + std::fmt::Debug;
+    /// A read-only view of part of a buffer.
+    type View<'a>: Copy
+    where
+        Self: 'a;
+    /// A writable view of part of a buffer.
+    type ViewMut<'a>
+    where
+        Self: 'a;
+    /// What a convolution's forward pass keeps for its backward pass.
+    type ConvSaved: Clone + std::fmt::Debug;
+    /// What a training batch norm keeps for its backward pass.
+    type BnSaved: Clone + std::fmt::Debug;
+    /// What a max pool keeps for its backward pass.
+    type PoolSaved: Clone + std::fmt::Debug;
+
     /// A short name for logs and `info` (`cpu`, `cuda`).
     fn name(&self) -> &'static str;
 
-    /// `c[m, n] = a[m, k] · b[k, n] + beta · c`, `c` row-major with `n` columns.
-    #[allow(clippy::too_many_arguments)]
-    fn gemm(&self, m: usize, k: usize, n: usize, a: Matrix, b: Matrix, beta: f32, c: &mut [f32]);
+    /// Whether this backend computes in `dtype`.
+    fn supports(&self, dtype: DType) -> bool;
 
-    /// Convolution: `y = conv(x, weight)` (cudnnConvolutionForward).
-    fn conv2d_forward(&self, shape: &ConvShape, x: &[f32], weight: &[f32], y: &mut [f32]);
+    /// A buffer of `len` elements of `dtype`. Its contents are unspecified: every operation
+    /// overwrites its output unless it says it accumulates.
+    fn alloc(&self, len: usize, dtype: DType) -> Self::Buf;
+
+    /// A buffer of `len` zeros of `dtype`.
+    fn zeros(&self, len: usize, dtype: DType) -> Self::Buf;
+
+    /// Copies host values in (logical layout; 4-D shapes are NCHW) as `dtype`.
+    fn upload(&self, host: &[f32], shape: &[usize], dtype: DType) -> Self::Buf;
+
+    /// Copies a buffer out as `f32` in logical layout (4-D shapes NCHW).
+    fn download(&self, buf: &Self::Buf, shape: &[usize]) -> Vec<f32>;
+
+    /// Runs `f` on a flat `f32` buffer's values as a host slice and keeps what it wrote
+    /// (the CPU lends the buffer itself; a device stages it through host memory). For the
+    /// host-side collectives and checkpoints.
+    fn with_host<R>(&self, buf: &mut Self::Buf, f: impl FnOnce(&mut [f32]) -> R) -> R;
+
+    /// Marks the start of a training or evaluation step: temporaries of the previous step
+    /// are dead from here on (a device backend recycles its arena).
+    fn begin_step(&self) {}
+
+    /// Elements `range` of `buf`.
+    fn view<'a>(&self, buf: &'a Self::Buf, range: Range<usize>) -> Self::View<'a>;
+
+    /// Elements `range` of `buf`, writable.
+    fn view_mut<'a>(&self, buf: &'a mut Self::Buf, range: Range<usize>) -> Self::ViewMut<'a>;
+
+    /// Two disjoint ranges of `buf`, writable together; `a` ends before `b` starts.
+    fn view_mut_pair<'a>(
+        &self,
+        buf: &'a mut Self::Buf,
+        a: Range<usize>,
+        b: Range<usize>,
+    ) -> (Self::ViewMut<'a>, Self::ViewMut<'a>);
+
+    /// Sets every element to zero.
+    fn fill_zero(&self, x: Self::ViewMut<'_>);
+
+    /// `c[m, n] = a[m, k] · b[k, n] + beta · c`, `c` row-major with `n` columns, all `f32`.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        m: usize,
+        k: usize,
+        n: usize,
+        a: Matrix<Self::View<'_>>,
+        b: Matrix<Self::View<'_>>,
+        beta: f32,
+        c: Self::ViewMut<'_>,
+    );
+
+    /// Convolution: `y = conv(x, weight)` (cudnnConvolutionForward); `weight` is the fp32
+    /// master in `[out, in, k, k]`, `x` and `y` share the activations' type.
+    fn conv2d_forward(
+        &self,
+        shape: &ConvShape,
+        x: Self::View<'_>,
+        weight: Self::View<'_>,
+        y: Self::ViewMut<'_>,
+    ) -> Self::ConvSaved;
 
     /// Both backward halves of a convolution: overwrites `dx` (backward data) and
-    /// accumulates into `dweight` (backward filter).
+    /// accumulates into the fp32 `dweight` (backward filter).
+    #[allow(clippy::too_many_arguments)]
     fn conv2d_backward(
         &self,
         shape: &ConvShape,
-        x: &[f32],
-        weight: &[f32],
-        dy: &[f32],
-        dx: &mut [f32],
-        dweight: &mut [f32],
+        saved: &Self::ConvSaved,
+        x: Self::View<'_>,
+        weight: Self::View<'_>,
+        dy: Self::View<'_>,
+        dx: Self::ViewMut<'_>,
+        dweight: Self::ViewMut<'_>,
     );
 
     /// Batch norm with the batch's statistics over `[n, c, hw]`; updates the running mean
-    /// and unbiased variance, returns what backward needs.
+    /// and unbiased variance, returns what backward needs. Parameters and statistics are
+    /// fp32 whatever the activations' type.
     #[allow(clippy::too_many_arguments)]
     fn batch_norm_forward_training(
         &self,
         dims: (usize, usize, usize),
         config: BatchNormConfig,
-        x: &[f32],
-        gamma: &[f32],
-        beta: &[f32],
-        running_mean: &mut [f32],
-        running_var: &mut [f32],
-        y: &mut [f32],
-    ) -> BatchNormSaved;
+        x: Self::View<'_>,
+        gamma: Self::View<'_>,
+        beta: Self::View<'_>,
+        running_mean: Self::ViewMut<'_>,
+        running_var: Self::ViewMut<'_>,
+        y: Self::ViewMut<'_>,
+    ) -> Self::BnSaved;
 
     /// Batch norm with the running statistics.
     #[allow(clippy::too_many_arguments)]
@@ -170,12 +263,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         &self,
         dims: (usize, usize, usize),
         config: BatchNormConfig,
-        x: &[f32],
-        gamma: &[f32],
-        beta: &[f32],
-        running_mean: &[f32],
-        running_var: &[f32],
-        y: &mut [f32],
+        x: Self::View<'_>,
+        gamma: Self::View<'_>,
+        beta: Self::View<'_>,
+        running_mean: Self::View<'_>,
+        running_var: Self::View<'_>,
+        y: Self::ViewMut<'_>,
     );
 
     /// Batch-norm backward through the batch statistics: overwrites `dx`, accumulates
@@ -184,38 +277,74 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn batch_norm_backward(
         &self,
         dims: (usize, usize, usize),
-        saved: &BatchNormSaved,
-        gamma: &[f32],
-        dy: &[f32],
-        dx: &mut [f32],
-        dgamma: &mut [f32],
-        dbeta: &mut [f32],
+        config: BatchNormConfig,
+        saved: &Self::BnSaved,
+        gamma: Self::View<'_>,
+        dy: Self::View<'_>,
+        dx: Self::ViewMut<'_>,
+        dgamma: Self::ViewMut<'_>,
+        dbeta: Self::ViewMut<'_>,
     );
 
     /// `y = max(x, 0)`.
-    fn relu_forward(&self, x: &[f32], y: &mut [f32]);
+    fn relu_forward(&self, x: Self::View<'_>, y: Self::ViewMut<'_>);
 
     /// `dx = dy` where the forward output `y` was positive, else 0.
-    fn relu_backward(&self, y: &[f32], dy: &[f32], dx: &mut [f32]);
+    fn relu_backward(&self, y: Self::View<'_>, dy: Self::View<'_>, dx: Self::ViewMut<'_>);
 
-    /// Max pool; `argmax` gets, per output, the index of the winner within its plane.
-    fn max_pool_forward(&self, shape: &PoolShape, x: &[f32], y: &mut [f32], argmax: &mut [u32]);
+    /// Max pool; returns what backward needs to route gradients to the winners.
+    fn max_pool_forward(
+        &self,
+        shape: &PoolShape,
+        x: Self::View<'_>,
+        y: Self::ViewMut<'_>,
+    ) -> Self::PoolSaved;
 
     /// Routes each output gradient to its winner; overwrites `dx`.
-    fn max_pool_backward(&self, shape: &PoolShape, argmax: &[u32], dy: &[f32], dx: &mut [f32]);
+    fn max_pool_backward(
+        &self,
+        shape: &PoolShape,
+        saved: &Self::PoolSaved,
+        dy: Self::View<'_>,
+        dx: Self::ViewMut<'_>,
+    );
 
-    /// Mean of each plane of `plane_len` elements: `y[p] = mean(x[p, ..])`.
-    fn global_avg_pool_forward(&self, plane_len: usize, x: &[f32], y: &mut [f32]);
+    /// Mean of each `[n, c]` plane of `hw` elements into an fp32 `[n, c]`.
+    fn global_avg_pool_forward(
+        &self,
+        dims: (usize, usize, usize),
+        x: Self::View<'_>,
+        y: Self::ViewMut<'_>,
+    );
 
-    /// Spreads each gradient evenly over its plane; overwrites `dx`.
-    fn global_avg_pool_backward(&self, plane_len: usize, dy: &[f32], dx: &mut [f32]);
+    /// Spreads each fp32 gradient evenly over its plane; overwrites `dx` (the activations'
+    /// type).
+    fn global_avg_pool_backward(
+        &self,
+        dims: (usize, usize, usize),
+        dy: Self::View<'_>,
+        dx: Self::ViewMut<'_>,
+    );
 
-    /// `y[r, :] = bias` for every row of `y` (rows of `bias.len()`).
-    fn broadcast_rows(&self, bias: &[f32], y: &mut [f32]);
+    /// `y[r, :] = bias` for every row of `y` (rows of `bias`'s length), `f32`.
+    fn broadcast_rows(&self, bias: Self::View<'_>, y: Self::ViewMut<'_>);
 
-    /// Accumulates the column sums of `x` (rows of `sums.len()`) into `sums`.
-    fn sum_rows(&self, x: &[f32], sums: &mut [f32]);
+    /// Accumulates the column sums of `x` (rows of `sums`'s length) into `sums`, `f32`.
+    fn sum_rows(&self, x: Self::View<'_>, sums: Self::ViewMut<'_>);
 
     /// `a += b` element-wise.
-    fn add_assign(&self, a: &mut [f32], b: &[f32]);
+    fn add_assign(&self, a: Self::ViewMut<'_>, b: Self::View<'_>);
+
+    /// One SGD step over one parameter in PyTorch's form: `v = momentum · v + (g + wd · w)`,
+    /// `w -= lr · v`; all fp32.
+    #[allow(clippy::too_many_arguments)]
+    fn sgd_update(
+        &self,
+        w: Self::ViewMut<'_>,
+        g: Self::View<'_>,
+        v: Self::ViewMut<'_>,
+        lr: f32,
+        momentum: f32,
+        weight_decay: f32,
+    );
 }

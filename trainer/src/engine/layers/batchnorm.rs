@@ -2,7 +2,7 @@
 
 use std::ops::Range;
 
-use crate::engine::backend::{Backend, BatchNormConfig, BatchNormSaved};
+use crate::engine::backend::{Backend, BatchNormConfig, CpuBackend};
 use crate::engine::params::ParamStore;
 use crate::engine::tensor::Tensor;
 
@@ -17,7 +17,7 @@ const CONFIG: BatchNormConfig = BatchNormConfig {
 /// Training uses the batch's statistics and updates the running mean and (unbiased)
 /// variance buffers, which evaluation then uses, as PyTorch does.
 #[derive(Debug, Clone)]
-pub struct BatchNorm2d {
+pub struct BatchNorm2d<B: Backend = CpuBackend> {
     /// Gamma's range in the parameter values.
     pub gamma: Range<usize>,
     /// Beta's range in the parameter values.
@@ -29,10 +29,10 @@ pub struct BatchNorm2d {
     /// Number of channels.
     pub channels: usize,
     /// Input shape and the statistics backward needs.
-    cache: Option<(Vec<usize>, BatchNormSaved)>,
+    cache: Option<(Vec<usize>, B::BnSaved)>,
 }
 
-impl BatchNorm2d {
+impl<B: Backend> BatchNorm2d<B> {
     /// Registers `{name}.weight` = 1, `{name}.bias` = 0 and the running buffers
     /// `{name}.running_mean` = 0, `{name}.running_var` = 1.
     pub fn new(store: &mut ParamStore, name: &str, channels: usize) -> Self {
@@ -61,43 +61,44 @@ impl BatchNorm2d {
     /// Normalises with batch statistics when `train`, running statistics otherwise.
     pub fn forward(
         &mut self,
-        be: &dyn Backend,
-        params: &mut ParamStore,
-        input: &Tensor,
+        be: &B,
+        params: &mut ParamStore<B>,
+        input: &Tensor<B>,
         train: bool,
-    ) -> Tensor {
+    ) -> Tensor<B> {
         let (n, c, h, w) = input.dims4();
         assert_eq!(c, self.channels, "batch-norm channels");
         let dims = (n, c, h * w);
-        let mut out = Tensor::zeros(&input.shape);
+        let mut out = Tensor::alloc(be, &input.shape, input.dtype);
         let ParamStore {
             values, buffers, ..
         } = params;
-        let (gamma, beta) = (&values[self.gamma.clone()], &values[self.beta.clone()]);
+        let gamma = be.view(values, self.gamma.clone());
+        let beta = be.view(values, self.beta.clone());
         if train {
-            // The two running ranges are disjoint and in order (mean registered first).
-            let (head, tail) = buffers.split_at_mut(self.running_var.start);
+            let (mean, var) =
+                be.view_mut_pair(buffers, self.running_mean.clone(), self.running_var.clone());
             let saved = be.batch_norm_forward_training(
                 dims,
                 CONFIG,
-                &input.data,
+                input.view(be),
                 gamma,
                 beta,
-                &mut head[self.running_mean.clone()],
-                &mut tail[..self.channels],
-                &mut out.data,
+                mean,
+                var,
+                out.view_mut(be),
             );
             self.cache = Some((input.shape.clone(), saved));
         } else {
             be.batch_norm_forward_inference(
                 dims,
                 CONFIG,
-                &input.data,
+                input.view(be),
                 gamma,
                 beta,
-                &buffers[self.running_mean.clone()],
-                &buffers[self.running_var.clone()],
-                &mut out.data,
+                be.view(buffers, self.running_mean.clone()),
+                be.view(buffers, self.running_var.clone()),
+                out.view_mut(be),
             );
             self.cache = None;
         }
@@ -108,26 +109,27 @@ impl BatchNorm2d {
     /// dependence of the batch statistics on every input.
     pub fn backward(
         &mut self,
-        be: &dyn Backend,
-        params: &mut ParamStore,
-        grad_output: &Tensor,
-    ) -> Tensor {
+        be: &B,
+        params: &mut ParamStore<B>,
+        grad_output: &Tensor<B>,
+    ) -> Tensor<B> {
         let (shape, saved) = self
             .cache
             .take()
             .expect("batch-norm backward without a training forward");
         assert_eq!(grad_output.shape, shape);
         let (n, c, h, w) = grad_output.dims4();
-        let mut grad_input = Tensor::zeros(&shape);
+        let mut grad_input = Tensor::alloc(be, &shape, grad_output.dtype);
         let ParamStore { values, grads, .. } = params;
-        // gamma and beta were registered one after the other: split the gradients there.
-        let (dgamma, dbeta) = grads[self.gamma.start..self.beta.end].split_at_mut(self.channels);
+        // gamma and beta were registered one after the other.
+        let (dgamma, dbeta) = be.view_mut_pair(grads, self.gamma.clone(), self.beta.clone());
         be.batch_norm_backward(
             (n, c, h * w),
+            CONFIG,
             &saved,
-            &values[self.gamma.clone()],
-            &grad_output.data,
-            &mut grad_input.data,
+            be.view(values, self.gamma.clone()),
+            grad_output.view(be),
+            grad_input.view_mut(be),
             dgamma,
             dbeta,
         );

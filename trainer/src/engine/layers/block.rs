@@ -3,7 +3,7 @@
 use rand::Rng;
 
 use super::{BatchNorm2d, Conv2d, Relu};
-use crate::engine::backend::Backend;
+use crate::engine::backend::{Backend, CpuBackend};
 use crate::engine::params::ParamStore;
 use crate::engine::tensor::Tensor;
 
@@ -12,15 +12,15 @@ use crate::engine::tensor::Tensor;
 ///
 /// Both block kinds share this one structure; only the list of convs differs.
 #[derive(Debug, Clone)]
-pub struct ResidualBlock {
-    convs: Vec<Conv2d>,
-    bns: Vec<BatchNorm2d>,
-    relus: Vec<Relu>,
-    downsample: Option<(Conv2d, BatchNorm2d)>,
-    out_relu: Relu,
+pub struct ResidualBlock<B: Backend = CpuBackend> {
+    convs: Vec<Conv2d<B>>,
+    bns: Vec<BatchNorm2d<B>>,
+    relus: Vec<Relu<B>>,
+    downsample: Option<(Conv2d<B>, BatchNorm2d<B>)>,
+    out_relu: Relu<B>,
 }
 
-impl ResidualBlock {
+impl<B: Backend> ResidualBlock<B> {
     /// Two 3x3 convs (ResNet-18/34 and the CIFAR ResNets); output has `planes` channels.
     pub fn basic(
         store: &mut ParamStore,
@@ -105,7 +105,7 @@ impl ResidualBlock {
             )
         });
         Self {
-            relus: vec![Relu::new(); specs.len() - 1],
+            relus: (1..specs.len()).map(|_| Relu::new()).collect(),
             convs,
             bns,
             downsample,
@@ -116,11 +116,11 @@ impl ResidualBlock {
     /// Runs the block.
     pub fn forward(
         &mut self,
-        be: &dyn Backend,
-        params: &mut ParamStore,
-        input: &Tensor,
+        be: &B,
+        params: &mut ParamStore<B>,
+        input: &Tensor<B>,
         train: bool,
-    ) -> Tensor {
+    ) -> Tensor<B> {
         let last = self.convs.len() - 1;
         let mut h = self.convs[0].forward(be, params, input, train);
         h = self.bns[0].forward(be, params, &h, train);
@@ -143,10 +143,10 @@ impl ResidualBlock {
     /// Back-propagates through both paths and sums their input gradients.
     pub fn backward(
         &mut self,
-        be: &dyn Backend,
-        params: &mut ParamStore,
-        grad_output: &Tensor,
-    ) -> Tensor {
+        be: &B,
+        params: &mut ParamStore<B>,
+        grad_output: &Tensor<B>,
+    ) -> Tensor<B> {
         let g = self.out_relu.backward(be, params, grad_output);
         let last = self.convs.len() - 1;
         let mut gh = self.bns[last].backward(be, params, &g);
@@ -168,7 +168,7 @@ impl ResidualBlock {
     }
 }
 
-fn add(be: &dyn Backend, a: &mut Tensor, b: &Tensor) {
+fn add<B: Backend>(be: &B, a: &mut Tensor<B>, b: &Tensor<B>) {
     assert_eq!(a.shape, b.shape, "residual shapes differ");
-    be.add_assign(&mut a.data, &b.data);
+    be.add_assign(a.view_mut(be), b.view(be));
 }

@@ -4,14 +4,14 @@ use std::ops::Range;
 
 use rand::Rng;
 
-use crate::engine::backend::{Backend, ConvShape};
+use crate::engine::backend::{Backend, ConvShape, CpuBackend};
 use crate::engine::params::ParamStore;
 use crate::engine::tensor::{Tensor, fill_normal_seeded};
 
 /// A bias-free 2-D convolution (ResNets follow every conv with batch norm, which
 /// makes a bias redundant). Weight layout is `[out, in, k, k]`.
 #[derive(Debug, Clone)]
-pub struct Conv2d {
+pub struct Conv2d<B: Backend = CpuBackend> {
     /// The weight's range in the parameter store.
     pub weight: Range<usize>,
     /// Input channels.
@@ -24,10 +24,11 @@ pub struct Conv2d {
     pub stride: usize,
     /// Zero padding on every side.
     pub padding: usize,
-    input: Option<Tensor>,
+    /// The input and the backend's saved state, from a training forward pass.
+    cache: Option<(Tensor<B>, B::ConvSaved)>,
 }
 
-impl Conv2d {
+impl<B: Backend> Conv2d<B> {
     /// Registers `{name}.weight`, Kaiming-normal initialised (fan-out, ReLU gain) as
     /// torchvision's ResNets do.
     #[allow(clippy::too_many_arguments)]
@@ -53,7 +54,7 @@ impl Conv2d {
             kernel,
             stride,
             padding,
-            input: None,
+            cache: None,
         }
     }
 
@@ -63,7 +64,7 @@ impl Conv2d {
         (o(h), o(w))
     }
 
-    fn shape(&self, input: &Tensor) -> ConvShape {
+    fn shape(&self, input: &Tensor<B>) -> ConvShape {
         let (n, c, h, w) = input.dims4();
         assert_eq!(c, self.in_channels, "conv input channels");
         ConvShape {
@@ -81,43 +82,44 @@ impl Conv2d {
     /// Convolves an NCHW batch.
     pub fn forward(
         &mut self,
-        be: &dyn Backend,
-        params: &mut ParamStore,
-        input: &Tensor,
+        be: &B,
+        params: &mut ParamStore<B>,
+        input: &Tensor<B>,
         train: bool,
-    ) -> Tensor {
+    ) -> Tensor<B> {
         let shape = self.shape(input);
         let (oh, ow) = shape.output_size();
-        let mut out = Tensor::zeros(&[shape.n, self.out_channels, oh, ow]);
-        let weight = &params.values[self.weight.clone()];
-        be.conv2d_forward(&shape, &input.data, weight, &mut out.data);
-        self.input = train.then(|| input.clone());
+        let mut out = Tensor::alloc(be, &[shape.n, self.out_channels, oh, ow], input.dtype);
+        let weight = be.view(&params.values, self.weight.clone());
+        let saved = be.conv2d_forward(&shape, input.view(be), weight, out.view_mut(be));
+        self.cache = train.then(|| (input.clone(), saved));
         out
     }
 
     /// Back-propagates through the last training forward pass.
     pub fn backward(
         &mut self,
-        be: &dyn Backend,
-        params: &mut ParamStore,
-        grad_output: &Tensor,
-    ) -> Tensor {
-        let input = self
-            .input
+        be: &B,
+        params: &mut ParamStore<B>,
+        grad_output: &Tensor<B>,
+    ) -> Tensor<B> {
+        let (input, saved) = self
+            .cache
             .take()
             .expect("conv backward without a training forward");
         let shape = self.shape(&input);
         let (oh, ow) = shape.output_size();
         assert_eq!(grad_output.shape, [shape.n, self.out_channels, oh, ow]);
-        let mut grad_input = Tensor::zeros(&input.shape);
-        let (values, grads) = params.values_and_grads(self.weight.clone());
+        let mut grad_input = Tensor::alloc(be, &input.shape, input.dtype);
+        let ParamStore { values, grads, .. } = params;
         be.conv2d_backward(
             &shape,
-            &input.data,
-            values,
-            &grad_output.data,
-            &mut grad_input.data,
-            grads,
+            &saved,
+            input.view(be),
+            be.view(values, self.weight.clone()),
+            grad_output.view(be),
+            grad_input.view_mut(be),
+            be.view_mut(grads, self.weight.clone()),
         );
         grad_input
     }

@@ -4,13 +4,13 @@ use std::ops::Range;
 
 use rand::Rng;
 
-use crate::engine::backend::{Backend, Matrix};
+use crate::engine::backend::{Backend, CpuBackend, Matrix};
 use crate::engine::params::ParamStore;
-use crate::engine::tensor::{Tensor, fill_uniform_seeded};
+use crate::engine::tensor::{DType, Tensor, fill_uniform_seeded};
 
 /// `y = x W^T + b` with `W` of shape `[out, in]`, as `torch.nn.Linear`.
 #[derive(Debug, Clone)]
-pub struct Linear {
+pub struct Linear<B: Backend = CpuBackend> {
     /// Weight's range in the parameter store.
     pub weight: Range<usize>,
     /// Bias's range in the parameter store.
@@ -19,10 +19,10 @@ pub struct Linear {
     pub in_features: usize,
     /// Output features.
     pub out_features: usize,
-    input: Option<Tensor>,
+    input: Option<Tensor<B>>,
 }
 
-impl Linear {
+impl<B: Backend> Linear<B> {
     /// Registers `{name}.weight` and `{name}.bias`, both uniform in
     /// `±1/sqrt(in_features)` — what PyTorch's default initialisation amounts to.
     pub fn new(
@@ -48,23 +48,26 @@ impl Linear {
         }
     }
 
-    /// Applies the layer to `[N, in]`.
+    /// Applies the layer to `[N, in]` (f32).
     pub fn forward(
         &mut self,
-        be: &dyn Backend,
-        params: &mut ParamStore,
-        input: &Tensor,
+        be: &B,
+        params: &mut ParamStore<B>,
+        input: &Tensor<B>,
         train: bool,
-    ) -> Tensor {
+    ) -> Tensor<B> {
         let (n, i) = input.dims2();
         assert_eq!(i, self.in_features, "linear input features");
         let o = self.out_features;
-        let mut out = Tensor::zeros(&[n, o]);
-        be.broadcast_rows(&params.values[self.bias.clone()], &mut out.data);
+        let mut out = Tensor::alloc(be, &[n, o], DType::F32);
+        be.broadcast_rows(be.view(&params.values, self.bias.clone()), out.view_mut(be));
         // y[n, o] = x[n, i] * W^T[i, o] + y
-        let weight = &params.values[self.weight.clone()];
-        let (x, w_t) = (Matrix::rows(&input.data, i), Matrix::transposed(weight, i));
-        be.gemm(n, i, o, x, w_t, 1.0, &mut out.data);
+        let weight = be.view(&params.values, self.weight.clone());
+        let (x, w_t) = (
+            Matrix::rows(input.view(be), i),
+            Matrix::transposed(weight, i),
+        );
+        be.gemm(n, i, o, x, w_t, 1.0, out.view_mut(be));
         self.input = train.then(|| input.clone());
         out
     }
@@ -72,10 +75,10 @@ impl Linear {
     /// Back-propagates through the last training forward pass.
     pub fn backward(
         &mut self,
-        be: &dyn Backend,
-        params: &mut ParamStore,
-        grad_output: &Tensor,
-    ) -> Tensor {
+        be: &B,
+        params: &mut ParamStore<B>,
+        grad_output: &Tensor<B>,
+    ) -> Tensor<B> {
         let input = self
             .input
             .take()
@@ -83,9 +86,10 @@ impl Linear {
         let (n, i) = input.dims2();
         let o = self.out_features;
         assert_eq!(grad_output.shape, [n, o]);
-        let dy = &grad_output.data;
+        let dy = grad_output.view(be);
+        let ParamStore { values, grads, .. } = params;
         // dW[o, i] += dy^T[o, n] * x[n, i]
-        let (dy_t, x) = (Matrix::transposed(dy, o), Matrix::rows(&input.data, i));
+        let (dy_t, x) = (Matrix::transposed(dy, o), Matrix::rows(input.view(be), i));
         be.gemm(
             o,
             n,
@@ -93,12 +97,12 @@ impl Linear {
             dy_t,
             x,
             1.0,
-            &mut params.grads[self.weight.clone()],
+            be.view_mut(grads, self.weight.clone()),
         );
-        be.sum_rows(dy, &mut params.grads[self.bias.clone()]);
-        let mut grad_input = Tensor::zeros(&[n, i]);
+        be.sum_rows(dy, be.view_mut(grads, self.bias.clone()));
+        let mut grad_input = Tensor::alloc(be, &[n, i], DType::F32);
         // dx[n, i] = dy[n, o] * W[o, i]
-        let weight = Matrix::rows(&params.values[self.weight.clone()], i);
+        let weight = Matrix::rows(be.view(values, self.weight.clone()), i);
         be.gemm(
             n,
             o,
@@ -106,7 +110,7 @@ impl Linear {
             Matrix::rows(dy, o),
             weight,
             0.0,
-            &mut grad_input.data,
+            grad_input.view_mut(be),
         );
         grad_input
     }

@@ -1,12 +1,12 @@
 //! Max pooling (the ImageNet stem) and global average pooling (before the classifier).
 
-use crate::engine::backend::{Backend, PoolShape};
+use crate::engine::backend::{Backend, CpuBackend, PoolShape};
 use crate::engine::params::ParamStore;
-use crate::engine::tensor::Tensor;
+use crate::engine::tensor::{DType, Tensor};
 
 /// Square max pooling; padding never wins (it counts as negative infinity).
 #[derive(Debug, Clone)]
-pub struct MaxPool2d {
+pub struct MaxPool2d<B: Backend = CpuBackend> {
     /// Window size.
     pub kernel: usize,
     /// Stride.
@@ -14,10 +14,10 @@ pub struct MaxPool2d {
     /// Implicit padding on every side.
     pub padding: usize,
     /// Input shape and, per output element, the index of the winning input in its plane.
-    cache: Option<(Vec<usize>, Vec<u32>)>,
+    cache: Option<(Vec<usize>, DType, B::PoolSaved)>,
 }
 
-impl MaxPool2d {
+impl<B: Backend> MaxPool2d<B> {
     /// A `kernel` x `kernel` max pool.
     pub fn new(kernel: usize, stride: usize, padding: usize) -> Self {
         Self {
@@ -37,6 +37,7 @@ impl MaxPool2d {
     fn shape(&self, n: usize, c: usize, h: usize, w: usize) -> PoolShape {
         PoolShape {
             planes: n * c,
+            channels: c,
             h,
             w,
             kernel: self.kernel,
@@ -48,29 +49,28 @@ impl MaxPool2d {
     /// Pools every plane.
     pub fn forward(
         &mut self,
-        be: &dyn Backend,
-        _params: &mut ParamStore,
-        input: &Tensor,
+        be: &B,
+        _params: &mut ParamStore<B>,
+        input: &Tensor<B>,
         train: bool,
-    ) -> Tensor {
+    ) -> Tensor<B> {
         let (n, c, h, w) = input.dims4();
         let shape = self.shape(n, c, h, w);
         let (oh, ow) = shape.output_size();
-        let mut out = Tensor::zeros(&[n, c, oh, ow]);
-        let mut argmax = vec![0u32; out.len()];
-        be.max_pool_forward(&shape, &input.data, &mut out.data, &mut argmax);
-        self.cache = train.then(|| (input.shape.clone(), argmax));
+        let mut out = Tensor::alloc(be, &[n, c, oh, ow], input.dtype);
+        let saved = be.max_pool_forward(&shape, input.view(be), out.view_mut(be));
+        self.cache = train.then(|| (input.shape.clone(), input.dtype, saved));
         out
     }
 
     /// Routes each output gradient to the input that won the max.
     pub fn backward(
         &mut self,
-        be: &dyn Backend,
-        _params: &mut ParamStore,
-        grad_output: &Tensor,
-    ) -> Tensor {
-        let (input_shape, argmax) = self
+        be: &B,
+        _params: &mut ParamStore<B>,
+        grad_output: &Tensor<B>,
+    ) -> Tensor<B> {
+        let (input_shape, dtype, saved) = self
             .cache
             .take()
             .expect("max-pool backward without a training forward");
@@ -80,20 +80,36 @@ impl MaxPool2d {
             input_shape[2],
             input_shape[3],
         );
-        let mut grad_input = Tensor::zeros(&input_shape);
-        be.max_pool_backward(&shape, &argmax, &grad_output.data, &mut grad_input.data);
+        let mut grad_input = Tensor::alloc(be, &input_shape, dtype);
+        be.max_pool_backward(
+            &shape,
+            &saved,
+            grad_output.view(be),
+            grad_input.view_mut(be),
+        );
         grad_input
     }
 }
 
 /// Averages each channel over all positions: `[N, C, H, W]` to `[N, C]`, for any input
 /// size (torchvision's adaptive average pool to 1x1).
-#[derive(Debug, Clone, Default)]
-pub struct GlobalAvgPool {
-    input_shape: Option<Vec<usize>>,
+#[derive(Debug, Clone)]
+pub struct GlobalAvgPool<B: Backend = CpuBackend> {
+    /// The input's shape and type, from a training forward pass.
+    input: Option<(Vec<usize>, DType)>,
+    backend: std::marker::PhantomData<B>,
 }
 
-impl GlobalAvgPool {
+impl<B: Backend> Default for GlobalAvgPool<B> {
+    fn default() -> Self {
+        Self {
+            input: None,
+            backend: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<B: Backend> GlobalAvgPool<B> {
     /// A pool with no cached state.
     pub fn new() -> Self {
         Self::default()
@@ -102,31 +118,33 @@ impl GlobalAvgPool {
     /// Averages every plane.
     pub fn forward(
         &mut self,
-        be: &dyn Backend,
-        _params: &mut ParamStore,
-        input: &Tensor,
+        be: &B,
+        _params: &mut ParamStore<B>,
+        input: &Tensor<B>,
         train: bool,
-    ) -> Tensor {
+    ) -> Tensor<B> {
         let (n, c, h, w) = input.dims4();
-        let mut out = Tensor::zeros(&[n, c]);
-        be.global_avg_pool_forward(h * w, &input.data, &mut out.data);
-        self.input_shape = train.then(|| input.shape.clone());
+        // The classifier after the pool computes in f32 whatever the activations' type.
+        let mut out = Tensor::alloc(be, &[n, c], DType::F32);
+        be.global_avg_pool_forward((n, c, h * w), input.view(be), out.view_mut(be));
+        self.input = train.then(|| (input.shape.clone(), input.dtype));
         out
     }
 
     /// Spreads each gradient evenly over its plane.
     pub fn backward(
         &mut self,
-        be: &dyn Backend,
-        _params: &mut ParamStore,
-        grad_output: &Tensor,
-    ) -> Tensor {
-        let shape = self
-            .input_shape
+        be: &B,
+        _params: &mut ParamStore<B>,
+        grad_output: &Tensor<B>,
+    ) -> Tensor<B> {
+        let (shape, dtype) = self
+            .input
             .take()
             .expect("average-pool backward without a training forward");
-        let mut grad_input = Tensor::zeros(&shape);
-        be.global_avg_pool_backward(shape[2] * shape[3], &grad_output.data, &mut grad_input.data);
+        let mut grad_input = Tensor::alloc(be, &shape, dtype);
+        let dims = (shape[0], shape[1], shape[2] * shape[3]);
+        be.global_avg_pool_backward(dims, grad_output.view(be), grad_input.view_mut(be));
         grad_input
     }
 }

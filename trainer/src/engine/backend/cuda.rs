@@ -1,0 +1,1532 @@
+//! The CUDA backend: cuDNN for convolutions and batch norm, cuBLAS for the classifier's
+//! GEMMs, NVRTC kernels (`cuda_kernels.cu`) for the rest, all on one stream of one GPU.
+//!
+//! * Layout: 4-D activations are NHWC; conv weights get a KRSC working copy of the
+//!   activations' type each forward pass (the f32 KCRS masters stay what PyTorch and the
+//!   checkpoints have), and weight gradients come back the same way into the f32 gradients.
+//! * Precision: activations in f32 or bf16 (cuDNN computes in f32 either way, with tensor
+//!   cores for bf16); parameters, gradients, batch-norm statistics, the classifier and the
+//!   loss in f32.
+//! * Memory: step temporaries ([`Backend::alloc`]) come from one arena reserved at start
+//!   and recycled by [`Backend::begin_step`], so a step allocates nothing from the driver
+//!   and lands on the same addresses every time (what a CUDA graph capture will need).
+//!   Parameters, optimizer state and uploads own their allocations.
+//! * Convolution algorithms are found once per shape with `cudnnFind…Ex` on the real
+//!   buffers (as PyTorch's `cudnn.benchmark`) and cached with their workspace needs.
+//!
+//! Every library is loaded at run time by `cudarc`, so this builds and the rest of the
+//! trainer runs on machines without CUDA; [`CudaBackend::new`] says what is missing.
+//! Failures inside an operation (a cuDNN status, an exhausted arena) panic with the call
+//! and the shapes: the [`Backend`] contract has no error path, like a shape mismatch.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::marker::PhantomData;
+use std::ops::Range;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use cudarc::cublas::sys as cublas;
+use cudarc::cudnn::sys as cudnn;
+use cudarc::driver::sys::{CUdeviceptr, CUstream};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, result};
+
+use super::{Backend, BatchNormConfig, ConvShape, Matrix, PoolShape};
+use crate::engine::tensor::DType;
+
+/// The kernels' source, compiled by NVRTC when the backend starts.
+const KERNELS: &str = include_str!("cuda_kernels.cu");
+
+/// Kernel names in [`KERNELS`].
+const KERNEL_NAMES: &[&str] = &[
+    "convert",
+    "nchw_to_nhwc",
+    "nhwc_to_nchw",
+    "kcrs_to_krsc",
+    "krsc_add_to_kcrs",
+    "relu_forward",
+    "relu_backward",
+    "add_assign",
+    "max_pool_forward",
+    "max_pool_backward",
+    "global_avg_pool_forward",
+    "global_avg_pool_backward",
+    "broadcast_rows",
+    "sum_rows",
+    "sgd_update",
+];
+
+/// Workspace cuDNN's algorithm search may use (algorithms needing more are not tried).
+const FIND_WORKSPACE_BYTES: usize = 1 << 30;
+
+/// Alignment of arena allocations (cuDNN and tensor cores want 128 bytes or more).
+const ARENA_ALIGN: usize = 256;
+
+/// Threads per block of the NVRTC kernels.
+const BLOCK: u32 = 256;
+
+/// Why the CUDA backend could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// A library is not on the library path.
+    #[error("{library} does not load ({hint})")]
+    Missing {
+        /// The library.
+        library: &'static str,
+        /// What to do about it.
+        hint: &'static str,
+    },
+    /// A driver call failed.
+    #[error("CUDA driver: {context}: {source}")]
+    Driver {
+        /// What was being done.
+        context: String,
+        /// The driver's error.
+        #[source]
+        source: cudarc::driver::DriverError,
+    },
+    /// The kernels did not compile.
+    #[error("NVRTC compiling the backend's kernels: {0}")]
+    Nvrtc(#[source] cudarc::nvrtc::CompileError),
+    /// A cuDNN or cuBLAS call failed at start.
+    #[error("{call} returned {status}")]
+    Library {
+        /// The call.
+        call: &'static str,
+        /// Its status.
+        status: String,
+    },
+    /// The arena does not fit.
+    #[error(
+        "the arena of {wanted} bytes does not fit in the GPU's {free} free bytes (set RINGMASTER_CUDA_ARENA_MIB lower)"
+    )]
+    ArenaTooLarge {
+        /// Requested.
+        wanted: usize,
+        /// Free on the device.
+        free: usize,
+    },
+}
+
+fn driver<T>(
+    context: impl FnOnce() -> String,
+    r: Result<T, cudarc::driver::DriverError>,
+) -> Result<T, CudaError> {
+    r.map_err(|source| CudaError::Driver {
+        context: context(),
+        source,
+    })
+}
+
+/// Panics with the call's name when cuDNN did not succeed (inside operations).
+fn check_cudnn(status: cudnn::cudnnStatus_t, call: &str) {
+    assert!(
+        status == cudnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS,
+        "{call} returned {status:?}"
+    );
+}
+
+fn check_cublas(status: cublas::cublasStatus_t, call: &str) {
+    assert!(
+        status == cublas::cublasStatus_t::CUBLAS_STATUS_SUCCESS,
+        "{call} returned {status:?}"
+    );
+}
+
+/// Memory on the GPU: a place, a length and a type. Owned buffers keep their allocation
+/// alive through `owner`; arena buffers are valid until the next [`Backend::begin_step`].
+#[derive(Clone)]
+pub struct CudaBuf {
+    ptr: CUdeviceptr,
+    len: usize,
+    dtype: DType,
+    owner: Option<Rc<CudaSlice<u8>>>,
+}
+
+impl std::fmt::Debug for CudaBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBuf")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("dtype", &self.dtype)
+            .field("owned", &self.owner.is_some())
+            .finish()
+    }
+}
+
+/// A read-only view of device memory.
+#[derive(Clone, Copy, Debug)]
+pub struct DevView<'a> {
+    ptr: CUdeviceptr,
+    len: usize,
+    dtype: DType,
+    _borrow: PhantomData<&'a ()>,
+}
+
+/// A writable view of device memory.
+#[derive(Debug)]
+pub struct DevViewMut<'a> {
+    ptr: CUdeviceptr,
+    len: usize,
+    dtype: DType,
+    _borrow: PhantomData<&'a mut ()>,
+}
+
+/// A place in device memory that outlives the borrow it came from (saved state).
+#[derive(Clone, Copy, Debug)]
+pub struct DevPtr {
+    ptr: CUdeviceptr,
+    len: usize,
+    dtype: DType,
+}
+
+impl From<DevView<'_>> for DevPtr {
+    fn from(v: DevView<'_>) -> Self {
+        Self {
+            ptr: v.ptr,
+            len: v.len,
+            dtype: v.dtype,
+        }
+    }
+}
+
+impl From<&DevViewMut<'_>> for DevPtr {
+    fn from(v: &DevViewMut<'_>) -> Self {
+        Self {
+            ptr: v.ptr,
+            len: v.len,
+            dtype: v.dtype,
+        }
+    }
+}
+
+/// What a convolution keeps: the KRSC working copy of its weight.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaConvSaved {
+    weight: DevPtr,
+}
+
+/// What a training batch norm keeps: its input and the batch's mean and inverse deviation.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaBnSaved {
+    x: DevPtr,
+    mean: DevPtr,
+    inv_var: DevPtr,
+}
+
+/// What a max pool keeps: the winners' indices.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaPoolSaved {
+    argmax: DevPtr,
+}
+
+fn cudnn_type(dtype: DType) -> cudnn::cudnnDataType_t {
+    match dtype {
+        DType::F32 => cudnn::cudnnDataType_t::CUDNN_DATA_FLOAT,
+        DType::Bf16 => cudnn::cudnnDataType_t::CUDNN_DATA_BFLOAT16,
+    }
+}
+
+fn bf(dtype: DType) -> i32 {
+    i32::from(dtype == DType::Bf16)
+}
+
+/// An NHWC tensor descriptor.
+struct TensorDesc(cudnn::cudnnTensorDescriptor_t);
+
+impl TensorDesc {
+    fn nhwc(dtype: DType, n: usize, c: usize, h: usize, w: usize) -> Self {
+        let mut d = std::ptr::null_mut();
+        // SAFETY: out-pointer to a live local; the descriptor is destroyed in Drop.
+        unsafe {
+            check_cudnn(
+                cudnn::cudnnCreateTensorDescriptor(&mut d),
+                "cudnnCreateTensorDescriptor",
+            );
+            check_cudnn(
+                cudnn::cudnnSetTensor4dDescriptor(
+                    d,
+                    cudnn::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC,
+                    cudnn_type(dtype),
+                    n as i32,
+                    c as i32,
+                    h as i32,
+                    w as i32,
+                ),
+                "cudnnSetTensor4dDescriptor",
+            );
+        }
+        Self(d)
+    }
+
+    /// The f32 per-channel descriptor batch norm wants for its scale, bias and statistics.
+    fn batch_norm_params(x: &TensorDesc) -> Self {
+        let mut d = std::ptr::null_mut();
+        // SAFETY: as above; `x` is a live descriptor.
+        unsafe {
+            check_cudnn(
+                cudnn::cudnnCreateTensorDescriptor(&mut d),
+                "cudnnCreateTensorDescriptor",
+            );
+            check_cudnn(
+                cudnn::cudnnDeriveBNTensorDescriptor(d, x.0, BN_MODE),
+                "cudnnDeriveBNTensorDescriptor",
+            );
+        }
+        Self(d)
+    }
+}
+
+impl Drop for TensorDesc {
+    fn drop(&mut self) {
+        // SAFETY: created by cudnnCreateTensorDescriptor, destroyed once.
+        unsafe { cudnn::cudnnDestroyTensorDescriptor(self.0) };
+    }
+}
+
+struct FilterDesc(cudnn::cudnnFilterDescriptor_t);
+
+impl Drop for FilterDesc {
+    fn drop(&mut self) {
+        // SAFETY: created by cudnnCreateFilterDescriptor, destroyed once.
+        unsafe { cudnn::cudnnDestroyFilterDescriptor(self.0) };
+    }
+}
+
+struct ConvDesc(cudnn::cudnnConvolutionDescriptor_t);
+
+impl Drop for ConvDesc {
+    fn drop(&mut self) {
+        // SAFETY: created by cudnnCreateConvolutionDescriptor, destroyed once.
+        unsafe { cudnn::cudnnDestroyConvolutionDescriptor(self.0) };
+    }
+}
+
+/// Batch norm over N, H and W per channel. The persistent variant is faster for NHWC
+/// but may overflow on some inputs; it is the first thing to try once this is measured.
+const BN_MODE: cudnn::cudnnBatchNormMode_t = cudnn::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL;
+
+/// A convolution's descriptors and the algorithms found for it.
+struct ConvPlan {
+    x: TensorDesc,
+    y: TensorDesc,
+    w: FilterDesc,
+    conv: ConvDesc,
+    forward: cudnn::cudnnConvolutionFwdAlgo_t,
+    backward_data: cudnn::cudnnConvolutionBwdDataAlgo_t,
+    backward_filter: cudnn::cudnnConvolutionBwdFilterAlgo_t,
+}
+
+/// Batch norm's `(n, c, hw)` and activations' type.
+type BnKey = (usize, usize, usize, DType);
+
+/// Batch norm's descriptors for one input shape.
+struct BnPlan {
+    x: TensorDesc,
+    params: TensorDesc,
+}
+
+/// A bump allocator over one device allocation.
+struct Arena {
+    _memory: CudaSlice<u8>,
+    base: CUdeviceptr,
+    size: usize,
+    top: usize,
+    /// The most the arena held in a step, for reports.
+    peak: usize,
+}
+
+struct Inner {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    cudnn: cudnn::cudnnHandle_t,
+    cublas: cublas::cublasHandle_t,
+    kernels: HashMap<&'static str, CudaFunction>,
+    arena: RefCell<Arena>,
+    /// cuDNN's workspace: its address and size (grown, never shrunk, between calls).
+    workspace: RefCell<Option<(CudaSlice<u8>, CUdeviceptr, usize)>>,
+    conv_plans: RefCell<HashMap<(ConvShape, DType), Rc<ConvPlan>>>,
+    bn_plans: RefCell<HashMap<BnKey, Rc<BnPlan>>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.conv_plans.borrow_mut().clear();
+        self.bn_plans.borrow_mut().clear();
+        // SAFETY: the handles were created in `new` and are destroyed once, after every
+        // descriptor that was used with them.
+        unsafe {
+            cudnn::cudnnDestroy(self.cudnn);
+            cublas::cublasDestroy_v2(self.cublas);
+        }
+    }
+}
+
+/// One GPU, one stream. Cheap to clone (shared); not `Send`, as cuDNN handles are not.
+#[derive(Clone)]
+pub struct CudaBackend {
+    inner: Rc<Inner>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let arena = self.inner.arena.borrow();
+        f.debug_struct("CudaBackend")
+            .field("ordinal", &self.inner.ctx.ordinal())
+            .field("arena_bytes", &arena.size)
+            .finish()
+    }
+}
+
+impl CudaBackend {
+    /// Starts on GPU `ordinal` (the local rank) with an arena of `arena_bytes` for step
+    /// temporaries (`None`: `RINGMASTER_CUDA_ARENA_MIB`, else 70 % of the free memory).
+    pub fn new(ordinal: usize, arena_bytes: Option<usize>) -> Result<Self, CudaError> {
+        // SAFETY (each): a dlopen probe; cudarc panics on a library it cannot load.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(CudaError::Missing {
+                library: "libcuda.so.1",
+                hint: "no NVIDIA driver, or the container runs without the GPU runtime",
+            });
+        }
+        if !unsafe { cudnn::is_culib_present() } {
+            return Err(CudaError::Missing {
+                library: "libcudnn.so.9",
+                hint: "add cuDNN's folder to LD_LIBRARY_PATH",
+            });
+        }
+        if !unsafe { cublas::is_culib_present() } {
+            return Err(CudaError::Missing {
+                library: "libcublas.so",
+                hint: "add cuBLAS's folder to LD_LIBRARY_PATH",
+            });
+        }
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(CudaError::Missing {
+                library: "libnvrtc.so",
+                hint: "add NVRTC's folder (with libnvrtc-builtins) to LD_LIBRARY_PATH",
+            });
+        }
+        let ctx = driver(
+            || format!("opening GPU {ordinal}"),
+            CudaContext::new(ordinal),
+        )?;
+        // One stream, ordered by us: cudarc's per-buffer events are not needed.
+        // SAFETY: no buffer has been allocated on this context yet.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let (major, minor) = driver(|| "compute capability".into(), ctx.compute_capability())?;
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(
+            KERNELS,
+            cudarc::nvrtc::CompileOptions {
+                options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
+                name: Some("ringmaster_kernels.cu".into()),
+                ..Default::default()
+            },
+        )
+        .map_err(CudaError::Nvrtc)?;
+        let module = driver(|| "loading the kernels".into(), ctx.load_module(ptx))?;
+        let mut kernels = HashMap::new();
+        for &name in KERNEL_NAMES {
+            let f = driver(|| format!("kernel {name}"), module.load_function(name))?;
+            kernels.insert(name, f);
+        }
+        let mut cudnn_handle = std::ptr::null_mut();
+        let mut cublas_handle = std::ptr::null_mut();
+        // SAFETY: out-pointers to live locals; the stream outlives the handles (Inner).
+        unsafe {
+            let s = cudnn::cudnnCreate(&mut cudnn_handle);
+            if s != cudnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
+                return Err(CudaError::Library {
+                    call: "cudnnCreate",
+                    status: format!("{s:?}"),
+                });
+            }
+            cudnn::cudnnSetStream(cudnn_handle, stream.cu_stream() as _);
+            let s = cublas::cublasCreate_v2(&mut cublas_handle);
+            if s != cublas::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Err(CudaError::Library {
+                    call: "cublasCreate_v2",
+                    status: format!("{s:?}"),
+                });
+            }
+            cublas::cublasSetStream_v2(cublas_handle, stream.cu_stream() as _);
+        }
+        let (free, _) = driver(|| "free memory".into(), ctx.mem_get_info())?;
+        let size = arena_bytes
+            .or_else(|| {
+                std::env::var("RINGMASTER_CUDA_ARENA_MIB")
+                    .ok()
+                    .and_then(|v| v.parse::<usize>().ok())
+                    .map(|mib| mib << 20)
+            })
+            .unwrap_or(free / 10 * 7);
+        if size > free {
+            return Err(CudaError::ArenaTooLarge { wanted: size, free });
+        }
+        // SAFETY: the arena is only read after kernels or copies wrote it.
+        let memory = driver(|| format!("reserving the {size}-byte arena"), unsafe {
+            stream.alloc::<u8>(size)
+        })?;
+        let (base, _sync) = memory.device_ptr(&stream);
+        drop(_sync);
+        Ok(Self {
+            inner: Rc::new(Inner {
+                ctx,
+                stream,
+                cudnn: cudnn_handle,
+                cublas: cublas_handle,
+                kernels,
+                arena: RefCell::new(Arena {
+                    _memory: memory,
+                    base,
+                    size,
+                    top: 0,
+                    peak: 0,
+                }),
+                workspace: RefCell::new(None),
+                conv_plans: RefCell::new(HashMap::new()),
+                bn_plans: RefCell::new(HashMap::new()),
+            }),
+        })
+    }
+
+    /// The most arena memory one step has used so far, in bytes.
+    pub fn arena_peak(&self) -> usize {
+        let arena = self.inner.arena.borrow();
+        arena.peak.max(arena.top)
+    }
+
+    /// Waits for the GPU to finish everything queued (for timing).
+    pub fn synchronize(&self) {
+        self.inner
+            .stream
+            .synchronize()
+            .expect("synchronizing the CUDA stream");
+    }
+
+    fn stream(&self) -> CUstream {
+        self.inner.stream.cu_stream()
+    }
+
+    /// An owned, zeroed allocation of `len` elements of `dtype`.
+    fn owned(&self, len: usize, dtype: DType) -> CudaBuf {
+        let bytes = (len * dtype.size()).max(1);
+        let memory = self
+            .inner
+            .stream
+            .alloc_zeros::<u8>(bytes)
+            .unwrap_or_else(|e| panic!("allocating {bytes} bytes on the GPU: {e}"));
+        let (ptr, sync) = memory.device_ptr(&self.inner.stream);
+        drop(sync);
+        CudaBuf {
+            ptr,
+            len,
+            dtype,
+            owner: Some(Rc::new(memory)),
+        }
+    }
+
+    fn arena_alloc(&self, len: usize, dtype: DType) -> CudaBuf {
+        let bytes = (len * dtype.size()).div_ceil(ARENA_ALIGN) * ARENA_ALIGN;
+        let mut arena = self.inner.arena.borrow_mut();
+        assert!(
+            arena.top + bytes <= arena.size,
+            "the CUDA arena ({} MiB) is full: a step needs more temporaries (set RINGMASTER_CUDA_ARENA_MIB higher or lower the batch size)",
+            arena.size >> 20
+        );
+        let ptr = arena.base + arena.top as u64;
+        arena.top += bytes;
+        CudaBuf {
+            ptr,
+            len,
+            dtype,
+            owner: None,
+        }
+    }
+
+    /// Launches kernel `name` over `n` outputs with `args` (pointers to the arguments).
+    fn launch(&self, name: &str, n: usize, args: &mut [*mut c_void]) {
+        if n == 0 {
+            return;
+        }
+        let f = &self.inner.kernels[name];
+        let blocks = n.div_ceil(BLOCK as usize).min(65_535 * 8) as u32;
+        // SAFETY: `args` point at live values of the types the kernel declares; the
+        // buffers they name are live device memory of the lengths the kernel walks.
+        unsafe {
+            result::launch_kernel(
+                f.cu_function(),
+                (blocks, 1, 1),
+                (BLOCK, 1, 1),
+                0,
+                self.stream(),
+                args,
+            )
+        }
+        .unwrap_or_else(|e| panic!("launching {name}: {e}"));
+    }
+
+    /// A device workspace of at least `bytes`, grown (never shrunk) as plans need it.
+    fn workspace(&self, bytes: usize) -> (CUdeviceptr, usize) {
+        let mut ws = self.inner.workspace.borrow_mut();
+        if ws.as_ref().is_none_or(|w| w.2 < bytes) {
+            // The old one is freed in stream order, after the calls that used it.
+            let memory = self
+                .inner
+                .stream
+                .alloc_zeros::<u8>(bytes)
+                .unwrap_or_else(|e| panic!("allocating a {bytes}-byte cuDNN workspace: {e}"));
+            let (ptr, sync) = memory.device_ptr(&self.inner.stream);
+            drop(sync);
+            *ws = Some((memory, ptr, bytes));
+        }
+        let (_, ptr, len) = ws.as_ref().expect("workspace allocated above");
+        (*ptr, *len)
+    }
+
+    fn conv_plan(
+        &self,
+        s: &ConvShape,
+        dtype: DType,
+        x: CUdeviceptr,
+        w: CUdeviceptr,
+        y: CUdeviceptr,
+    ) -> Rc<ConvPlan> {
+        if let Some(plan) = self.inner.conv_plans.borrow().get(&(*s, dtype)) {
+            return plan.clone();
+        }
+        let (oh, ow) = s.output_size();
+        let xd = TensorDesc::nhwc(dtype, s.n, s.c, s.h, s.w);
+        let yd = TensorDesc::nhwc(dtype, s.n, s.out_channels, oh, ow);
+        let h = self.inner.cudnn;
+        let mut wd = std::ptr::null_mut();
+        let mut cd = std::ptr::null_mut();
+        // SAFETY: out-pointers to live locals; descriptors are owned by the plan.
+        unsafe {
+            check_cudnn(
+                cudnn::cudnnCreateFilterDescriptor(&mut wd),
+                "cudnnCreateFilterDescriptor",
+            );
+            check_cudnn(
+                cudnn::cudnnSetFilter4dDescriptor(
+                    wd,
+                    cudnn_type(dtype),
+                    cudnn::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC,
+                    s.out_channels as i32,
+                    s.c as i32,
+                    s.kernel as i32,
+                    s.kernel as i32,
+                ),
+                "cudnnSetFilter4dDescriptor",
+            );
+            check_cudnn(
+                cudnn::cudnnCreateConvolutionDescriptor(&mut cd),
+                "cudnnCreateConvolutionDescriptor",
+            );
+            check_cudnn(
+                cudnn::cudnnSetConvolution2dDescriptor(
+                    cd,
+                    s.padding as i32,
+                    s.padding as i32,
+                    s.stride as i32,
+                    s.stride as i32,
+                    1,
+                    1,
+                    cudnn::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
+                    cudnn::cudnnDataType_t::CUDNN_DATA_FLOAT,
+                ),
+                "cudnnSetConvolution2dDescriptor",
+            );
+            // f32 stays true f32 (no TF32), so it matches the CPU reference tightly;
+            // bf16 uses tensor cores.
+            let math = match dtype {
+                DType::F32 => cudnn::cudnnMathType_t::CUDNN_FMA_MATH,
+                DType::Bf16 => cudnn::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
+            };
+            check_cudnn(
+                cudnn::cudnnSetConvolutionMathType(cd, math),
+                "cudnnSetConvolutionMathType",
+            );
+        }
+        let (wd, cd) = (FilterDesc(wd), ConvDesc(cd));
+        // The search writes into scratch outputs the size of dx and dw; it runs outside
+        // any capture, before the step's real calls overwrite everything it touched.
+        let dx = self.arena_alloc(s.n * s.c * s.h * s.w, dtype);
+        let dw = self.arena_alloc(s.out_channels * s.c * s.kernel * s.kernel, dtype);
+        let (ws, ws_len) = self.workspace(FIND_WORKSPACE_BYTES);
+        let mut count = 0;
+        // SAFETY: every pointer is live device memory of the descriptor's size; the perf
+        // structs are live locals cuDNN fills (`count` of them).
+        let (forward, backward_data, backward_filter) = unsafe {
+            let mut fwd: [cudnn::cudnnConvolutionFwdAlgoPerf_t; 8] = std::mem::zeroed();
+            check_cudnn(
+                cudnn::cudnnFindConvolutionForwardAlgorithmEx(
+                    h,
+                    xd.0,
+                    x as *const c_void,
+                    wd.0,
+                    w as *const c_void,
+                    cd.0,
+                    yd.0,
+                    y as *mut c_void,
+                    fwd.len() as i32,
+                    &mut count,
+                    fwd.as_mut_ptr(),
+                    ws as *mut c_void,
+                    ws_len,
+                ),
+                "cudnnFindConvolutionForwardAlgorithmEx",
+            );
+            let forward = fwd[..count as usize]
+                .iter()
+                .find(|p| p.status == cudnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS)
+                .unwrap_or_else(|| panic!("no forward convolution algorithm for {s:?}"))
+                .algo;
+            let mut bwd: [cudnn::cudnnConvolutionBwdDataAlgoPerf_t; 8] = std::mem::zeroed();
+            check_cudnn(
+                cudnn::cudnnFindConvolutionBackwardDataAlgorithmEx(
+                    h,
+                    wd.0,
+                    w as *const c_void,
+                    yd.0,
+                    y as *const c_void,
+                    cd.0,
+                    xd.0,
+                    dx.ptr as *mut c_void,
+                    bwd.len() as i32,
+                    &mut count,
+                    bwd.as_mut_ptr(),
+                    ws as *mut c_void,
+                    ws_len,
+                ),
+                "cudnnFindConvolutionBackwardDataAlgorithmEx",
+            );
+            let backward_data = bwd[..count as usize]
+                .iter()
+                .find(|p| p.status == cudnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS)
+                .unwrap_or_else(|| panic!("no backward-data convolution algorithm for {s:?}"))
+                .algo;
+            let mut bwf: [cudnn::cudnnConvolutionBwdFilterAlgoPerf_t; 8] = std::mem::zeroed();
+            check_cudnn(
+                cudnn::cudnnFindConvolutionBackwardFilterAlgorithmEx(
+                    h,
+                    xd.0,
+                    x as *const c_void,
+                    yd.0,
+                    y as *const c_void,
+                    cd.0,
+                    wd.0,
+                    dw.ptr as *mut c_void,
+                    bwf.len() as i32,
+                    &mut count,
+                    bwf.as_mut_ptr(),
+                    ws as *mut c_void,
+                    ws_len,
+                ),
+                "cudnnFindConvolutionBackwardFilterAlgorithmEx",
+            );
+            let backward_filter = bwf[..count as usize]
+                .iter()
+                .find(|p| p.status == cudnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS)
+                .unwrap_or_else(|| panic!("no backward-filter convolution algorithm for {s:?}"))
+                .algo;
+            (forward, backward_data, backward_filter)
+        };
+        let plan = Rc::new(ConvPlan {
+            x: xd,
+            y: yd,
+            w: wd,
+            conv: cd,
+            forward,
+            backward_data,
+            backward_filter,
+        });
+        self.inner
+            .conv_plans
+            .borrow_mut()
+            .insert((*s, dtype), plan.clone());
+        plan
+    }
+
+    fn bn_plan(&self, (n, c, hw): (usize, usize, usize), dtype: DType) -> Rc<BnPlan> {
+        let key = (n, c, hw, dtype);
+        if let Some(plan) = self.inner.bn_plans.borrow().get(&key) {
+            return plan.clone();
+        }
+        // cuDNN sees [n, c, hw, 1]: batch norm does not care how the plane is shaped.
+        let x = TensorDesc::nhwc(dtype, n, c, hw, 1);
+        let params = TensorDesc::batch_norm_params(&x);
+        let plan = Rc::new(BnPlan { x, params });
+        self.inner.bn_plans.borrow_mut().insert(key, plan.clone());
+        plan
+    }
+
+    /// Free space needed by a convolution call with algorithm `algo`.
+    fn conv_workspace_size(
+        &self,
+        call: &str,
+        get: impl FnOnce(cudnn::cudnnHandle_t, *mut usize) -> cudnn::cudnnStatus_t,
+    ) -> (CUdeviceptr, usize) {
+        let mut bytes = 0usize;
+        check_cudnn(get(self.inner.cudnn, &mut bytes), call);
+        self.workspace(bytes.max(1))
+    }
+}
+
+fn ptr_of<T>(value: &mut T) -> *mut c_void {
+    value as *mut T as *mut c_void
+}
+
+impl Backend for CudaBackend {
+    type Buf = CudaBuf;
+    type View<'a> = DevView<'a>;
+    type ViewMut<'a> = DevViewMut<'a>;
+    type ConvSaved = CudaConvSaved;
+    type BnSaved = CudaBnSaved;
+    type PoolSaved = CudaPoolSaved;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn supports(&self, _dtype: DType) -> bool {
+        true
+    }
+
+    fn alloc(&self, len: usize, dtype: DType) -> CudaBuf {
+        self.arena_alloc(len, dtype)
+    }
+
+    fn zeros(&self, len: usize, dtype: DType) -> CudaBuf {
+        self.owned(len, dtype)
+    }
+
+    fn upload(&self, host: &[f32], shape: &[usize], dtype: DType) -> CudaBuf {
+        let staged = self.owned(host.len(), DType::F32);
+        // SAFETY: `staged` holds `host.len()` f32s; the copy is ordered on our stream
+        // before any use, and the host slice lives through the synchronize below.
+        unsafe { result::memcpy_htod_async(staged.ptr, host, self.stream()) }
+            .unwrap_or_else(|e| panic!("copying {} values to the GPU: {e}", host.len()));
+        let out = match (shape, dtype) {
+            ([n, c, h, w], _) => {
+                let out = self.owned(host.len(), dtype);
+                let (mut x, mut y, mut ybf) = (staged.ptr, out.ptr, bf(dtype));
+                let (mut n, mut c, mut hw) = (*n as i32, *c as i32, (h * w) as i32);
+                self.launch(
+                    "nchw_to_nhwc",
+                    host.len(),
+                    &mut [
+                        ptr_of(&mut x),
+                        ptr_of(&mut y),
+                        ptr_of(&mut ybf),
+                        ptr_of(&mut n),
+                        ptr_of(&mut c),
+                        ptr_of(&mut hw),
+                    ],
+                );
+                out
+            }
+            (_, DType::F32) => staged.clone(),
+            (_, DType::Bf16) => {
+                let out = self.owned(host.len(), dtype);
+                self.convert(staged.ptr, DType::F32, out.ptr, dtype, host.len());
+                out
+            }
+        };
+        // The staging copy must not be freed before the kernel read it.
+        self.synchronize();
+        out
+    }
+
+    fn download(&self, buf: &CudaBuf, shape: &[usize]) -> Vec<f32> {
+        let len = shape.iter().product::<usize>();
+        assert_eq!(len, buf.len, "download shape");
+        let plain = match shape {
+            [n, c, h, w] => {
+                let out = self.owned(len, DType::F32);
+                let (mut x, mut xbf, mut y) = (buf.ptr, bf(buf.dtype), out.ptr);
+                let (mut n, mut c, mut hw) = (*n as i32, *c as i32, (h * w) as i32);
+                self.launch(
+                    "nhwc_to_nchw",
+                    len,
+                    &mut [
+                        ptr_of(&mut x),
+                        ptr_of(&mut xbf),
+                        ptr_of(&mut y),
+                        ptr_of(&mut n),
+                        ptr_of(&mut c),
+                        ptr_of(&mut hw),
+                    ],
+                );
+                out
+            }
+            _ if buf.dtype == DType::F32 => buf.clone(),
+            _ => {
+                let out = self.owned(len, DType::F32);
+                self.convert(buf.ptr, buf.dtype, out.ptr, DType::F32, len);
+                out
+            }
+        };
+        let mut host = vec![0.0f32; len];
+        // SAFETY: `plain` holds `len` f32s; synchronize waits for the copy to land.
+        unsafe { result::memcpy_dtoh_async(&mut host, plain.ptr, self.stream()) }
+            .unwrap_or_else(|e| panic!("copying {len} values from the GPU: {e}"));
+        self.synchronize();
+        host
+    }
+
+    fn with_host<R>(&self, buf: &mut CudaBuf, f: impl FnOnce(&mut [f32]) -> R) -> R {
+        assert_eq!(buf.dtype, DType::F32, "with_host needs an f32 buffer");
+        let mut host = self.download(buf, &[buf.len]);
+        let r = f(&mut host);
+        // SAFETY: `buf` holds `host.len()` f32s; synchronize keeps `host` alive until the
+        // copy has landed.
+        unsafe { result::memcpy_htod_async(buf.ptr, &host, self.stream()) }
+            .unwrap_or_else(|e| panic!("copying {} values to the GPU: {e}", host.len()));
+        self.synchronize();
+        r
+    }
+
+    fn begin_step(&self) {
+        let mut arena = self.inner.arena.borrow_mut();
+        arena.peak = arena.peak.max(arena.top);
+        arena.top = 0;
+    }
+
+    fn view<'a>(&self, buf: &'a CudaBuf, range: Range<usize>) -> DevView<'a> {
+        assert!(
+            range.end <= buf.len,
+            "view {range:?} of {} elements",
+            buf.len
+        );
+        DevView {
+            ptr: buf.ptr + (range.start * buf.dtype.size()) as u64,
+            len: range.len(),
+            dtype: buf.dtype,
+            _borrow: PhantomData,
+        }
+    }
+
+    fn view_mut<'a>(&self, buf: &'a mut CudaBuf, range: Range<usize>) -> DevViewMut<'a> {
+        assert!(
+            range.end <= buf.len,
+            "view {range:?} of {} elements",
+            buf.len
+        );
+        DevViewMut {
+            ptr: buf.ptr + (range.start * buf.dtype.size()) as u64,
+            len: range.len(),
+            dtype: buf.dtype,
+            _borrow: PhantomData,
+        }
+    }
+
+    fn view_mut_pair<'a>(
+        &self,
+        buf: &'a mut CudaBuf,
+        a: Range<usize>,
+        b: Range<usize>,
+    ) -> (DevViewMut<'a>, DevViewMut<'a>) {
+        assert!(a.end <= b.start && b.end <= buf.len, "view_mut_pair ranges");
+        let at = |r: Range<usize>| DevViewMut {
+            ptr: buf.ptr + (r.start * buf.dtype.size()) as u64,
+            len: r.len(),
+            dtype: buf.dtype,
+            _borrow: PhantomData,
+        };
+        (at(a), at(b))
+    }
+
+    fn fill_zero(&self, x: DevViewMut<'_>) {
+        // SAFETY: the view is live device memory of `len` elements.
+        unsafe { result::memset_d8_async(x.ptr, 0, x.len * x.dtype.size(), self.stream()) }
+            .unwrap_or_else(|e| panic!("zeroing {} bytes: {e}", x.len * x.dtype.size()));
+    }
+
+    fn gemm(
+        &self,
+        m: usize,
+        k: usize,
+        n: usize,
+        a: Matrix<DevView<'_>>,
+        b: Matrix<DevView<'_>>,
+        beta: f32,
+        c: DevViewMut<'_>,
+    ) {
+        assert!(
+            [a.data.dtype, b.data.dtype, c.dtype] == [DType::F32; 3],
+            "gemm is f32"
+        );
+        // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ. A row-major operand (column stride 1)
+        // read column-major with its row stride as leading dimension is its transpose.
+        let op = |x: &Matrix<DevView<'_>>| {
+            if x.col_stride == 1 {
+                (cublas::cublasOperation_t::CUBLAS_OP_N, x.row_stride)
+            } else {
+                (cublas::cublasOperation_t::CUBLAS_OP_T, x.col_stride)
+            }
+        };
+        let ((op_b, ldb), (op_a, lda)) = (op(&b), op(&a));
+        let alpha = 1.0f32;
+        // SAFETY: the views are live device f32 buffers of the sizes m·k, k·n and m·n that
+        // the strides describe; alpha and beta are host values (cuBLAS's default mode).
+        let status = unsafe {
+            cublas::cublasSgemm_v2(
+                self.inner.cublas,
+                op_b,
+                op_a,
+                n as i32,
+                m as i32,
+                k as i32,
+                &alpha,
+                b.data.ptr as *const f32,
+                ldb as i32,
+                a.data.ptr as *const f32,
+                lda as i32,
+                &beta,
+                c.ptr as *mut f32,
+                n as i32,
+            )
+        };
+        check_cublas(status, "cublasSgemm_v2");
+    }
+
+    fn conv2d_forward(
+        &self,
+        s: &ConvShape,
+        x: DevView<'_>,
+        weight: DevView<'_>,
+        y: DevViewMut<'_>,
+    ) -> CudaConvSaved {
+        let dtype = x.dtype;
+        let working = self.arena_alloc(weight.len, dtype);
+        self.weights_to_working(s, weight.ptr, working.ptr, dtype);
+        let plan = self.conv_plan(s, dtype, x.ptr, working.ptr, y.ptr);
+        let (ws, ws_len) =
+            self.conv_workspace_size("cudnnGetConvolutionForwardWorkspaceSize", |h, out| {
+                // SAFETY: live handle and descriptors; `out` is a live local.
+                unsafe {
+                    cudnn::cudnnGetConvolutionForwardWorkspaceSize(
+                        h,
+                        plan.x.0,
+                        plan.w.0,
+                        plan.conv.0,
+                        plan.y.0,
+                        plan.forward,
+                        out,
+                    )
+                }
+            });
+        let (one, zero) = (1.0f32, 0.0f32);
+        // SAFETY: buffers match the plan's descriptors; alpha/beta are host f32s.
+        let status = unsafe {
+            cudnn::cudnnConvolutionForward(
+                self.inner.cudnn,
+                &one as *const f32 as *const c_void,
+                plan.x.0,
+                x.ptr as *const c_void,
+                plan.w.0,
+                working.ptr as *const c_void,
+                plan.conv.0,
+                plan.forward,
+                ws as *mut c_void,
+                ws_len,
+                &zero as *const f32 as *const c_void,
+                plan.y.0,
+                y.ptr as *mut c_void,
+            )
+        };
+        check_cudnn(status, "cudnnConvolutionForward");
+        CudaConvSaved {
+            weight: DevPtr {
+                ptr: working.ptr,
+                len: working.len,
+                dtype,
+            },
+        }
+    }
+
+    fn conv2d_backward(
+        &self,
+        s: &ConvShape,
+        saved: &CudaConvSaved,
+        x: DevView<'_>,
+        _weight: DevView<'_>,
+        dy: DevView<'_>,
+        dx: DevViewMut<'_>,
+        dweight: DevViewMut<'_>,
+    ) {
+        let dtype = x.dtype;
+        assert_eq!(saved.weight.len, dweight.len, "conv backward weight shape");
+        let plan = self.inner.conv_plans.borrow()[&(*s, dtype)].clone();
+        let (one, zero) = (1.0f32, 0.0f32);
+        let (ws, ws_len) =
+            self.conv_workspace_size("cudnnGetConvolutionBackwardDataWorkspaceSize", |h, out| {
+                // SAFETY: live handle and descriptors; `out` is a live local.
+                unsafe {
+                    cudnn::cudnnGetConvolutionBackwardDataWorkspaceSize(
+                        h,
+                        plan.w.0,
+                        plan.y.0,
+                        plan.conv.0,
+                        plan.x.0,
+                        plan.backward_data,
+                        out,
+                    )
+                }
+            });
+        // SAFETY: buffers match the plan's descriptors; alpha/beta are host f32s.
+        let status = unsafe {
+            cudnn::cudnnConvolutionBackwardData(
+                self.inner.cudnn,
+                &one as *const f32 as *const c_void,
+                plan.w.0,
+                saved.weight.ptr as *const c_void,
+                plan.y.0,
+                dy.ptr as *const c_void,
+                plan.conv.0,
+                plan.backward_data,
+                ws as *mut c_void,
+                ws_len,
+                &zero as *const f32 as *const c_void,
+                plan.x.0,
+                dx.ptr as *mut c_void,
+            )
+        };
+        check_cudnn(status, "cudnnConvolutionBackwardData");
+        let dw = self.arena_alloc(dweight.len, dtype);
+        let (ws, ws_len) = self.conv_workspace_size(
+            "cudnnGetConvolutionBackwardFilterWorkspaceSize",
+            |h, out| {
+                // SAFETY: live handle and descriptors; `out` is a live local.
+                unsafe {
+                    cudnn::cudnnGetConvolutionBackwardFilterWorkspaceSize(
+                        h,
+                        plan.x.0,
+                        plan.y.0,
+                        plan.conv.0,
+                        plan.w.0,
+                        plan.backward_filter,
+                        out,
+                    )
+                }
+            },
+        );
+        // SAFETY: as above.
+        let status = unsafe {
+            cudnn::cudnnConvolutionBackwardFilter(
+                self.inner.cudnn,
+                &one as *const f32 as *const c_void,
+                plan.x.0,
+                x.ptr as *const c_void,
+                plan.y.0,
+                dy.ptr as *const c_void,
+                plan.conv.0,
+                plan.backward_filter,
+                ws as *mut c_void,
+                ws_len,
+                &zero as *const f32 as *const c_void,
+                plan.w.0,
+                dw.ptr as *mut c_void,
+            )
+        };
+        check_cudnn(status, "cudnnConvolutionBackwardFilter");
+        let (mut src, mut sbf, mut dst) = (dw.ptr, bf(dtype), dweight.ptr);
+        let (mut k, mut c, mut rs) = (
+            s.out_channels as i32,
+            s.c as i32,
+            (s.kernel * s.kernel) as i32,
+        );
+        self.launch(
+            "krsc_add_to_kcrs",
+            dweight.len,
+            &mut [
+                ptr_of(&mut src),
+                ptr_of(&mut sbf),
+                ptr_of(&mut dst),
+                ptr_of(&mut k),
+                ptr_of(&mut c),
+                ptr_of(&mut rs),
+            ],
+        );
+    }
+
+    fn batch_norm_forward_training(
+        &self,
+        dims: (usize, usize, usize),
+        config: BatchNormConfig,
+        x: DevView<'_>,
+        gamma: DevView<'_>,
+        beta: DevView<'_>,
+        running_mean: DevViewMut<'_>,
+        running_var: DevViewMut<'_>,
+        y: DevViewMut<'_>,
+    ) -> CudaBnSaved {
+        let plan = self.bn_plan(dims, x.dtype);
+        let mean = self.arena_alloc(dims.1, DType::F32);
+        let inv_var = self.arena_alloc(dims.1, DType::F32);
+        let (one, zero) = (1.0f32, 0.0f32);
+        // SAFETY: buffers match the plan's descriptors; the per-channel ones are f32 of
+        // `c` elements; alpha/beta are host f32s.
+        let status = unsafe {
+            cudnn::cudnnBatchNormalizationForwardTraining(
+                self.inner.cudnn,
+                BN_MODE,
+                &one as *const f32 as *const c_void,
+                &zero as *const f32 as *const c_void,
+                plan.x.0,
+                x.ptr as *const c_void,
+                plan.x.0,
+                y.ptr as *mut c_void,
+                plan.params.0,
+                gamma.ptr as *const c_void,
+                beta.ptr as *const c_void,
+                f64::from(config.momentum),
+                running_mean.ptr as *mut c_void,
+                running_var.ptr as *mut c_void,
+                f64::from(config.eps),
+                mean.ptr as *mut c_void,
+                inv_var.ptr as *mut c_void,
+            )
+        };
+        check_cudnn(status, "cudnnBatchNormalizationForwardTraining");
+        CudaBnSaved {
+            x: x.into(),
+            mean: DevPtr {
+                ptr: mean.ptr,
+                len: mean.len,
+                dtype: DType::F32,
+            },
+            inv_var: DevPtr {
+                ptr: inv_var.ptr,
+                len: inv_var.len,
+                dtype: DType::F32,
+            },
+        }
+    }
+
+    fn batch_norm_forward_inference(
+        &self,
+        dims: (usize, usize, usize),
+        config: BatchNormConfig,
+        x: DevView<'_>,
+        gamma: DevView<'_>,
+        beta: DevView<'_>,
+        running_mean: DevView<'_>,
+        running_var: DevView<'_>,
+        y: DevViewMut<'_>,
+    ) {
+        let plan = self.bn_plan(dims, x.dtype);
+        let (one, zero) = (1.0f32, 0.0f32);
+        // SAFETY: as in the training pass.
+        let status = unsafe {
+            cudnn::cudnnBatchNormalizationForwardInference(
+                self.inner.cudnn,
+                BN_MODE,
+                &one as *const f32 as *const c_void,
+                &zero as *const f32 as *const c_void,
+                plan.x.0,
+                x.ptr as *const c_void,
+                plan.x.0,
+                y.ptr as *mut c_void,
+                plan.params.0,
+                gamma.ptr as *const c_void,
+                beta.ptr as *const c_void,
+                running_mean.ptr as *const c_void,
+                running_var.ptr as *const c_void,
+                f64::from(config.eps),
+            )
+        };
+        check_cudnn(status, "cudnnBatchNormalizationForwardInference");
+    }
+
+    fn batch_norm_backward(
+        &self,
+        dims: (usize, usize, usize),
+        config: BatchNormConfig,
+        saved: &CudaBnSaved,
+        gamma: DevView<'_>,
+        dy: DevView<'_>,
+        dx: DevViewMut<'_>,
+        dgamma: DevViewMut<'_>,
+        dbeta: DevViewMut<'_>,
+    ) {
+        assert_eq!(saved.x.len, dy.len, "batch-norm backward shape");
+        let plan = self.bn_plan(dims, saved.x.dtype);
+        let (one, zero) = (1.0f32, 0.0f32);
+        // SAFETY: as in the training pass. The parameter gradients accumulate (beta 1).
+        let status = unsafe {
+            cudnn::cudnnBatchNormalizationBackward(
+                self.inner.cudnn,
+                BN_MODE,
+                &one as *const f32 as *const c_void,
+                &zero as *const f32 as *const c_void,
+                &one as *const f32 as *const c_void,
+                &one as *const f32 as *const c_void,
+                plan.x.0,
+                saved.x.ptr as *const c_void,
+                plan.x.0,
+                dy.ptr as *const c_void,
+                plan.x.0,
+                dx.ptr as *mut c_void,
+                plan.params.0,
+                gamma.ptr as *const c_void,
+                dgamma.ptr as *mut c_void,
+                dbeta.ptr as *mut c_void,
+                f64::from(config.eps),
+                saved.mean.ptr as *const c_void,
+                saved.inv_var.ptr as *const c_void,
+            )
+        };
+        check_cudnn(status, "cudnnBatchNormalizationBackward");
+    }
+
+    fn relu_forward(&self, x: DevView<'_>, y: DevViewMut<'_>) {
+        let (mut xp, mut yp, mut b, mut n) = (x.ptr, y.ptr, bf(x.dtype), x.len as i64);
+        self.launch(
+            "relu_forward",
+            x.len,
+            &mut [
+                ptr_of(&mut xp),
+                ptr_of(&mut yp),
+                ptr_of(&mut b),
+                ptr_of(&mut n),
+            ],
+        );
+    }
+
+    fn relu_backward(&self, y: DevView<'_>, dy: DevView<'_>, dx: DevViewMut<'_>) {
+        let (mut yp, mut dyp, mut dxp) = (y.ptr, dy.ptr, dx.ptr);
+        let (mut b, mut n) = (bf(y.dtype), y.len as i64);
+        self.launch(
+            "relu_backward",
+            y.len,
+            &mut [
+                ptr_of(&mut yp),
+                ptr_of(&mut dyp),
+                ptr_of(&mut dxp),
+                ptr_of(&mut b),
+                ptr_of(&mut n),
+            ],
+        );
+    }
+
+    fn max_pool_forward(&self, s: &PoolShape, x: DevView<'_>, y: DevViewMut<'_>) -> CudaPoolSaved {
+        // i32 indices: the same 4 bytes an f32 takes.
+        let argmax = self.arena_alloc(y.len, DType::F32);
+        let (oh, ow) = s.output_size();
+        let (mut xp, mut yp, mut ap, mut b) = (x.ptr, y.ptr, argmax.ptr, bf(x.dtype));
+        let mut dims = pool_dims(s, oh, ow);
+        let mut args = vec![
+            ptr_of(&mut xp),
+            ptr_of(&mut yp),
+            ptr_of(&mut ap),
+            ptr_of(&mut b),
+        ];
+        args.extend(dims.iter_mut().map(ptr_of));
+        self.launch("max_pool_forward", y.len, &mut args);
+        CudaPoolSaved {
+            argmax: DevPtr {
+                ptr: argmax.ptr,
+                len: argmax.len,
+                dtype: DType::F32,
+            },
+        }
+    }
+
+    fn max_pool_backward(
+        &self,
+        s: &PoolShape,
+        saved: &CudaPoolSaved,
+        dy: DevView<'_>,
+        dx: DevViewMut<'_>,
+    ) {
+        let (oh, ow) = s.output_size();
+        let (mut ap, mut dyp, mut dxp, mut b) = (saved.argmax.ptr, dy.ptr, dx.ptr, bf(dy.dtype));
+        let mut dims = pool_dims(s, oh, ow);
+        let mut args = vec![
+            ptr_of(&mut ap),
+            ptr_of(&mut dyp),
+            ptr_of(&mut dxp),
+            ptr_of(&mut b),
+        ];
+        args.extend(dims.iter_mut().map(ptr_of));
+        self.launch("max_pool_backward", dx.len, &mut args);
+    }
+
+    fn global_avg_pool_forward(
+        &self,
+        (n, c, hw): (usize, usize, usize),
+        x: DevView<'_>,
+        y: DevViewMut<'_>,
+    ) {
+        assert_eq!(y.dtype, DType::F32, "the average pool's output is f32");
+        let (mut xp, mut b, mut yp) = (x.ptr, bf(x.dtype), y.ptr);
+        let (mut n32, mut c32, mut hw32) = (n as i32, c as i32, hw as i32);
+        self.launch(
+            "global_avg_pool_forward",
+            n * c,
+            &mut [
+                ptr_of(&mut xp),
+                ptr_of(&mut b),
+                ptr_of(&mut yp),
+                ptr_of(&mut n32),
+                ptr_of(&mut c32),
+                ptr_of(&mut hw32),
+            ],
+        );
+    }
+
+    fn global_avg_pool_backward(
+        &self,
+        (n, c, hw): (usize, usize, usize),
+        dy: DevView<'_>,
+        dx: DevViewMut<'_>,
+    ) {
+        let (mut dyp, mut dxp, mut b) = (dy.ptr, dx.ptr, bf(dx.dtype));
+        let (mut n32, mut c32, mut hw32) = (n as i32, c as i32, hw as i32);
+        self.launch(
+            "global_avg_pool_backward",
+            n * c * hw,
+            &mut [
+                ptr_of(&mut dyp),
+                ptr_of(&mut dxp),
+                ptr_of(&mut b),
+                ptr_of(&mut n32),
+                ptr_of(&mut c32),
+                ptr_of(&mut hw32),
+            ],
+        );
+    }
+
+    fn broadcast_rows(&self, bias: DevView<'_>, y: DevViewMut<'_>) {
+        let (mut bp, mut yp, mut cols, mut n) = (bias.ptr, y.ptr, bias.len as i32, y.len as i64);
+        self.launch(
+            "broadcast_rows",
+            y.len,
+            &mut [
+                ptr_of(&mut bp),
+                ptr_of(&mut yp),
+                ptr_of(&mut cols),
+                ptr_of(&mut n),
+            ],
+        );
+    }
+
+    fn sum_rows(&self, x: DevView<'_>, sums: DevViewMut<'_>) {
+        let (mut xp, mut sp) = (x.ptr, sums.ptr);
+        let (mut rows, mut cols) = ((x.len / sums.len) as i32, sums.len as i32);
+        self.launch(
+            "sum_rows",
+            sums.len,
+            &mut [
+                ptr_of(&mut xp),
+                ptr_of(&mut sp),
+                ptr_of(&mut rows),
+                ptr_of(&mut cols),
+            ],
+        );
+    }
+
+    fn add_assign(&self, a: DevViewMut<'_>, b: DevView<'_>) {
+        assert_eq!(a.len, b.len, "add_assign lengths differ");
+        let (mut ap, mut bp, mut t, mut n) = (a.ptr, b.ptr, bf(a.dtype), a.len as i64);
+        self.launch(
+            "add_assign",
+            a.len,
+            &mut [
+                ptr_of(&mut ap),
+                ptr_of(&mut bp),
+                ptr_of(&mut t),
+                ptr_of(&mut n),
+            ],
+        );
+    }
+
+    fn sgd_update(
+        &self,
+        w: DevViewMut<'_>,
+        g: DevView<'_>,
+        v: DevViewMut<'_>,
+        lr: f32,
+        momentum: f32,
+        weight_decay: f32,
+    ) {
+        let (mut wp, mut gp, mut vp) = (w.ptr, g.ptr, v.ptr);
+        let (mut lr, mut m, mut wd, mut n) = (lr, momentum, weight_decay, w.len as i64);
+        self.launch(
+            "sgd_update",
+            w.len,
+            &mut [
+                ptr_of(&mut wp),
+                ptr_of(&mut gp),
+                ptr_of(&mut vp),
+                ptr_of(&mut lr),
+                ptr_of(&mut m),
+                ptr_of(&mut wd),
+                ptr_of(&mut n),
+            ],
+        );
+    }
+}
+
+impl CudaBackend {
+    fn convert(&self, x: CUdeviceptr, xt: DType, y: CUdeviceptr, yt: DType, len: usize) {
+        let (mut xp, mut xbf, mut yp, mut ybf, mut n) = (x, bf(xt), y, bf(yt), len as i64);
+        self.launch(
+            "convert",
+            len,
+            &mut [
+                ptr_of(&mut xp),
+                ptr_of(&mut xbf),
+                ptr_of(&mut yp),
+                ptr_of(&mut ybf),
+                ptr_of(&mut n),
+            ],
+        );
+    }
+
+    fn weights_to_working(
+        &self,
+        s: &ConvShape,
+        master: CUdeviceptr,
+        out: CUdeviceptr,
+        dtype: DType,
+    ) {
+        let (mut w, mut o, mut obf) = (master, out, bf(dtype));
+        let (mut k, mut c, mut rs) = (
+            s.out_channels as i32,
+            s.c as i32,
+            (s.kernel * s.kernel) as i32,
+        );
+        self.launch(
+            "kcrs_to_krsc",
+            s.out_channels * s.c * s.kernel * s.kernel,
+            &mut [
+                ptr_of(&mut w),
+                ptr_of(&mut o),
+                ptr_of(&mut obf),
+                ptr_of(&mut k),
+                ptr_of(&mut c),
+                ptr_of(&mut rs),
+            ],
+        );
+    }
+}
+
+/// The pool kernels' shape arguments, in their order: n, c, h, w, oh, ow, k, stride, pad.
+fn pool_dims(s: &PoolShape, oh: usize, ow: usize) -> [i32; 9] {
+    [
+        (s.planes / s.channels) as i32,
+        s.channels as i32,
+        s.h as i32,
+        s.w as i32,
+        oh as i32,
+        ow as i32,
+        s.kernel as i32,
+        s.stride as i32,
+        s.padding as i32,
+    ]
+}

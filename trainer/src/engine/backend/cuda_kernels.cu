@@ -1,0 +1,205 @@
+// The CUDA backend's own kernels, compiled once at start by NVRTC (no toolkit headers:
+// bf16 is handled as its 16 bits, so no include path is needed).
+//
+// Every kernel is a flat grid-stride loop over its outputs. `bf` flags say whether a
+// buffer holds bf16 (1) or f32 (0); 4-D activations are NHWC, conv weights on the device
+// KRSC (`[out][kh][kw][in]`), the f32 masters KCRS as PyTorch has them.
+
+typedef unsigned short bf16_t;
+
+__device__ __forceinline__ float bf2f(bf16_t h) {
+    return __uint_as_float(((unsigned int)h) << 16);
+}
+
+// Round to nearest even; NaN stays a (quiet) NaN.
+__device__ __forceinline__ bf16_t f2bf(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)0x7fc0u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+__device__ __forceinline__ float ld(const void* p, long long i, int bf) {
+    return bf ? bf2f(((const bf16_t*)p)[i]) : ((const float*)p)[i];
+}
+
+__device__ __forceinline__ void st(void* p, long long i, int bf, float v) {
+    if (bf) ((bf16_t*)p)[i] = f2bf(v); else ((float*)p)[i] = v;
+}
+
+#define FOR_EACH(i, n) \
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (n); \
+         i += (long long)blockDim.x * gridDim.x)
+
+// y (any type) = x (any type), same layout.
+extern "C" __global__ void convert(const void* x, int xbf, void* y, int ybf, long long n) {
+    FOR_EACH(i, n) st(y, i, ybf, ld(x, i, xbf));
+}
+
+// NCHW f32 (host order) -> NHWC of y's type.
+extern "C" __global__ void nchw_to_nhwc(const float* x, void* y, int ybf,
+                                        int n, int c, int hw) {
+    long long total = (long long)n * c * hw;
+    FOR_EACH(i, total) {
+        int ch = (int)(i % c);
+        long long rest = i / c;
+        int p = (int)(rest % hw);
+        long long img = rest / hw;
+        st(y, i, ybf, x[(img * c + ch) * hw + p]);
+    }
+}
+
+// NHWC of x's type -> NCHW f32.
+extern "C" __global__ void nhwc_to_nchw(const void* x, int xbf, float* y,
+                                        int n, int c, int hw) {
+    long long total = (long long)n * c * hw;
+    FOR_EACH(i, total) {
+        int p = (int)(i % hw);
+        long long rest = i / hw;
+        int ch = (int)(rest % c);
+        long long img = rest / c;
+        y[i] = ld(x, (img * hw + p) * c + ch, xbf);
+    }
+}
+
+// f32 KCRS master -> KRSC working copy of the activations' type.
+extern "C" __global__ void kcrs_to_krsc(const float* w, void* out, int obf,
+                                        int k, int c, int rs) {
+    long long total = (long long)k * c * rs;
+    FOR_EACH(i, total) {
+        int ch = (int)(i % c);
+        long long rest = i / c;
+        int p = (int)(rest % rs);
+        long long kk = rest / rs;
+        st(out, i, obf, w[(kk * c + ch) * rs + p]);
+    }
+}
+
+// f32 KCRS gradient += KRSC weight gradient of the activations' type.
+extern "C" __global__ void krsc_add_to_kcrs(const void* dw, int dbf, float* grad,
+                                            int k, int c, int rs) {
+    long long total = (long long)k * c * rs;
+    FOR_EACH(i, total) {
+        int p = (int)(i % rs);
+        long long rest = i / rs;
+        int ch = (int)(rest % c);
+        long long kk = rest / c;
+        grad[i] += ld(dw, (kk * rs + p) * c + ch, dbf);
+    }
+}
+
+extern "C" __global__ void relu_forward(const void* x, void* y, int bf, long long n) {
+    FOR_EACH(i, n) st(y, i, bf, fmaxf(ld(x, i, bf), 0.0f));
+}
+
+extern "C" __global__ void relu_backward(const void* y, const void* dy, void* dx, int bf,
+                                         long long n) {
+    FOR_EACH(i, n) st(dx, i, bf, ld(y, i, bf) > 0.0f ? ld(dy, i, bf) : 0.0f);
+}
+
+extern "C" __global__ void add_assign(void* a, const void* b, int bf, long long n) {
+    FOR_EACH(i, n) st(a, i, bf, ld(a, i, bf) + ld(b, i, bf));
+}
+
+// Max pool over NHWC; `argmax` gets the winner's index within its (h, w) plane.
+extern "C" __global__ void max_pool_forward(const void* x, void* y, int* argmax, int bf,
+                                            int n, int c, int h, int w, int oh, int ow,
+                                            int k, int stride, int pad) {
+    long long total = (long long)n * oh * ow * c;
+    FOR_EACH(i, total) {
+        int ch = (int)(i % c);
+        long long rest = i / c;
+        int ox = (int)(rest % ow); rest /= ow;
+        int oy = (int)(rest % oh);
+        long long img = rest / oh;
+        float best = -__int_as_float(0x7f800000);
+        int best_i = 0;
+        for (int ky = 0; ky < k; ++ky) {
+            int iy = oy * stride + ky - pad;
+            if (iy < 0 || iy >= h) continue;
+            for (int kx = 0; kx < k; ++kx) {
+                int ix = ox * stride + kx - pad;
+                if (ix < 0 || ix >= w) continue;
+                float v = ld(x, ((img * h + iy) * w + ix) * c + ch, bf);
+                if (v > best) { best = v; best_i = iy * w + ix; }
+            }
+        }
+        st(y, i, bf, best);
+        argmax[i] = best_i;
+    }
+}
+
+// Gathers, per input element, the gradients of the outputs it won (no atomics).
+extern "C" __global__ void max_pool_backward(const int* argmax, const void* dy, void* dx,
+                                             int bf, int n, int c, int h, int w, int oh,
+                                             int ow, int k, int stride, int pad) {
+    long long total = (long long)n * h * w * c;
+    FOR_EACH(i, total) {
+        int ch = (int)(i % c);
+        long long rest = i / c;
+        int ix = (int)(rest % w); rest /= w;
+        int iy = (int)(rest % h);
+        long long img = rest / h;
+        int me = iy * w + ix;
+        float sum = 0.0f;
+        // Outputs whose window holds (iy, ix): oy*stride - pad <= iy < oy*stride - pad + k.
+        int oy_lo = max(0, (iy + pad - k + stride) / stride);
+        int oy_hi = min(oh - 1, (iy + pad) / stride);
+        int ox_lo = max(0, (ix + pad - k + stride) / stride);
+        int ox_hi = min(ow - 1, (ix + pad) / stride);
+        for (int oy = oy_lo; oy <= oy_hi; ++oy) {
+            for (int ox = ox_lo; ox <= ox_hi; ++ox) {
+                long long o = ((img * oh + oy) * ow + ox) * c + ch;
+                if (argmax[o] == me) sum += ld(dy, o, bf);
+            }
+        }
+        st(dx, i, bf, sum);
+    }
+}
+
+// y[n, c] (f32) = mean over the plane of NHWC x.
+extern "C" __global__ void global_avg_pool_forward(const void* x, int bf, float* y,
+                                                   int n, int c, int hw) {
+    long long total = (long long)n * c;
+    FOR_EACH(i, total) {
+        int ch = (int)(i % c);
+        long long img = i / c;
+        float sum = 0.0f;
+        for (int p = 0; p < hw; ++p) sum += ld(x, (img * hw + p) * c + ch, bf);
+        y[i] = sum / (float)hw;
+    }
+}
+
+extern "C" __global__ void global_avg_pool_backward(const float* dy, void* dx, int bf,
+                                                    int n, int c, int hw) {
+    long long total = (long long)n * hw * c;
+    FOR_EACH(i, total) {
+        int ch = (int)(i % c);
+        long long img = i / ((long long)hw * c);
+        st(dx, i, bf, dy[img * c + ch] / (float)hw);
+    }
+}
+
+extern "C" __global__ void broadcast_rows(const float* bias, float* y, int cols,
+                                          long long n) {
+    FOR_EACH(i, n) y[i] = bias[i % cols];
+}
+
+// sums[j] += sum over rows of x[r, j]; one thread per column.
+extern "C" __global__ void sum_rows(const float* x, float* sums, int rows, int cols) {
+    FOR_EACH(j, cols) {
+        float s = 0.0f;
+        for (int r = 0; r < rows; ++r) s += x[(long long)r * cols + j];
+        sums[j] += s;
+    }
+}
+
+// PyTorch's SGD: v = momentum v + (g + wd w); w -= lr v.
+extern "C" __global__ void sgd_update(float* w, const float* g, float* v, float lr,
+                                      float momentum, float wd, long long n) {
+    FOR_EACH(i, n) {
+        float vi = momentum * v[i] + g[i] + wd * w[i];
+        v[i] = vi;
+        w[i] -= lr * vi;
+    }
+}

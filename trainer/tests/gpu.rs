@@ -1,0 +1,541 @@
+//! The CUDA backend against the CPU reference, on a real GPU. Built only with the
+//! `gpu-tests` feature (`make test-gpu`, or `trainer/gpu/run.sh tests` on a GPU machine with
+//! the binary built elsewhere), never by `make test`: every test here needs a GPU, cuDNN,
+//! cuBLAS and NVRTC, and fails — never skips — without them.
+//!
+//! Tolerances: f32 on the GPU is true f32 (no TF32), so results agree with the CPU to
+//! rounding (relative 1e-4 of the largest value); bf16 keeps 8 bits of mantissa, so its
+//! results agree to 2 % of the largest value for one operation.
+#![cfg(feature = "gpu-tests")]
+
+use ringmaster_trainer::collective::{self, CollectiveKind, ReduceOp, RingConfig};
+use ringmaster_trainer::engine::backend::{
+    BatchNormConfig, ConvShape, CudaBackend, Matrix, PoolShape,
+};
+use ringmaster_trainer::engine::data::{LearnableData, SyntheticData};
+use ringmaster_trainer::engine::tensor::{DType, Tensor};
+use ringmaster_trainer::engine::{Arch, Backend, CpuBackend, Model, Sgd};
+use ringmaster_trainer::world::World;
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+const F32_TOL: f32 = 1e-4;
+const BF16_TOL: f32 = 2e-2;
+
+fn gpu() -> CudaBackend {
+    // 2 GiB of arena is plenty for these shapes and leaves room beside other processes.
+    CudaBackend::new(0, Some(2 << 30)).expect("the CUDA backend starts on GPU 0")
+}
+
+/// Normal samples rounded to bf16, so the CPU in f32 and the GPU in bf16 start from the same
+/// values (and a max pool's winners are the same on both).
+fn random(len: usize, seed: u64) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut v = Tensor::randn(&[len], 1.0, &mut rng).data;
+    v.iter_mut().for_each(|x| *x = bf16_exact(*x));
+    v
+}
+
+/// The nearest bf16 value (round to nearest even), as an f32.
+fn bf16_exact(x: f32) -> f32 {
+    let u = x.to_bits();
+    f32::from_bits((u + 0x7fff + ((u >> 16) & 1)) & 0xffff_0000)
+}
+
+/// Largest difference relative to the largest magnitude of `want`.
+fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let scale = want.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+    let (i, worst) = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs())
+        .enumerate()
+        .fold((0, 0.0f32), |b, (i, d)| if d > b.1 { (i, d) } else { b });
+    assert!(
+        worst <= tol * scale && got.iter().all(|x| x.is_finite()),
+        "{what}: element {i} is {} where the CPU has {} (difference {worst}, tolerance {} × {scale})",
+        got[i],
+        want[i],
+        tol
+    );
+}
+
+fn tol(dtype: DType) -> f32 {
+    match dtype {
+        DType::F32 => F32_TOL,
+        DType::Bf16 => BF16_TOL,
+    }
+}
+
+/// Runs one convolution forward and backward on `be`; returns (y, dx, dweight) on the host.
+fn conv_on<B: Backend>(
+    be: &B,
+    dtype: DType,
+    s: &ConvShape,
+    x: &[f32],
+    w: &[f32],
+    dy: &[f32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (oh, ow) = s.output_size();
+    let xs = [s.n, s.c, s.h, s.w];
+    let ys = [s.n, s.out_channels, oh, ow];
+    let xt = Tensor::upload(be, &Tensor::from_vec(&xs, x.to_vec()), dtype);
+    let wt = be.upload(w, &[w.len()], DType::F32);
+    let dyt = Tensor::upload(be, &Tensor::from_vec(&ys, dy.to_vec()), dtype);
+    let mut y = Tensor::<B>::alloc(be, &ys, dtype);
+    let mut dx = Tensor::<B>::alloc(be, &xs, dtype);
+    // Accumulation: dweight starts at 1 and must end at 1 + the gradient.
+    let mut dw = be.upload(&vec![1.0; w.len()], &[w.len()], DType::F32);
+    let saved = be.conv2d_forward(s, xt.view(be), be.view(&wt, 0..w.len()), y.view_mut(be));
+    be.conv2d_backward(
+        s,
+        &saved,
+        xt.view(be),
+        be.view(&wt, 0..w.len()),
+        dyt.view(be),
+        dx.view_mut(be),
+        be.view_mut(&mut dw, 0..w.len()),
+    );
+    (
+        y.download(be).data,
+        dx.download(be).data,
+        be.download(&dw, &[w.len()]),
+    )
+}
+
+#[test]
+fn convolutions_match_the_cpu_forward_and_both_backward_halves() {
+    let be = gpu();
+    let shapes = [
+        (3, 1, 1, 9),  // 3x3, stride 1 (the basic block)
+        (3, 2, 1, 9),  // 3x3, stride 2 (the first block of a stage)
+        (1, 1, 0, 8),  // 1x1 (the bottleneck)
+        (1, 2, 0, 8),  // 1x1 stride 2 (the projection shortcut)
+        (7, 2, 3, 16), // the ImageNet stem
+    ];
+    for dtype in [DType::F32, DType::Bf16] {
+        for (i, &(kernel, stride, padding, size)) in shapes.iter().enumerate() {
+            let s = ConvShape {
+                n: 2,
+                c: if kernel == 7 { 3 } else { 8 },
+                h: size,
+                w: size,
+                out_channels: 16,
+                kernel,
+                stride,
+                padding,
+            };
+            let x = random(s.n * s.c * s.h * s.w, 1 + i as u64);
+            let w = random(s.out_channels * s.c * kernel * kernel, 11 + i as u64);
+            let dy = random(s.output_len(), 21 + i as u64);
+            let want = conv_on(&CpuBackend, DType::F32, &s, &x, &w, &dy);
+            let got = conv_on(&be, dtype, &s, &x, &w, &dy);
+            let what = format!("{dtype:?} conv {kernel}x{kernel}/{stride}");
+            assert_close(&format!("{what} forward"), &got.0, &want.0, tol(dtype));
+            assert_close(
+                &format!("{what} backward data"),
+                &got.1,
+                &want.1,
+                tol(dtype),
+            );
+            assert_close(
+                &format!("{what} backward filter"),
+                &got.2,
+                &want.2,
+                tol(dtype),
+            );
+        }
+    }
+}
+
+/// Batch norm training forward, backward and the running statistics, then inference.
+fn batch_norm_on<B: Backend>(be: &B, dtype: DType, dims: (usize, usize, usize)) -> Vec<Vec<f32>> {
+    let (n, c, hw) = dims;
+    let shape = [n, c, hw, 1];
+    let len = n * c * hw;
+    let config = BatchNormConfig {
+        momentum: 0.1,
+        eps: 1e-5,
+    };
+    // Shifted and scaled so the statistics are not the trivial ones.
+    let x: Vec<f32> = random(len, 3)
+        .iter()
+        .map(|v| bf16_exact(3.0 * v + 0.5))
+        .collect();
+    let xt = Tensor::upload(be, &Tensor::from_vec(&shape, x), dtype);
+    let dyt = Tensor::upload(be, &Tensor::from_vec(&shape, random(len, 4)), dtype);
+    let gamma = be.upload(&random(c, 5), &[c], DType::F32);
+    let beta = be.upload(&random(c, 6), &[c], DType::F32);
+    let mut stats = be.upload(&[vec![0.0; c], vec![1.0; c]].concat(), &[2 * c], DType::F32);
+    let mut grads = be.upload(&vec![0.5; 2 * c], &[2 * c], DType::F32);
+    let mut y = Tensor::<B>::alloc(be, &shape, dtype);
+    let mut dx = Tensor::<B>::alloc(be, &shape, dtype);
+    let (mean, var) = be.view_mut_pair(&mut stats, 0..c, c..2 * c);
+    let saved = be.batch_norm_forward_training(
+        dims,
+        config,
+        xt.view(be),
+        be.view(&gamma, 0..c),
+        be.view(&beta, 0..c),
+        mean,
+        var,
+        y.view_mut(be),
+    );
+    let (dgamma, dbeta) = be.view_mut_pair(&mut grads, 0..c, c..2 * c);
+    be.batch_norm_backward(
+        dims,
+        config,
+        &saved,
+        be.view(&gamma, 0..c),
+        dyt.view(be),
+        dx.view_mut(be),
+        dgamma,
+        dbeta,
+    );
+    let mut inference = Tensor::<B>::alloc(be, &shape, dtype);
+    be.batch_norm_forward_inference(
+        dims,
+        config,
+        xt.view(be),
+        be.view(&gamma, 0..c),
+        be.view(&beta, 0..c),
+        be.view(&stats, 0..c),
+        be.view(&stats, c..2 * c),
+        inference.view_mut(be),
+    );
+    vec![
+        y.download(be).data,
+        dx.download(be).data,
+        be.download(&grads, &[2 * c]),
+        be.download(&stats, &[2 * c]),
+        inference.download(be).data,
+    ]
+}
+
+#[test]
+fn batch_norm_matches_the_cpu_in_training_backward_and_inference() {
+    let be = gpu();
+    let parts = [
+        "forward",
+        "backward",
+        "gamma/beta gradients",
+        "running statistics",
+        "inference",
+    ];
+    for dtype in [DType::F32, DType::Bf16] {
+        let dims = (4, 16, 25);
+        let want = batch_norm_on(&CpuBackend, DType::F32, dims);
+        let got = batch_norm_on(&be, dtype, dims);
+        for ((g, w), part) in got.iter().zip(&want).zip(parts) {
+            assert_close(&format!("{dtype:?} batch norm {part}"), g, w, tol(dtype));
+        }
+    }
+}
+
+/// ReLU, max pool, average pool and the residual add, forward and backward.
+fn elementwise_on<B: Backend>(be: &B, dtype: DType) -> Vec<Vec<f32>> {
+    let shape = [2, 8, 9, 9];
+    let len = shape.iter().product();
+    let x = Tensor::upload(be, &Tensor::from_vec(&shape, random(len, 7)), dtype);
+    let dy = Tensor::upload(be, &Tensor::from_vec(&shape, random(len, 8)), dtype);
+    let mut out = Vec::new();
+
+    let mut y = Tensor::<B>::alloc(be, &shape, dtype);
+    be.relu_forward(x.view(be), y.view_mut(be));
+    let mut dx = Tensor::<B>::alloc(be, &shape, dtype);
+    be.relu_backward(y.view(be), dy.view(be), dx.view_mut(be));
+    out.push(y.download(be).data);
+    out.push(dx.download(be).data);
+
+    let pool = PoolShape {
+        planes: 16,
+        channels: 8,
+        h: 9,
+        w: 9,
+        kernel: 3,
+        stride: 2,
+        padding: 1,
+    };
+    let (oh, ow) = pool.output_size();
+    let pooled_shape = [2, 8, oh, ow];
+    let mut pooled = Tensor::<B>::alloc(be, &pooled_shape, dtype);
+    let saved = be.max_pool_forward(&pool, x.view(be), pooled.view_mut(be));
+    let dpooled = Tensor::upload(
+        be,
+        &Tensor::from_vec(&pooled_shape, random(2 * 8 * oh * ow, 9)),
+        dtype,
+    );
+    let mut dpool_in = Tensor::<B>::alloc(be, &shape, dtype);
+    be.max_pool_backward(&pool, &saved, dpooled.view(be), dpool_in.view_mut(be));
+    out.push(pooled.download(be).data);
+    out.push(dpool_in.download(be).data);
+
+    let mut avg = Tensor::<B>::alloc(be, &[2, 8], DType::F32);
+    be.global_avg_pool_forward((2, 8, 81), x.view(be), avg.view_mut(be));
+    let davg = Tensor::upload(be, &Tensor::from_vec(&[2, 8], random(16, 10)), DType::F32);
+    let mut davg_in = Tensor::<B>::alloc(be, &shape, dtype);
+    be.global_avg_pool_backward((2, 8, 81), davg.view(be), davg_in.view_mut(be));
+    out.push(avg.download(be).data);
+    out.push(davg_in.download(be).data);
+
+    let mut sum = Tensor::upload(be, &x.download(be), dtype);
+    be.add_assign(sum.view_mut(be), dy.view(be));
+    out.push(sum.download(be).data);
+    out
+}
+
+#[test]
+fn activation_pooling_and_add_match_the_cpu() {
+    let be = gpu();
+    let parts = [
+        "relu",
+        "relu backward",
+        "max pool",
+        "max pool backward",
+        "average pool",
+        "average pool backward",
+        "add",
+    ];
+    for dtype in [DType::F32, DType::Bf16] {
+        let want = elementwise_on(&CpuBackend, DType::F32);
+        let got = elementwise_on(&be, dtype);
+        for ((g, w), part) in got.iter().zip(&want).zip(parts) {
+            assert_close(&format!("{dtype:?} {part}"), g, w, tol(dtype));
+        }
+    }
+}
+
+/// The classifier's GEMMs in their three stride patterns, bias broadcast and sums, and SGD.
+fn dense_on<B: Backend>(be: &B) -> Vec<Vec<f32>> {
+    let (m, k, n) = (5, 7, 3);
+    let a = be.upload(&random(m * k, 12), &[m * k], DType::F32);
+    let b = be.upload(&random(k * n, 13), &[k * n], DType::F32);
+    let bt = be.upload(&random(n * k, 14), &[n * k], DType::F32);
+    let at = be.upload(&random(k * m, 15), &[k * m], DType::F32);
+    let mut out = Vec::new();
+    for (i, (ma, mb)) in [
+        (
+            Matrix::rows(be.view(&a, 0..m * k), k),
+            Matrix::rows(be.view(&b, 0..k * n), n),
+        ),
+        (
+            Matrix::rows(be.view(&a, 0..m * k), k),
+            Matrix::transposed(be.view(&bt, 0..n * k), k),
+        ),
+        (
+            Matrix::transposed(be.view(&at, 0..k * m), m),
+            Matrix::rows(be.view(&b, 0..k * n), n),
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        // beta = 1 on a non-zero C checks accumulation.
+        let mut c = be.upload(&vec![i as f32; m * n], &[m * n], DType::F32);
+        be.gemm(m, k, n, ma, mb, 1.0, be.view_mut(&mut c, 0..m * n));
+        out.push(be.download(&c, &[m * n]));
+    }
+    let bias = be.upload(&random(n, 16), &[n], DType::F32);
+    let mut rows = be.zeros(m * n, DType::F32);
+    be.broadcast_rows(be.view(&bias, 0..n), be.view_mut(&mut rows, 0..m * n));
+    out.push(be.download(&rows, &[m * n]));
+    let mut sums = be.upload(&[1.0; 3], &[n], DType::F32);
+    be.sum_rows(be.view(&a, 0..m * n), be.view_mut(&mut sums, 0..n));
+    out.push(be.download(&sums, &[n]));
+    let len = 1000;
+    let mut w = be.upload(&random(len, 17), &[len], DType::F32);
+    let g = be.upload(&random(len, 18), &[len], DType::F32);
+    let mut v = be.upload(&random(len, 19), &[len], DType::F32);
+    be.sgd_update(
+        be.view_mut(&mut w, 0..len),
+        be.view(&g, 0..len),
+        be.view_mut(&mut v, 0..len),
+        0.1,
+        0.9,
+        1e-4,
+    );
+    out.push(be.download(&w, &[len]));
+    out.push(be.download(&v, &[len]));
+    out
+}
+
+#[test]
+fn gemm_bias_sums_and_sgd_match_the_cpu() {
+    let be = gpu();
+    for (i, (g, w)) in dense_on(&be).iter().zip(&dense_on(&CpuBackend)).enumerate() {
+        assert_close(&format!("dense part {i}"), g, w, F32_TOL);
+    }
+}
+
+#[test]
+fn uploads_and_downloads_keep_values_and_layout() {
+    let be = gpu();
+    let host = Tensor::from_vec(&[2, 3, 4, 5], random(120, 20));
+    for dtype in [DType::F32, DType::Bf16] {
+        let back = Tensor::upload(&be, &host, dtype).download(&be);
+        assert_close(
+            &format!("{dtype:?} round trip"),
+            &back.data,
+            &host.data,
+            tol(dtype) / 4.0,
+        );
+    }
+    let mut flat = be.upload(&[1.0, 2.0, 3.0], &[3], DType::F32);
+    be.with_host(&mut flat, |v| v[1] = 20.0);
+    assert_eq!(be.download(&flat, &[3]), [1.0, 20.0, 3.0]);
+}
+
+#[test]
+fn a_cifar_step_on_the_gpu_gives_the_cpu_gradients_in_f32() {
+    let data = SyntheticData::new(10, 16, 8, 3);
+    let (images, labels) = data.batch(&(0..8).collect::<Vec<_>>());
+    let arch = Arch::CifarResNet { depth: 8, width: 8 };
+    let mut cpu = Model::new(arch, 10, 5);
+    let mut gpu_model = Model::with_backend(arch, 10, 5, gpu());
+    let a = cpu.train_step(&images, &labels, 0.1);
+    let b = gpu_model.train_step(&images, &labels, 0.1);
+    assert!(
+        (a.loss - b.loss).abs() <= 1e-4 * a.loss.abs(),
+        "loss {} vs {}",
+        b.loss,
+        a.loss
+    );
+    let be = gpu_model.backend().clone();
+    let host = gpu_model.params().to_host(&be);
+    assert_close("gradients", &host.grads, &cpu.params().grads, 1e-3);
+    assert_close(
+        "running statistics",
+        &host.buffers,
+        &cpu.params().buffers,
+        F32_TOL,
+    );
+}
+
+#[test]
+fn gradients_on_the_gpu_agree_with_finite_differences() {
+    let be = gpu();
+    let data = SyntheticData::new(4, 8, 4, 9);
+    let (images, labels) = data.batch(&[0, 1, 2, 3]);
+    let arch = Arch::CifarResNet { depth: 8, width: 4 };
+    let mut model = Model::with_backend(arch, 4, 2, be.clone());
+    // The training-mode loss (batch statistics) is what `train_step` differentiates.
+    model.train_step(&images, &labels, 0.0);
+    let analytic = model.params().to_host(&be).grads;
+    let entries: Vec<_> = model.params().entries.clone();
+    let eps = 1e-2f32;
+    for entry in entries.iter().step_by(5) {
+        let j = entry.offset;
+        let mut host = model.params().to_host(&be);
+        let orig = host.values[j];
+        host.values[j] = orig + eps;
+        model.params_mut().load_from_host(&be, &host);
+        let plus = model.training_loss(&images, &labels);
+        host.values[j] = orig - eps;
+        model.params_mut().load_from_host(&be, &host);
+        let minus = model.training_loss(&images, &labels);
+        host.values[j] = orig;
+        model.params_mut().load_from_host(&be, &host);
+        let numeric = (plus - minus) / (2.0 * eps);
+        assert!(
+            (numeric - analytic[j]).abs() <= 5e-2 * analytic[j].abs().max(2e-2),
+            "{}: analytic {} vs numeric {numeric}",
+            entry.name,
+            analytic[j]
+        );
+    }
+}
+
+/// The training-mode loss of a batch without touching the gradients' meaning (they are
+/// zeroed and recomputed) — the quantity `train_step`'s gradient differentiates.
+trait TrainingLoss {
+    fn training_loss(&mut self, images: &Tensor, labels: &[usize]) -> f32;
+}
+
+impl<B: Backend> TrainingLoss for Model<B> {
+    fn training_loss(&mut self, images: &Tensor, labels: &[usize]) -> f32 {
+        let be = self.backend().clone();
+        let saved = self.params().to_host(&be);
+        let loss = self.train_step(images, labels, 0.0).loss;
+        // Undo the running-statistics update so every evaluation sees the same model.
+        self.params_mut().load_from_host(&be, &saved);
+        loss
+    }
+}
+
+#[test]
+fn resnet18_trains_the_same_on_the_gpu_and_the_cpu_for_five_steps() {
+    let data = SyntheticData::new(10, 32, 64, 4);
+    let arch = Arch::ResNet18;
+    let mut cpu = Model::new(arch, 10, 8);
+    let be = gpu();
+    let mut gpu_model = Model::with_backend(arch, 10, 8, be.clone());
+    let mut cpu_sgd = Sgd::new(cpu.params(), 0.9, 1e-4);
+    let mut gpu_sgd = Sgd::on(&be, gpu_model.params(), 0.9, 1e-4);
+    for step in 0..5 {
+        let idx: Vec<usize> = (step * 8..step * 8 + 8).collect();
+        let (images, labels) = data.batch(&idx);
+        let a = cpu.train_step(&images, &labels, 0.0);
+        let b = gpu_model.train_step(&images, &labels, 0.0);
+        assert!(
+            (a.loss - b.loss).abs() <= 1e-2 * a.loss.abs(),
+            "step {step}: GPU loss {} vs CPU {}",
+            b.loss,
+            a.loss
+        );
+        cpu_sgd.step(cpu.params_mut(), 0.05);
+        gpu_sgd.step(gpu_model.params_mut(), 0.05);
+    }
+}
+
+#[test]
+fn resnet50_in_bf16_drives_the_loss_down_on_the_learnable_data() {
+    let be = gpu();
+    let data = LearnableData::new(4, 64, 1).with_len(512);
+    let mut model =
+        Model::with_backend(Arch::ResNet50, 4, 1, be.clone()).with_activations(DType::Bf16);
+    let mut sgd = Sgd::on(&be, model.params(), 0.9, 0.0);
+    let mut losses = Vec::new();
+    for step in 0..40 {
+        let idx: Vec<usize> = (0..32).map(|i| (step * 32 + i) % 512).collect();
+        let (images, labels) = data.batch(&idx);
+        losses.push(model.train_step(&images, &labels, 0.0).loss);
+        sgd.step(model.params_mut(), 0.05);
+    }
+    let first: f32 = losses[..5].iter().sum::<f32>() / 5.0;
+    let last: f32 = losses[35..].iter().sum::<f32>() / 5.0;
+    assert!(
+        losses.iter().all(|l| l.is_finite()) && last < 0.5 * first,
+        "losses did not halve: {losses:?}"
+    );
+}
+
+#[test]
+fn nccl_all_reduces_through_the_collective_trait() {
+    // One GPU allows one NCCL rank (NCCL refuses two ranks on one device): the collective
+    // still goes through NCCL's communicator, stream and event wait.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let world = World {
+        rank: 0,
+        size: 1,
+        local_rank: 0,
+        source: "test",
+    };
+    let config = RingConfig {
+        rendezvous: format!("127.0.0.1:{port}"),
+        timeout: std::time::Duration::from_secs(20),
+        chunk_bytes: 4096,
+    };
+    let mut c = collective::connect(&world, CollectiveKind::Nccl, config).expect("NCCL connects");
+    assert_eq!(c.name(), "nccl");
+    let mut data: Vec<f32> = (0..1 << 20).map(|i| i as f32).collect();
+    c.all_reduce(&mut data, ReduceOp::Sum).expect("all-reduce");
+    assert!(data.iter().enumerate().all(|(i, &v)| v == i as f32));
+    c.all_reduce(&mut data, ReduceOp::Average)
+        .expect("all-reduce");
+    assert_eq!(data[12345], 12345.0);
+}
