@@ -99,6 +99,25 @@ bench-stage: azurite ## Benchmark: `ringmaster stage` from Azurite to disk (1,00
 	@$(RINGMASTER_CACHE)/pysdk/bin/python -c 'import azure.storage.blob' 2>/dev/null || $(RINGMASTER_CACHE)/pysdk/bin/pip install -q azure-storage-blob
 	$(RINGMASTER_CACHE)/pysdk/bin/python bench/stage-vs-sdk.py $(CARGO_TARGET_DIR)/release/ringmaster $(RINGMASTER_CACHE)/azurite-$(AZURITE_VERSION)/node_modules/.bin/azurite-blob
 
+.PHONY: gpu-bundle
+gpu-bundle: ## Build the trainer and its GPU tests (release, stripped) into trainer/gpu/.bundle, to carry to a GPU machine
+	$(CARGO) build --release --locked -p ringmaster-trainer
+	$(CARGO) test --release --locked -p ringmaster-trainer --features gpu-tests --test gpu --no-run --message-format=json \
+	  | python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin.readlines()) if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu"][-1])' > $(CARGO_TARGET_DIR)/gpu-tests.path
+	mkdir -p trainer/gpu/.bundle
+	cp $(CARGO_TARGET_DIR)/release/ringmaster-trainer trainer/gpu/.bundle/ringmaster-trainer
+	cp "$$(cat $(CARGO_TARGET_DIR)/gpu-tests.path)" trainer/gpu/.bundle/gpu-tests
+	strip trainer/gpu/.bundle/ringmaster-trainer trainer/gpu/.bundle/gpu-tests
+	ls -l trainer/gpu/.bundle
+
+.PHONY: test-gpu
+test-gpu: gpu-bundle ## GPU tests (needs an NVIDIA GPU with cuDNN, cuBLAS, NVRTC, NCCL): the CUDA engine against the CPU one; never part of `make test`
+	trainer/gpu/run.sh tests
+
+.PHONY: bench-gpu
+bench-gpu: gpu-bundle ## Benchmark on a GPU: ResNet-50 bf16 at 224 px, batch 256 and 128, ours next to PyTorch eager and torch.compile; the image loader on the CPUs
+	trainer/gpu/run.sh bench
+
 .PHONY: bench-trainer
 bench-trainer: ## Benchmark: CPU images/s of ResNet-18 at 64×64 and ResNet-50 at 224×224, batch 32 (release)
 	$(CARGO) build --release --locked -p ringmaster-trainer

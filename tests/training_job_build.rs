@@ -531,3 +531,24 @@ fn a_node_hosts_a_worker_only_with_the_jobs_rdma_resource() {
         "GPUs short"
     );
 }
+
+/// The trainer flags the operator gives the flagship GPU sample are the ones the trainer's
+/// GPU tests train with (`trainer/tests/fixtures/flagship-train-flags.txt`, one per line), so
+/// the GPU run proves what the operator will launch. `RINGMASTER_BLESS=1` rewrites the file.
+#[test]
+fn the_flagship_samples_trainer_flags_are_the_ones_the_gpu_tests_run() {
+    let job = sample("trainingjob-resnet50-nd96asr-v4.yaml", |_| {});
+    let command = build::launcher_command(&job);
+    let flags = train_flags(&command).join("\n") + "\n";
+    let path = fixtures::root().join("trainer/tests/fixtures/flagship-train-flags.txt");
+    if std::env::var_os("RINGMASTER_BLESS").is_some() {
+        std::fs::write(&path, &flags).unwrap();
+    }
+    let fixture = std::fs::read_to_string(&path).unwrap_or_default();
+    assert_eq!(
+        fixture,
+        flags,
+        "{} is stale: run `RINGMASTER_BLESS=1 cargo test --test training_job_build flagship`",
+        path.display()
+    );
+}

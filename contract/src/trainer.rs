@@ -376,7 +376,7 @@ impl TrainArgs {
             refuse(
                 Setting::Device,
                 match self.device {
-                    Device::Cuda => "this release of ringmaster-trainer computes on CPUs only: its CUDA engine (cuDNN, cuBLAS, NCCL) has not landed yet, so GPU jobs cannot run the built-in trainer (use gpusPerWorker: 0, or your own command)".to_string(),
+                    Device::Cuda => "this release of ringmaster-trainer computes on CPUs only: its CUDA engine (cuDNN, cuBLAS, NCCL) is built in but not yet verified on a GPU, so GPU jobs cannot run the built-in trainer (use gpusPerWorker: 0, or your own command)".to_string(),
                     other => format!("this release of ringmaster-trainer cannot compute on {other} (it can on: {})", list(&capabilities.devices)),
                 },
             );
@@ -386,7 +386,7 @@ impl TrainArgs {
                 Setting::Precision,
                 match self.precision {
                     Precision::Bf16 => format!(
-                        "bf16 needs the CUDA engine, which this release of ringmaster-trainer does not have yet; it computes in {}",
+                        "bf16 needs the CUDA engine, which this release of ringmaster-trainer has not yet verified on a GPU; it computes in {}",
                         list(&capabilities.precisions)
                     ),
                     other => format!(

@@ -123,3 +123,66 @@ mod tests {
         assert_eq!(sizes(4096, 65536, 4), vec![4096, 16384, 65536]);
     }
 }
+
+/// One `bench-engine` measurement: training steps on data already on the device.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EngineRow {
+    /// The backend (`cpu`, `cuda`).
+    pub engine: String,
+    /// The network.
+    pub model: String,
+    /// Images per step.
+    pub batch_size: usize,
+    /// Side of the square images.
+    pub image_size: usize,
+    /// Activations' type.
+    pub precision: String,
+    /// Timed steps.
+    pub steps: usize,
+    /// Training throughput (forward, backward, SGD step).
+    pub images_per_second: f64,
+    /// Mean time of one step, milliseconds.
+    pub step_ms: f64,
+    /// Device memory the run used at its peak, where the backend can tell (CUDA: memory in
+    /// use beside the arena's reservation, plus the arena's peak).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_bytes: Option<u64>,
+}
+
+/// Times `steps` SGD steps of `model` on one synthetic batch uploaded once, after `warmup`
+/// untimed steps (algorithm search, first allocations).
+pub fn engine<B: crate::engine::Backend>(
+    model: &mut crate::engine::Model<B>,
+    image_size: usize,
+    batch_size: usize,
+    steps: usize,
+    warmup: usize,
+) -> (f64, f64) {
+    use crate::engine::data::SyntheticData;
+    use crate::engine::tensor::Tensor;
+    let be = model.backend().clone();
+    let data = SyntheticData::new(model.num_classes(), image_size, batch_size, 1);
+    let (images, labels) = data.batch(&(0..batch_size).collect::<Vec<_>>());
+    let images = Tensor::upload(&be, &images, model.activations());
+    let mut sgd = crate::engine::Sgd::on(&be, model.params(), 0.9, 5e-5);
+    let mut step = |model: &mut crate::engine::Model<B>| {
+        model.zero_grads();
+        model.forward_backward_on_device(&images, &labels, 0.0, 1.0);
+        sgd.step(model.params_mut(), 0.01);
+    };
+    for _ in 0..warmup {
+        step(model);
+    }
+    be.synchronize();
+    let started = Instant::now();
+    for _ in 0..steps {
+        step(model);
+    }
+    be.synchronize();
+    let seconds = started.elapsed().as_secs_f64();
+    (
+        (steps * batch_size) as f64 / seconds,
+        seconds * 1000.0 / steps.max(1) as f64,
+    )
+}

@@ -54,6 +54,26 @@ enum Command {
     /// Time all-reduce over a range of sizes; prints size, time, algbw and busbw like
     /// nccl-tests (busbw = algbw × 2(n−1)/n).
     BenchAllreduce(BenchArgs),
+    /// Time training steps of one model on one device, the batch already there (synthetic
+    /// data): images/s and step time as one JSON line. `--device cuda` runs the CUDA engine,
+    /// which is built in but not yet verified on a GPU (`train` refuses it until it is).
+    BenchEngine(EngineArgs),
+    /// Time the ImageNet-folder loader alone (read, decode, crop, normalise) on this
+    /// machine's CPUs: can it feed the GPU? One JSON line.
+    BenchLoader {
+        /// The image folder (`train/<class>/*.jpg`, as `make-dataset` writes).
+        #[arg(long)]
+        data_dir: PathBuf,
+        /// Images per batch.
+        #[arg(long, default_value_t = 256)]
+        batch_size: usize,
+        /// Side of the square crops.
+        #[arg(long, default_value_t = 224)]
+        image_size: usize,
+        /// Batches to time.
+        #[arg(long, default_value_t = 10)]
+        batches: usize,
+    },
     /// Run an MPI launcher command, passing its output through, and write rank 0's JSON
     /// summary to the termination-message file (what the launcher pod runs).
     Launch {
@@ -97,6 +117,31 @@ struct BenchArgs {
     vanish_rank: Option<usize>,
 }
 
+#[derive(clap::Args, Debug)]
+struct EngineArgs {
+    /// Where to compute (`cpu` or `cuda`; GPU 0).
+    #[arg(long, value_enum, default_value_t = train::Device::Cpu)]
+    device: train::Device,
+    /// The network.
+    #[arg(long, value_enum, default_value_t = train::ModelName::Resnet50)]
+    model: train::ModelName,
+    /// Activations' type (bf16 needs `--device cuda`).
+    #[arg(long, value_enum, default_value_t = train::Precision::Fp32)]
+    precision: train::Precision,
+    /// Images per step.
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+    /// Side of the square images.
+    #[arg(long, default_value_t = 224)]
+    image_size: usize,
+    /// Timed steps.
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// Untimed steps first (algorithm search, first allocations).
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+}
+
 /// A failure and the exit code it leaves with ([`exit`]).
 struct Failure {
     code: u8,
@@ -117,6 +162,13 @@ fn main() -> ExitCode {
     let result: Result<(), Failure> = match cli.command {
         Command::Info { json: _ } => info().map_err(Failure::from),
         Command::Train(args) => run_training(&args),
+        Command::BenchEngine(args) => bench_engine(&args).map_err(Failure::from),
+        Command::BenchLoader {
+            data_dir,
+            batch_size,
+            image_size,
+            batches,
+        } => bench_loader(&data_dir, batch_size, image_size, batches).map_err(Failure::from),
         Command::MakeDataset {
             out,
             classes,
@@ -176,7 +228,7 @@ fn run_training(args: &train::TrainArgs) -> Result<(), Failure> {
         })?;
     let world = World::from_env().map_err(|e| Failure::from(e.to_string()))?;
     let mut collective = collective(&world, args.collective)?;
-    let summary = train::run(args, collective.as_mut()).map_err(|e| Failure {
+    let summary = train::run(args, collective.as_mut(), world.local_rank).map_err(|e| Failure {
         code: e.exit_code(),
         message: format!("rank {}: {e}", world.rank),
     })?;
@@ -260,5 +312,91 @@ fn bench_allreduce(args: BenchArgs) -> Result<(), Failure> {
             world.rank
         )));
     }
+    Ok(())
+}
+
+fn bench_engine(args: &EngineArgs) -> Result<(), String> {
+    use ringmaster_trainer::bench::{EngineRow, engine};
+    use ringmaster_trainer::engine::backend::{CpuBackend, CudaBackend};
+    use ringmaster_trainer::engine::tensor::DType;
+    use ringmaster_trainer::engine::{Backend, Model};
+    let dtype = match args.precision {
+        train::Precision::Fp32 => DType::F32,
+        train::Precision::Bf16 => DType::Bf16,
+    };
+    let arch = train::arch_of(args.model, 16);
+    fn measure<B: Backend>(
+        be: B,
+        args: &EngineArgs,
+        arch: ringmaster_trainer::engine::Arch,
+        dtype: DType,
+    ) -> Result<(f64, f64), String> {
+        if !be.supports(dtype) {
+            return Err(format!(
+                "the {} engine does not compute in {dtype:?}",
+                be.name()
+            ));
+        }
+        let mut model = Model::with_backend(arch, 1000, 1, be).with_activations(dtype);
+        Ok(engine(
+            &mut model,
+            args.image_size,
+            args.batch_size,
+            args.steps,
+            args.warmup,
+        ))
+    }
+    let (engine_name, (images_per_second, step_ms), peak_bytes) = match args.device {
+        train::Device::Cuda => {
+            let be = CudaBackend::new(0, None).map_err(|e| e.to_string())?;
+            let figures = measure(be.clone(), args, arch, dtype)?;
+            let (after, arena) = be.memory();
+            let peak = after.saturating_sub(arena) + be.arena_peak();
+            ("cuda", figures, Some(peak as u64))
+        }
+        _ => ("cpu", measure(CpuBackend, args, arch, dtype)?, None),
+    };
+    let row = EngineRow {
+        engine: engine_name.into(),
+        model: ringmaster_contract::trainer::flag_value(args.model),
+        batch_size: args.batch_size,
+        image_size: args.image_size,
+        precision: ringmaster_contract::trainer::flag_value(args.precision),
+        steps: args.steps,
+        images_per_second,
+        step_ms,
+        peak_bytes,
+    };
+    println!("{}", serde_json::to_string(&row).expect("a row serializes"));
+    Ok(())
+}
+
+fn bench_loader(
+    dir: &std::path::Path,
+    batch_size: usize,
+    image_size: usize,
+    batches: usize,
+) -> Result<(), String> {
+    use ringmaster_trainer::engine::image_folder::ImageFolder;
+    let folder = ImageFolder::open(dir, image_size, 0).map_err(|e| e.to_string())?;
+    if folder.is_empty() {
+        return Err(format!("{}: no images", dir.display()));
+    }
+    let started = std::time::Instant::now();
+    for b in 0..batches {
+        let indices: Vec<usize> = (0..batch_size)
+            .map(|i| (b * batch_size + i) % folder.len())
+            .collect();
+        folder.batch(&indices, b).map_err(|e| e.to_string())?;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let line = serde_json::json!({
+        "loader": "imageFolder",
+        "threads": rayon::current_num_threads(),
+        "imageSize": image_size,
+        "images": batches * batch_size,
+        "imagesPerSecond": (batches * batch_size) as f64 / seconds,
+    });
+    println!("{line}");
     Ok(())
 }

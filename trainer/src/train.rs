@@ -15,10 +15,12 @@ pub use ringmaster_contract::trainer::{
 };
 
 use crate::collective::{Collective, CollectiveError, ReduceOp};
+use crate::engine::backend::{CudaBackend, CudaError};
 use crate::engine::checkpoint::{self, CheckpointError};
 use crate::engine::data::{LearnableData, SyntheticData, shard};
 use crate::engine::image_folder::{ImageFolder, ImageFolderError};
-use crate::engine::{Arch, LrKind, LrSchedule, Model, Sgd, Tensor};
+use crate::engine::tensor::DType;
+use crate::engine::{Arch, Backend, CpuBackend, LrKind, LrSchedule, Model, Sgd, Tensor};
 
 /// Errors of a training run.
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +40,14 @@ pub enum TrainError {
     /// Reading images failed.
     #[error(transparent)]
     Images(#[from] ImageFolderError),
+    /// The CUDA engine could not start on this rank's GPU.
+    #[error("the CUDA engine on GPU {ordinal}: {source}")]
+    Cuda {
+        /// The GPU (the local rank).
+        ordinal: usize,
+        #[source]
+        source: CudaError,
+    },
     /// The output folder could not be made.
     #[error("creating {path}: {source}")]
     OutputDir {
@@ -80,37 +90,49 @@ impl Source {
 }
 
 fn arch(args: &TrainArgs) -> Arch {
-    match args.model {
+    arch_of(args.model, args.width)
+}
+
+/// The engine's network for a model name (`width`: the CIFAR ResNets' first stage).
+pub fn arch_of(model: ModelName, width: usize) -> Arch {
+    match model {
         ModelName::Resnet18 => Arch::ResNet18,
         ModelName::Resnet34 => Arch::ResNet34,
         ModelName::Resnet50 => Arch::ResNet50,
         ModelName::Resnet101 => Arch::ResNet101,
         ModelName::Resnet152 => Arch::ResNet152,
-        ModelName::Cifar8 => Arch::CifarResNet {
-            depth: 8,
-            width: args.width,
-        },
-        ModelName::Cifar20 => Arch::CifarResNet {
-            depth: 20,
-            width: args.width,
-        },
+        ModelName::Cifar8 => Arch::CifarResNet { depth: 8, width },
+        ModelName::Cifar20 => Arch::CifarResNet { depth: 20, width },
     }
 }
 
-/// Trains on `collective`'s ranks; returns rank 0's summary.
-pub fn run(args: &TrainArgs, collective: &mut dyn Collective) -> Result<Summary, TrainError> {
+/// Trains on `collective`'s ranks, on GPU `gpu_ordinal` (the local rank) when the device
+/// is CUDA; returns rank 0's summary.
+pub fn run(
+    args: &TrainArgs,
+    collective: &mut dyn Collective,
+    gpu_ordinal: usize,
+) -> Result<Summary, TrainError> {
+    run_with(args, collective, &Capabilities::this_release(), gpu_ordinal)
+}
+
+/// [`run`] for a trainer with `capabilities`: the GPU tests run the CUDA engine through
+/// here before this release advertises it.
+pub fn run_with(
+    args: &TrainArgs,
+    collective: &mut dyn Collective,
+    capabilities: &Capabilities,
+    gpu_ordinal: usize,
+) -> Result<Summary, TrainError> {
     // The operator ran this same check on the TrainingJob; a hand-written command meets it here.
-    let capabilities = Capabilities::this_release();
-    args.check(&capabilities)
+    args.check(capabilities)
         .map_err(TrainError::InvalidSettings)?;
     let (device, reason) =
-        crate::gpu::resolve_device(args.device, &capabilities, crate::gpu::GpuProbe::detect);
-    if device != Device::Cpu {
-        // `check` refuses a device this release cannot compute on; `auto` never picks one.
-        return Err(TrainError::Settings(format!(
-            "--device {device}: not in this build of ringmaster-trainer"
-        )));
-    }
+        crate::gpu::resolve_device(args.device, capabilities, crate::gpu::GpuProbe::detect);
+    let dtype = match args.precision {
+        Precision::Fp32 => DType::F32,
+        Precision::Bf16 => DType::Bf16,
+    };
     if collective.rank() == 0 {
         let line = Line::Device(DeviceChoice {
             requested: args.device,
@@ -121,6 +143,33 @@ pub fn run(args: &TrainArgs, collective: &mut dyn Collective) -> Result<Summary,
             "{}",
             serde_json::to_string(&line).expect("a line serializes")
         );
+    }
+    match device {
+        Device::Cuda => {
+            let be = CudaBackend::new(gpu_ordinal, None).map_err(|source| TrainError::Cuda {
+                ordinal: gpu_ordinal,
+                source,
+            })?;
+            train_on(args, collective, be, dtype)
+        }
+        // `resolve_device` turns `auto` into one of the others.
+        Device::Cpu | Device::Auto => train_on(args, collective, CpuBackend, dtype),
+    }
+}
+
+/// The training loop on backend `be` with activations in `dtype`.
+fn train_on<B: Backend>(
+    args: &TrainArgs,
+    collective: &mut dyn Collective,
+    be: B,
+    dtype: DType,
+) -> Result<Summary, TrainError> {
+    if !be.supports(dtype) {
+        return Err(TrainError::Settings(format!(
+            "the {} engine does not compute in {:?}",
+            be.name(),
+            args.precision
+        )));
     }
     let (rank, world) = (collective.rank(), collective.world_size());
     let (source, classes, dataset_size) = match (&args.data_dir, args.learnable_classes) {
@@ -181,9 +230,13 @@ pub fn run(args: &TrainArgs, collective: &mut dyn Collective) -> Result<Summary,
         },
     };
 
-    let mut model = Model::new(arch(args), classes, args.seed);
-    collective.broadcast(&mut model.params_mut().values, 0)?;
-    let mut sgd = Sgd::new(model.params(), args.momentum, args.weight_decay);
+    let mut model =
+        Model::with_backend(arch(args), classes, args.seed, be.clone()).with_activations(dtype);
+    // The collectives work on host memory (a device backend stages through it).
+    be.with_host(&mut model.params_mut().values, |values| {
+        collective.broadcast(values, 0)
+    })?;
+    let mut sgd = Sgd::on(&be, model.params(), args.momentum, args.weight_decay);
     let started = Instant::now();
     let mut timed_from = None;
     let (mut loss, mut accuracy) = (f32::NAN, 0.0f32);
@@ -228,7 +281,9 @@ pub fn run(args: &TrainArgs, collective: &mut dyn Collective) -> Result<Summary,
                 loss_sum += stats.loss;
                 correct += stats.correct;
             }
-            collective.all_reduce(&mut model.params_mut().grads, ReduceOp::Average)?;
+            be.with_host(&mut model.params_mut().grads, |grads| {
+                collective.all_reduce(grads, ReduceOp::Average)
+            })?;
             let lr = schedule.lr(step);
             sgd.step(model.params_mut(), lr);
             // Loss and accuracy over every rank, for the log.
@@ -279,7 +334,8 @@ pub fn run(args: &TrainArgs, collective: &mut dyn Collective) -> Result<Summary,
             ("steps".to_string(), total_steps.to_string()),
             ("worldSize".to_string(), world.to_string()),
         ]);
-        checkpoint::save(&dir.join("model.safetensors"), model.params(), &metadata)?;
+        let params = model.params().to_host(&be);
+        checkpoint::save(&dir.join("model.safetensors"), &params, &metadata)?;
     }
     Ok(Summary {
         images_per_second,

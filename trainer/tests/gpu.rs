@@ -19,6 +19,9 @@ use ringmaster_trainer::world::World;
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use ringmaster_contract::trainer::{Capabilities, Device, Precision, TrainArgs};
+
+mod common;
 
 const F32_TOL: f32 = 1e-4;
 const BF16_TOL: f32 = 2e-2;
@@ -538,4 +541,52 @@ fn nccl_all_reduces_through_the_collective_trait() {
     c.all_reduce(&mut data, ReduceOp::Average)
         .expect("all-reduce");
     assert_eq!(data[12345], 12345.0);
+}
+
+#[test]
+fn the_flagship_samples_arguments_train_resnet50_on_the_gpu_for_300_steps() {
+    // The operator's flags for the flagship sample (ResNet-50, bf16, batch 256, 224 pixels,
+    // its learning rate), on a 2,560-image folder of the learnable classes.
+    let dir = std::env::temp_dir().join(format!("ringmaster-gpu-flagship-{}", std::process::id()));
+    let data = dir.join("data");
+    let written = ringmaster_trainer::engine::image_folder::write_learnable(&data, 10, 256, 224, 3)
+        .expect("the image folder is written");
+    assert_eq!(written, 2560);
+    let args = TrainArgs::parse_flags(common::flagship_flags(&data, &dir.join("out"), 300))
+        .expect("the flagship flags parse");
+    let with_cuda = Capabilities {
+        devices: vec![Device::Cpu, Device::Cuda],
+        precisions: vec![Precision::Fp32, Precision::Bf16],
+        ..Capabilities::this_release()
+    };
+    let world = World {
+        rank: 0,
+        size: 1,
+        local_rank: 0,
+        source: "test",
+    };
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let config = RingConfig {
+        rendezvous: format!("127.0.0.1:{port}"),
+        timeout: std::time::Duration::from_secs(60),
+        chunk_bytes: 1 << 20,
+    };
+    let mut c = collective::connect(&world, CollectiveKind::Auto, config).expect("a collective");
+    let summary = ringmaster_trainer::train::run_with(&args, c.as_mut(), &with_cuda, 0)
+        .expect("the flagship arguments train on the GPU");
+    println!("flagship on the GPU: {}", summary.to_line());
+    assert_eq!(summary.steps, 300);
+    let loss = summary.final_loss.expect("a finite final loss");
+    assert!(
+        loss < (10f64).ln(),
+        "the loss ({loss}) did not fall below chance (ln 10)"
+    );
+    assert!(
+        dir.join("out/model.safetensors").exists(),
+        "the checkpoint is written"
+    );
+    std::fs::remove_dir_all(&dir).ok();
 }

@@ -193,3 +193,25 @@ fn settings_that_cannot_work_say_why() {
         assert!(stderr.contains(expected), "{stderr}");
     }
 }
+
+/// What the GPU tests train with: the operator's flags for the flagship sample, with local
+/// folders and a step count, are what a trainer with the CUDA engine accepts (and this
+/// release refuses, naming the device and the precision).
+#[test]
+fn the_flagship_flags_the_gpu_tests_use_parse_and_pass_the_check_with_the_cuda_engine() {
+    use ringmaster_contract::trainer::{Capabilities, Device, Precision, TrainArgs};
+    let flags = common::flagship_flags(Path::new("/tmp/data"), Path::new("/tmp/out"), 300);
+    let args = TrainArgs::parse_flags(&flags).expect("the flags parse");
+    assert_eq!(
+        (args.device, args.precision, args.batch_size, args.steps),
+        (Device::Cuda, Precision::Bf16, 256, Some(300))
+    );
+    assert_eq!(args.data_dir.as_deref(), Some(Path::new("/tmp/data")));
+    let with_cuda = Capabilities {
+        devices: vec![Device::Cpu, Device::Cuda],
+        precisions: vec![Precision::Fp32, Precision::Bf16],
+        ..Capabilities::this_release()
+    };
+    assert_eq!(args.check(&with_cuda), Ok(()));
+    assert!(args.check(&Capabilities::this_release()).is_err());
+}

@@ -247,7 +247,21 @@ impl<B: Backend> Model<B> {
         label_smoothing: f32,
         grad_scale: f32,
     ) -> StepStats {
-        let logits = self.forward(images, true);
+        let images = Tensor::upload(&self.backend, images, self.dtype);
+        self.forward_backward_on_device(&images, labels, label_smoothing, grad_scale)
+    }
+
+    /// [`Model::forward_backward`] on images already on the backend, in the activations'
+    /// type (an owned upload: the step's temporaries are recycled at its start).
+    pub fn forward_backward_on_device(
+        &mut self,
+        images: &Tensor<B>,
+        labels: &[usize],
+        label_smoothing: f32,
+        grad_scale: f32,
+    ) -> StepStats {
+        self.backend.begin_step();
+        let logits = self.forward_on_device(images, true).download(&self.backend);
         // The loss runs on the host: the logits are a few kilobytes a step.
         let mut out = softmax_cross_entropy(&logits, labels, label_smoothing);
         out.grad_logits.scale(grad_scale);

@@ -126,3 +126,31 @@ pub fn json_lines(stdout: &[u8]) -> Vec<serde_json::Value> {
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect()
 }
+
+/// The flags the operator gives the flagship GPU sample (`fixtures/flagship-train-flags.txt`,
+/// kept true by the operator's `training_job_build` test), with the data and output folders
+/// moved to `data_dir` and `output_dir` and the run cut to `steps` steps. Later flags win.
+pub fn flagship_flags(
+    data_dir: &std::path::Path,
+    output_dir: &std::path::Path,
+    steps: usize,
+) -> Vec<String> {
+    let fixture = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/flagship-train-flags.txt"),
+    )
+    .expect("the flagship fixture");
+    let mut flags: Vec<String> = fixture
+        .lines()
+        // --steps replaces --epochs: the trainer refuses both at once.
+        .filter(|f| !f.starts_with("--epochs"))
+        .map(String::from)
+        .collect();
+    flags.extend([
+        format!("--data-dir={}", data_dir.display()),
+        format!("--output-dir={}", output_dir.display()),
+        format!("--steps={steps}"),
+        "--log-every=10".to_string(),
+    ]);
+    flags
+}

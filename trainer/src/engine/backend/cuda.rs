@@ -498,12 +498,14 @@ impl CudaBackend {
         arena.peak.max(arena.top)
     }
 
-    /// Waits for the GPU to finish everything queued (for timing).
-    pub fn synchronize(&self) {
-        self.inner
-            .stream
-            .synchronize()
-            .expect("synchronizing the CUDA stream");
+    /// Device memory: (bytes in use on the GPU by every process, the arena's reservation).
+    pub fn memory(&self) -> (usize, usize) {
+        let (free, total) = self
+            .inner
+            .ctx
+            .mem_get_info()
+            .expect("querying the GPU's memory");
+        (total - free, self.inner.arena.borrow().size)
     }
 
     fn stream(&self) -> CUstream {
@@ -887,6 +889,13 @@ impl Backend for CudaBackend {
             .unwrap_or_else(|e| panic!("copying {} values to the GPU: {e}", host.len()));
         self.synchronize();
         r
+    }
+
+    fn synchronize(&self) {
+        self.inner
+            .stream
+            .synchronize()
+            .expect("synchronizing the CUDA stream");
     }
 
     fn begin_step(&self) {

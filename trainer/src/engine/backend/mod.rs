@@ -183,6 +183,9 @@ pub trait Backend: Clone + std::fmt::Debug + 'static {
     /// host-side collectives and checkpoints.
     fn with_host<R>(&self, buf: &mut Self::Buf, f: impl FnOnce(&mut [f32]) -> R) -> R;
 
+    /// Waits until everything queued has run (for timing; the CPU computes synchronously).
+    fn synchronize(&self) {}
+
     /// Marks the start of a training or evaluation step: temporaries of the previous step
     /// are dead from here on (a device backend recycles its arena).
     fn begin_step(&self) {}

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Runs the CUDA engine's tests or benchmark on a GPU machine, from binaries built elsewhere
+# (`make gpu-bundle` puts them in trainer/gpu/.bundle; the lent GPU machines have no Rust).
+#
+#   trainer/gpu/run.sh tests   every test of trainer/tests/gpu.rs, one at a time
+#   trainer/gpu/run.sh bench   ResNet-50 bf16 at 224 px, batch 256 and 128: ours next to
+#                              PyTorch eager and torch.compile; the image-folder loader alone
+#
+# CUDA's libraries are looked for on LD_LIBRARY_PATH, then in the Python environment's
+# nvidia-* wheels (PyTorch's), whose NCCL lacks the unversioned `libnccl.so` cudarc opens:
+# a link to it is made in a temporary folder.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+bundle=${BUNDLE:-$here/.bundle}
+python=${PYTHON:-python3}
+[ -x "$bundle/ringmaster-trainer" ] || { echo "no $bundle/ringmaster-trainer: run 'make gpu-bundle' first" >&2; exit 2; }
+
+libs=$(mktemp -d)
+trap 'rm -rf "$libs"' EXIT
+site=$("$python" -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null || true)
+extra=""
+for dir in "$site"/nvidia/*/lib; do
+  [ -d "$dir" ] && extra="$extra:$dir"
+done
+nccl=$(ls "$site"/nvidia/nccl/lib/libnccl.so.* 2>/dev/null | head -n1 || true)
+[ -n "$nccl" ] && ln -sf "$nccl" "$libs/libnccl.so"
+export LD_LIBRARY_PATH="$libs$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+echo "== $("$bundle/ringmaster-trainer" info | head -c 2000)"
+case "${1:-tests}" in
+  tests)
+    cd "$here/.."   # the tests read fixtures relative to the trainer crate
+    "$bundle/gpu-tests" --test-threads=1 --nocapture
+    ;;
+  bench)
+    for batch in 256 128; do
+      "$bundle/ringmaster-trainer" bench-engine --device cuda --precision bf16 --model resnet50 \
+        --image-size 224 --batch-size "$batch" --steps "${STEPS:-30}" --warmup 5
+    done
+    "$python" "$here/bench_torch.py" --steps "${STEPS:-30}"
+    data=$(mktemp -d)
+    "$bundle/ringmaster-trainer" make-dataset --out "$data" --classes 8 --per-class 128 --image-size 256 >/dev/null
+    "$bundle/ringmaster-trainer" bench-loader --data-dir "$data" --batch-size 256 --batches 8
+    rm -rf "$data"
+    ;;
+  *) echo "usage: $0 tests|bench" >&2; exit 2 ;;
+esac
