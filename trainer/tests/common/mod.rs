@@ -135,15 +135,22 @@ pub fn flagship_flags(
     output_dir: &std::path::Path,
     steps: usize,
 ) -> Vec<String> {
-    let fixture = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/fixtures/flagship-train-flags.txt"),
-    )
-    .expect("the flagship fixture");
+    // Relative first: the GPU tests run from `trainer/` on a machine where the build
+    // machine's path may not exist.
+    let name = "tests/fixtures/flagship-train-flags.txt";
+    let fixture = std::fs::read_to_string(name)
+        .or_else(|_| {
+            std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(name))
+        })
+        .expect("the flagship fixture");
     let mut flags: Vec<String> = fixture
         .lines()
-        // --steps replaces --epochs: the trainer refuses both at once.
-        .filter(|f| !f.starts_with("--epochs"))
+        // The replaced flags go (the trainer refuses a folder twice, and --steps with --epochs).
+        .filter(|f| {
+            !["--epochs", "--data-dir", "--output-dir"]
+                .iter()
+                .any(|r| f.starts_with(r))
+        })
         .map(String::from)
         .collect();
     flags.extend([

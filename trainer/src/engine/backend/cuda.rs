@@ -87,8 +87,13 @@ pub enum CudaError {
         source: cudarc::driver::DriverError,
     },
     /// The kernels did not compile.
-    #[error("NVRTC compiling the backend's kernels: {0}")]
-    Nvrtc(#[source] cudarc::nvrtc::CompileError),
+    #[error("NVRTC compiling the backend's kernels for sm_{arch}: {message}")]
+    Nvrtc {
+        /// The GPU architecture.
+        arch: String,
+        /// NVRTC's error and log.
+        message: String,
+    },
     /// A cuDNN or cuBLAS call failed at start.
     #[error("{call} returned {status}")]
     Library {
@@ -107,6 +112,55 @@ pub enum CudaError {
         /// Free on the device.
         free: usize,
     },
+}
+
+/// The kernels as machine code for this GPU (`sm_XY`): PTX would be compiled again by the
+/// driver, which refuses PTX from an NVRTC newer than itself.
+fn compile_kernels(major: i32, minor: i32) -> Result<Vec<u8>, CudaError> {
+    use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+    let arch = format!("{major}{minor}");
+    let fail = |message: String| CudaError::Nvrtc {
+        arch: arch.clone(),
+        message,
+    };
+    let source = std::ffi::CString::new(KERNELS).expect("the kernels hold no NUL");
+    let name = std::ffi::CString::new("ringmaster_kernels.cu").expect("no NUL");
+    let program = nvrtc::create_program(&source, Some(&name)).map_err(|e| fail(e.to_string()))?;
+    let options = [
+        format!("--gpu-architecture=sm_{arch}"),
+        "-default-device".to_string(),
+    ];
+    // SAFETY: `program` is live until destroyed at the end; the out-pointers are live locals
+    // and the CUBIN buffer has the size NVRTC reported.
+    let result = unsafe {
+        match nvrtc::compile_program(program, &options) {
+            Err(e) => {
+                let log = nvrtc::get_program_log(program)
+                    .map(|log| {
+                        log.iter()
+                            .take_while(|&&c| c != 0)
+                            .map(|&c| c as u8 as char)
+                            .collect::<String>()
+                    })
+                    .unwrap_or_default();
+                Err(fail(format!("{e}: {log}")))
+            }
+            Ok(()) => {
+                let mut size = 0usize;
+                nvrtc_sys::nvrtcGetCUBINSize(program, &mut size);
+                let mut cubin = vec![0u8; size];
+                let status = nvrtc_sys::nvrtcGetCUBIN(program, cubin.as_mut_ptr().cast());
+                if size == 0 || status != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
+                    Err(fail(format!("no CUBIN ({status:?}, {size} bytes)")))
+                } else {
+                    Ok(cubin)
+                }
+            }
+        }
+    };
+    // SAFETY: created above, destroyed once.
+    unsafe { nvrtc::destroy_program(program) }.ok();
+    result
 }
 
 fn driver<T>(
@@ -307,6 +361,42 @@ impl Drop for ConvDesc {
 /// but may overflow on some inputs; it is the first thing to try once this is measured.
 const BN_MODE: cudnn::cudnnBatchNormMode_t = cudnn::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL;
 
+/// A cuDNN algorithm search result.
+trait AlgoPerf {
+    type Algo: Copy;
+    fn succeeded(&self) -> bool;
+    fn algo(&self) -> Self::Algo;
+}
+
+macro_rules! algo_perf {
+    ($($perf:ty => $algo:ty),+) => {$(
+        impl AlgoPerf for $perf {
+            type Algo = $algo;
+            fn succeeded(&self) -> bool {
+                self.status == cudnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS
+            }
+            fn algo(&self) -> $algo {
+                self.algo
+            }
+        }
+    )+};
+}
+
+algo_perf!(
+    cudnn::cudnnConvolutionFwdAlgoPerf_t => cudnn::cudnnConvolutionFwdAlgo_t,
+    cudnn::cudnnConvolutionBwdDataAlgoPerf_t => cudnn::cudnnConvolutionBwdDataAlgo_t,
+    cudnn::cudnnConvolutionBwdFilterAlgoPerf_t => cudnn::cudnnConvolutionBwdFilterAlgo_t
+);
+
+/// The fastest algorithm that ran: cuDNN's `Find` returns its results sorted by time.
+fn fastest<P: AlgoPerf>(results: &[P], direction: &str, s: &ConvShape) -> P::Algo {
+    results
+        .iter()
+        .find(|p| p.succeeded())
+        .unwrap_or_else(|| panic!("no {direction} convolution algorithm for {s:?}"))
+        .algo()
+}
+
 /// A convolution's descriptors and the algorithms found for it.
 struct ConvPlan {
     x: TensorDesc,
@@ -417,16 +507,11 @@ impl CudaBackend {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
         let (major, minor) = driver(|| "compute capability".into(), ctx.compute_capability())?;
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(
-            KERNELS,
-            cudarc::nvrtc::CompileOptions {
-                options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
-                name: Some("ringmaster_kernels.cu".into()),
-                ..Default::default()
-            },
-        )
-        .map_err(CudaError::Nvrtc)?;
-        let module = driver(|| "loading the kernels".into(), ctx.load_module(ptx))?;
+        let cubin = compile_kernels(major, minor)?;
+        let module = driver(
+            || "loading the kernels".into(),
+            ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)),
+        )?;
         let mut kernels = HashMap::new();
         for &name in KERNEL_NAMES {
             let f = driver(|| format!("kernel {name}"), module.load_function(name))?;
@@ -681,11 +766,7 @@ impl CudaBackend {
                 ),
                 "cudnnFindConvolutionForwardAlgorithmEx",
             );
-            let forward = fwd[..count as usize]
-                .iter()
-                .find(|p| p.status == cudnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS)
-                .unwrap_or_else(|| panic!("no forward convolution algorithm for {s:?}"))
-                .algo;
+            let forward = fastest(&fwd[..count as usize], "forward", s);
             let mut bwd: [cudnn::cudnnConvolutionBwdDataAlgoPerf_t; 8] = std::mem::zeroed();
             check_cudnn(
                 cudnn::cudnnFindConvolutionBackwardDataAlgorithmEx(
@@ -705,11 +786,7 @@ impl CudaBackend {
                 ),
                 "cudnnFindConvolutionBackwardDataAlgorithmEx",
             );
-            let backward_data = bwd[..count as usize]
-                .iter()
-                .find(|p| p.status == cudnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS)
-                .unwrap_or_else(|| panic!("no backward-data convolution algorithm for {s:?}"))
-                .algo;
+            let backward_data = fastest(&bwd[..count as usize], "backward-data", s);
             let mut bwf: [cudnn::cudnnConvolutionBwdFilterAlgoPerf_t; 8] = std::mem::zeroed();
             check_cudnn(
                 cudnn::cudnnFindConvolutionBackwardFilterAlgorithmEx(
@@ -729,11 +806,7 @@ impl CudaBackend {
                 ),
                 "cudnnFindConvolutionBackwardFilterAlgorithmEx",
             );
-            let backward_filter = bwf[..count as usize]
-                .iter()
-                .find(|p| p.status == cudnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS)
-                .unwrap_or_else(|| panic!("no backward-filter convolution algorithm for {s:?}"))
-                .algo;
+            let backward_filter = fastest(&bwf[..count as usize], "backward-filter", s);
             (forward, backward_data, backward_filter)
         };
         let plan = Rc::new(ConvPlan {
@@ -777,8 +850,13 @@ impl CudaBackend {
     }
 }
 
-fn ptr_of<T>(value: &mut T) -> *mut c_void {
-    value as *mut T as *mut c_void
+/// Launches NVRTC kernel `$name` over `$n` outputs with the arguments in the kernel's order;
+/// each argument's Rust type must be the C type the kernel declares (`u64` device pointers,
+/// `i32` for `int`, `i64` for `long long`, `f32` for `float`).
+macro_rules! launch {
+    ($be:expr, $name:expr, $n:expr; $($arg:expr),+ $(,)?) => {
+        $be.launch($name, $n, &mut [$(&mut { $arg } as *mut _ as *mut c_void),+])
+    };
 }
 
 impl Backend for CudaBackend {
@@ -814,20 +892,7 @@ impl Backend for CudaBackend {
         let out = match (shape, dtype) {
             ([n, c, h, w], _) => {
                 let out = self.owned(host.len(), dtype);
-                let (mut x, mut y, mut ybf) = (staged.ptr, out.ptr, bf(dtype));
-                let (mut n, mut c, mut hw) = (*n as i32, *c as i32, (h * w) as i32);
-                self.launch(
-                    "nchw_to_nhwc",
-                    host.len(),
-                    &mut [
-                        ptr_of(&mut x),
-                        ptr_of(&mut y),
-                        ptr_of(&mut ybf),
-                        ptr_of(&mut n),
-                        ptr_of(&mut c),
-                        ptr_of(&mut hw),
-                    ],
-                );
+                launch!(self, "nchw_to_nhwc", host.len(); staged.ptr, out.ptr, bf(dtype), *n as i32, *c as i32, (h * w) as i32);
                 out
             }
             (_, DType::F32) => staged.clone(),
@@ -848,20 +913,7 @@ impl Backend for CudaBackend {
         let plain = match shape {
             [n, c, h, w] => {
                 let out = self.owned(len, DType::F32);
-                let (mut x, mut xbf, mut y) = (buf.ptr, bf(buf.dtype), out.ptr);
-                let (mut n, mut c, mut hw) = (*n as i32, *c as i32, (h * w) as i32);
-                self.launch(
-                    "nhwc_to_nchw",
-                    len,
-                    &mut [
-                        ptr_of(&mut x),
-                        ptr_of(&mut xbf),
-                        ptr_of(&mut y),
-                        ptr_of(&mut n),
-                        ptr_of(&mut c),
-                        ptr_of(&mut hw),
-                    ],
-                );
+                launch!(self, "nhwc_to_nchw", len; buf.ptr, bf(buf.dtype), out.ptr, *n as i32, *c as i32, (h * w) as i32);
                 out
             }
             _ if buf.dtype == DType::F32 => buf.clone(),
@@ -970,14 +1022,23 @@ impl Backend for CudaBackend {
         );
         // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ. A row-major operand (column stride 1)
         // read column-major with its row stride as leading dimension is its transpose.
-        let op = |x: &Matrix<DevView<'_>>| {
+        // `rows`, `cols`: the operand's logical shape. cuBLAS wants the leading dimension at
+        // least the stored matrix's row count even where it never steps along it (a single
+        // row or column, when both strides are 1), hence the `max`.
+        let op = |x: &Matrix<DevView<'_>>, rows: usize, cols: usize| {
             if x.col_stride == 1 {
-                (cublas::cublasOperation_t::CUBLAS_OP_N, x.row_stride)
+                (
+                    cublas::cublasOperation_t::CUBLAS_OP_N,
+                    x.row_stride.max(cols),
+                )
             } else {
-                (cublas::cublasOperation_t::CUBLAS_OP_T, x.col_stride)
+                (
+                    cublas::cublasOperation_t::CUBLAS_OP_T,
+                    x.col_stride.max(rows),
+                )
             }
         };
-        let ((op_b, ldb), (op_a, lda)) = (op(&b), op(&a));
+        let ((op_b, ldb), (op_a, lda)) = (op(&b, k, n), op(&a, m, k));
         let alpha = 1.0f32;
         // SAFETY: the views are live device f32 buffers of the sizes m·k, k·n and m·n that
         // the strides describe; alpha and beta are host values (cuBLAS's default mode).
@@ -1142,24 +1203,7 @@ impl Backend for CudaBackend {
             )
         };
         check_cudnn(status, "cudnnConvolutionBackwardFilter");
-        let (mut src, mut sbf, mut dst) = (dw.ptr, bf(dtype), dweight.ptr);
-        let (mut k, mut c, mut rs) = (
-            s.out_channels as i32,
-            s.c as i32,
-            (s.kernel * s.kernel) as i32,
-        );
-        self.launch(
-            "krsc_add_to_kcrs",
-            dweight.len,
-            &mut [
-                ptr_of(&mut src),
-                ptr_of(&mut sbf),
-                ptr_of(&mut dst),
-                ptr_of(&mut k),
-                ptr_of(&mut c),
-                ptr_of(&mut rs),
-            ],
-        );
+        launch!(self, "krsc_add_to_kcrs", dweight.len; dw.ptr, bf(dtype), dweight.ptr, s.out_channels as i32, s.c as i32, (s.kernel * s.kernel) as i32);
     }
 
     fn batch_norm_forward_training(
@@ -1293,49 +1337,20 @@ impl Backend for CudaBackend {
     }
 
     fn relu_forward(&self, x: DevView<'_>, y: DevViewMut<'_>) {
-        let (mut xp, mut yp, mut b, mut n) = (x.ptr, y.ptr, bf(x.dtype), x.len as i64);
-        self.launch(
-            "relu_forward",
-            x.len,
-            &mut [
-                ptr_of(&mut xp),
-                ptr_of(&mut yp),
-                ptr_of(&mut b),
-                ptr_of(&mut n),
-            ],
-        );
+        launch!(self, "relu_forward", x.len; x.ptr, y.ptr, bf(x.dtype), x.len as i64);
     }
 
     fn relu_backward(&self, y: DevView<'_>, dy: DevView<'_>, dx: DevViewMut<'_>) {
-        let (mut yp, mut dyp, mut dxp) = (y.ptr, dy.ptr, dx.ptr);
-        let (mut b, mut n) = (bf(y.dtype), y.len as i64);
-        self.launch(
-            "relu_backward",
-            y.len,
-            &mut [
-                ptr_of(&mut yp),
-                ptr_of(&mut dyp),
-                ptr_of(&mut dxp),
-                ptr_of(&mut b),
-                ptr_of(&mut n),
-            ],
-        );
+        launch!(self, "relu_backward", y.len; y.ptr, dy.ptr, dx.ptr, bf(y.dtype), y.len as i64);
     }
 
     fn max_pool_forward(&self, s: &PoolShape, x: DevView<'_>, y: DevViewMut<'_>) -> CudaPoolSaved {
         // i32 indices: the same 4 bytes an f32 takes.
         let argmax = self.arena_alloc(y.len, DType::F32);
         let (oh, ow) = s.output_size();
-        let (mut xp, mut yp, mut ap, mut b) = (x.ptr, y.ptr, argmax.ptr, bf(x.dtype));
-        let mut dims = pool_dims(s, oh, ow);
-        let mut args = vec![
-            ptr_of(&mut xp),
-            ptr_of(&mut yp),
-            ptr_of(&mut ap),
-            ptr_of(&mut b),
-        ];
-        args.extend(dims.iter_mut().map(ptr_of));
-        self.launch("max_pool_forward", y.len, &mut args);
+        let [n, c, h, w, oh, ow, k, stride, pad] = pool_dims(s, oh, ow);
+        launch!(self, "max_pool_forward", y.len;
+            x.ptr, y.ptr, argmax.ptr, bf(x.dtype), n, c, h, w, oh, ow, k, stride, pad);
         CudaPoolSaved {
             argmax: DevPtr {
                 ptr: argmax.ptr,
@@ -1353,16 +1368,9 @@ impl Backend for CudaBackend {
         dx: DevViewMut<'_>,
     ) {
         let (oh, ow) = s.output_size();
-        let (mut ap, mut dyp, mut dxp, mut b) = (saved.argmax.ptr, dy.ptr, dx.ptr, bf(dy.dtype));
-        let mut dims = pool_dims(s, oh, ow);
-        let mut args = vec![
-            ptr_of(&mut ap),
-            ptr_of(&mut dyp),
-            ptr_of(&mut dxp),
-            ptr_of(&mut b),
-        ];
-        args.extend(dims.iter_mut().map(ptr_of));
-        self.launch("max_pool_backward", dx.len, &mut args);
+        let [n, c, h, w, oh, ow, k, stride, pad] = pool_dims(s, oh, ow);
+        launch!(self, "max_pool_backward", dx.len;
+            saved.argmax.ptr, dy.ptr, dx.ptr, bf(dy.dtype), n, c, h, w, oh, ow, k, stride, pad);
     }
 
     fn global_avg_pool_forward(
@@ -1372,20 +1380,7 @@ impl Backend for CudaBackend {
         y: DevViewMut<'_>,
     ) {
         assert_eq!(y.dtype, DType::F32, "the average pool's output is f32");
-        let (mut xp, mut b, mut yp) = (x.ptr, bf(x.dtype), y.ptr);
-        let (mut n32, mut c32, mut hw32) = (n as i32, c as i32, hw as i32);
-        self.launch(
-            "global_avg_pool_forward",
-            n * c,
-            &mut [
-                ptr_of(&mut xp),
-                ptr_of(&mut b),
-                ptr_of(&mut yp),
-                ptr_of(&mut n32),
-                ptr_of(&mut c32),
-                ptr_of(&mut hw32),
-            ],
-        );
+        launch!(self, "global_avg_pool_forward", n * c; x.ptr, bf(x.dtype), y.ptr, n as i32, c as i32, hw as i32);
     }
 
     fn global_avg_pool_backward(
@@ -1394,64 +1389,20 @@ impl Backend for CudaBackend {
         dy: DevView<'_>,
         dx: DevViewMut<'_>,
     ) {
-        let (mut dyp, mut dxp, mut b) = (dy.ptr, dx.ptr, bf(dx.dtype));
-        let (mut n32, mut c32, mut hw32) = (n as i32, c as i32, hw as i32);
-        self.launch(
-            "global_avg_pool_backward",
-            n * c * hw,
-            &mut [
-                ptr_of(&mut dyp),
-                ptr_of(&mut dxp),
-                ptr_of(&mut b),
-                ptr_of(&mut n32),
-                ptr_of(&mut c32),
-                ptr_of(&mut hw32),
-            ],
-        );
+        launch!(self, "global_avg_pool_backward", n * c * hw; dy.ptr, dx.ptr, bf(dx.dtype), n as i32, c as i32, hw as i32);
     }
 
     fn broadcast_rows(&self, bias: DevView<'_>, y: DevViewMut<'_>) {
-        let (mut bp, mut yp, mut cols, mut n) = (bias.ptr, y.ptr, bias.len as i32, y.len as i64);
-        self.launch(
-            "broadcast_rows",
-            y.len,
-            &mut [
-                ptr_of(&mut bp),
-                ptr_of(&mut yp),
-                ptr_of(&mut cols),
-                ptr_of(&mut n),
-            ],
-        );
+        launch!(self, "broadcast_rows", y.len; bias.ptr, y.ptr, bias.len as i32, y.len as i64);
     }
 
     fn sum_rows(&self, x: DevView<'_>, sums: DevViewMut<'_>) {
-        let (mut xp, mut sp) = (x.ptr, sums.ptr);
-        let (mut rows, mut cols) = ((x.len / sums.len) as i32, sums.len as i32);
-        self.launch(
-            "sum_rows",
-            sums.len,
-            &mut [
-                ptr_of(&mut xp),
-                ptr_of(&mut sp),
-                ptr_of(&mut rows),
-                ptr_of(&mut cols),
-            ],
-        );
+        launch!(self, "sum_rows", sums.len; x.ptr, sums.ptr, (x.len / sums.len) as i32, sums.len as i32);
     }
 
     fn add_assign(&self, a: DevViewMut<'_>, b: DevView<'_>) {
         assert_eq!(a.len, b.len, "add_assign lengths differ");
-        let (mut ap, mut bp, mut t, mut n) = (a.ptr, b.ptr, bf(a.dtype), a.len as i64);
-        self.launch(
-            "add_assign",
-            a.len,
-            &mut [
-                ptr_of(&mut ap),
-                ptr_of(&mut bp),
-                ptr_of(&mut t),
-                ptr_of(&mut n),
-            ],
-        );
+        launch!(self, "add_assign", a.len; a.ptr, b.ptr, bf(a.dtype), a.len as i64);
     }
 
     fn sgd_update(
@@ -1463,38 +1414,13 @@ impl Backend for CudaBackend {
         momentum: f32,
         weight_decay: f32,
     ) {
-        let (mut wp, mut gp, mut vp) = (w.ptr, g.ptr, v.ptr);
-        let (mut lr, mut m, mut wd, mut n) = (lr, momentum, weight_decay, w.len as i64);
-        self.launch(
-            "sgd_update",
-            w.len,
-            &mut [
-                ptr_of(&mut wp),
-                ptr_of(&mut gp),
-                ptr_of(&mut vp),
-                ptr_of(&mut lr),
-                ptr_of(&mut m),
-                ptr_of(&mut wd),
-                ptr_of(&mut n),
-            ],
-        );
+        launch!(self, "sgd_update", w.len; w.ptr, g.ptr, v.ptr, lr, momentum, weight_decay, w.len as i64);
     }
 }
 
 impl CudaBackend {
     fn convert(&self, x: CUdeviceptr, xt: DType, y: CUdeviceptr, yt: DType, len: usize) {
-        let (mut xp, mut xbf, mut yp, mut ybf, mut n) = (x, bf(xt), y, bf(yt), len as i64);
-        self.launch(
-            "convert",
-            len,
-            &mut [
-                ptr_of(&mut xp),
-                ptr_of(&mut xbf),
-                ptr_of(&mut yp),
-                ptr_of(&mut ybf),
-                ptr_of(&mut n),
-            ],
-        );
+        launch!(self, "convert", len; x, bf(xt), y, bf(yt), len as i64);
     }
 
     fn weights_to_working(
@@ -1504,24 +1430,7 @@ impl CudaBackend {
         out: CUdeviceptr,
         dtype: DType,
     ) {
-        let (mut w, mut o, mut obf) = (master, out, bf(dtype));
-        let (mut k, mut c, mut rs) = (
-            s.out_channels as i32,
-            s.c as i32,
-            (s.kernel * s.kernel) as i32,
-        );
-        self.launch(
-            "kcrs_to_krsc",
-            s.out_channels * s.c * s.kernel * s.kernel,
-            &mut [
-                ptr_of(&mut w),
-                ptr_of(&mut o),
-                ptr_of(&mut obf),
-                ptr_of(&mut k),
-                ptr_of(&mut c),
-                ptr_of(&mut rs),
-            ],
-        );
+        launch!(self, "kcrs_to_krsc", s.out_channels * s.c * s.kernel * s.kernel; master, out, bf(dtype), s.out_channels as i32, s.c as i32, (s.kernel * s.kernel) as i32);
     }
 }
 

@@ -143,10 +143,11 @@ extern "C" __global__ void max_pool_backward(const int* argmax, const void* dy, 
         int me = iy * w + ix;
         float sum = 0.0f;
         // Outputs whose window holds (iy, ix): oy*stride - pad <= iy < oy*stride - pad + k.
-        int oy_lo = max(0, (iy + pad - k + stride) / stride);
-        int oy_hi = min(oh - 1, (iy + pad) / stride);
-        int ox_lo = max(0, (ix + pad - k + stride) / stride);
-        int ox_hi = min(ow - 1, (ix + pad) / stride);
+        // (Plain comparisons: NVRTC compiles without headers.)
+        int oy_lo = (iy + pad - k + stride) / stride; if (oy_lo < 0) oy_lo = 0;
+        int oy_hi = (iy + pad) / stride; if (oy_hi > oh - 1) oy_hi = oh - 1;
+        int ox_lo = (ix + pad - k + stride) / stride; if (ox_lo < 0) ox_lo = 0;
+        int ox_hi = (ix + pad) / stride; if (ox_hi > ow - 1) ox_hi = ow - 1;
         for (int oy = oy_lo; oy <= oy_hi; ++oy) {
             for (int ox = ox_lo; ox <= ox_hi; ++ox) {
                 long long o = ((img * oh + oy) * ow + ox) * c + ch;
