@@ -80,10 +80,18 @@ build: ## Build the operator
 	$(CARGO) build --locked
 
 .PHONY: bench-operator
-bench-operator: ## Benchmark: 100 TrainingJobs × 4 workers applied at once (release operator, local cluster)
+BENCH_JOBS ?= 100
+BENCH_WORKERS ?= 4
+bench-operator: ## Benchmark: Ringmaster next to Kubeflow MPI Operator (limits raised, then its defaults), BENCH_JOBS × BENCH_WORKERS jobs at once on the local cluster; BENCH_BEFORE=<commit> adds Ringmaster as built at that commit
+	$(if $(BENCH_BEFORE),e2e/tools/ringmaster-at.sh $(BENCH_BEFORE) >/dev/null)
 	$(CARGO) build --release --locked -p ringmaster -p ringmaster-e2e --bin ringmaster --bin bench-operator
+	e2e/tools/peers.sh mpi-operator >/dev/null
 	e2e/cluster.sh up
-	RINGMASTER_KUBECONFIG=$(CURDIR)/e2e/.state/kubeconfig $(CARGO_TARGET_DIR)/release/bench-operator --operator $(CARGO_TARGET_DIR)/release/ringmaster $(BENCH_ARGS)
+	RINGMASTER_KUBECONFIG=$(CURDIR)/e2e/.state/kubeconfig $(CARGO_TARGET_DIR)/release/bench-operator \
+	  $(if $(BENCH_BEFORE),--ringmaster $(BENCH_BEFORE)=$$(e2e/tools/ringmaster-at.sh $(BENCH_BEFORE))) \
+	  --ringmaster $(CARGO_TARGET_DIR)/release/ringmaster \
+	  --mpi-operator $$(e2e/tools/peers.sh mpi-operator) \
+	  --jobs $(BENCH_JOBS) --workers $(BENCH_WORKERS) $(BENCH_ARGS)
 
 .PHONY: bench-allreduce
 bench-allreduce: mpi ## Benchmark: TCP-ring all-reduce vs Open MPI's MPI_Allreduce, 4 ranks, 4 KiB..256 MiB

@@ -1,18 +1,20 @@
 #!/usr/bin/env python3
-"""Stager throughput from Azurite to local disk next to the official Python SDK.
+"""Stager throughput from Azurite to local disk next to azcopy and the official Python SDK.
 
 Runs Azurite (the npm emulator, on loopback), uploads 1,000 x 1 MiB and 4 x 256 MiB blobs,
-then copies each set to a fresh local folder twice: with `ringmaster stage` and with
-azure-storage-blob's parallel `download_blob` (a thread pool of the same width, each blob
-downloaded with max_concurrency=4 as its docs suggest for large blobs). Prints MiB/s.
+then copies each set to a fresh local folder with each tool in turn, in one run:
+  - `ringmaster stage` (16 transfers at once), with a read+list SAS for the container;
+  - azcopy (built from its Go module by e2e/tools/peers.sh), `azcopy copy --recursive` with
+    the same SAS and its own defaults, as users run it;
+  - azure-storage-blob's parallel `download_blob` (a thread pool of the same width, each blob
+    downloaded with max_concurrency=4 as its docs suggest for large blobs).
+Prints seconds and MiB/s.
 
-azcopy is what the issue asked to compare with; the Go module proxy this project can reach
-answers 403 for github.com/Azure/azure-storage-azcopy, so it cannot be built here.
-
-Usage: stage-vs-sdk.py RINGMASTER_BINARY AZURITE_BLOB_SCRIPT [--small N] [--large N]
+Usage: stage-vs-sdk.py RINGMASTER_BINARY AZURITE_BLOB_SCRIPT [--azcopy AZCOPY] [--small N] [--large N]
 """
 import argparse
 import concurrent.futures
+import datetime
 import os
 import shutil
 import socket
@@ -20,7 +22,7 @@ import subprocess
 import tempfile
 import time
 
-from azure.storage.blob import BlobServiceClient
+from azure.storage.blob import BlobServiceClient, ContainerSasPermissions, generate_container_sas
 
 ACCOUNT = "devstoreaccount1"
 KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
@@ -54,6 +56,10 @@ def upload(container, prefix, count, size):
         list(pool.map(put, range(count)))
 
 
+def tree_size(folder):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
+
+
 def sdk_download(container, prefix, dest):
     names = [b.name for b in container.list_blobs(name_starts_with=prefix + "/")]
 
@@ -71,6 +77,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("ringmaster")
     parser.add_argument("azurite")
+    parser.add_argument("--azcopy", help="azcopy binary (e2e/tools/peers.sh azcopy)")
     parser.add_argument("--small", type=int, default=1000)
     parser.add_argument("--large", type=int, default=4)
     args = parser.parse_args()
@@ -91,23 +98,36 @@ def main():
         for prefix, count, size in sets:
             upload(container, prefix, count, size)
         print(f"# uploaded in {time.time() - t:.1f} s")
+        sas = generate_container_sas(ACCOUNT, CONTAINER, account_key=KEY,
+                                     permission=ContainerSasPermissions(read=True, list=True),
+                                     expiry=datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=2))
+        tools = ["ringmaster stage"] + (["azcopy"] if args.azcopy else []) + ["python azure-storage-blob"]
         print(f"# {'set':<22} {'tool':<28} {'seconds':>8} {'MiB/s':>8}")
         for prefix, count, size in sets:
             label = f"{count} x {size >> 20} MiB"
-            for tool in ("ringmaster stage", "python azure-storage-blob"):
+            for tool in tools:
                 dest = os.path.join(work, "out")
                 shutil.rmtree(dest, ignore_errors=True)
                 os.makedirs(dest)
                 subprocess.run(["sync"], check=True)
                 t = time.time()
                 if tool == "ringmaster stage":
-                    env = dict(os.environ, AZURE_STORAGE_ACCOUNT_KEY=KEY)
+                    env = dict(os.environ, AZURE_STORAGE_SAS_TOKEN=sas)
                     subprocess.run(
                         [args.ringmaster, "stage", "--account", ACCOUNT, "--container", CONTAINER,
                          "--prefix", prefix + "/", "--endpoint", endpoint, "--destination", dest,
                          "--parallelism", str(PARALLELISM), "--progress", "none"],
                         env=env, check=True, stdout=subprocess.DEVNULL)
-                    total = count * size
+                    total = tree_size(dest)
+                elif tool == "azcopy":
+                    state = os.path.join(work, "azcopy-state")
+                    env = dict(os.environ, AZCOPY_LOG_LOCATION=state, AZCOPY_JOB_PLAN_LOCATION=state,
+                               AZCOPY_DISABLE_SYSLOG="true")
+                    subprocess.run(
+                        [args.azcopy, "copy", f"{endpoint}/{CONTAINER}/{prefix}/*?{sas}", dest,
+                         "--recursive", "--log-level", "ERROR", "--output-level", "quiet"],
+                        env=env, check=True, stdout=subprocess.DEVNULL)
+                    total = tree_size(dest)
                 else:
                     total = sdk_download(container, prefix, dest)
                 seconds = time.time() - t

@@ -65,7 +65,8 @@ up() {
   # the list: a component's first argument must come before any second argument of another,
   # so the API server's and KWOK's later arguments go last. The real node's kubelet is reached
   # at its InternalIP (its hostname resolves nowhere); the API server advertises the address
-  # node.sh relays to it for pods; KWOK plays only the nodes annotated as its own.
+  # node.sh relays to it for pods; KWOK plays only the nodes annotated as its own. bench-operator counts
+  # the requests of the ServiceAccounts of namespace ringmaster-bench (kwok/audit-policy.yaml).
   "$bin/kwokctl" create cluster --name "$name" --runtime binary \
     --kube-apiserver-binary "$bin/kube-apiserver" \
     --kube-controller-manager-binary "$bin/kube-controller-manager" \
@@ -93,6 +94,9 @@ up() {
     --extra-args "kube-apiserver=kubelet-client-key=$KWOK_WORKDIR/clusters/$name/pki/admin.key" \
     --extra-args "kwok-controller=manage-all-nodes=false" \
     --extra-args "kwok-controller=manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake" \
+    --extra-args "kube-apiserver=audit-policy-file=$here/kwok/audit-policy.yaml" \
+    --extra-args "kube-apiserver=audit-log-path=$state/audit.log" \
+    --extra-args "kube-apiserver=audit-log-maxsize=100000" \
     --wait 120s -v WARN
   log "control plane ready after $((SECONDS - start)) s; adding simulated AKS nodes"
   kwok_nodes add --pool system --vm-size Standard_D4s_v5 --count 2 --mode system

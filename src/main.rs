@@ -66,6 +66,17 @@ struct RunArgs {
         default_value_t = 10.0
     )]
     restart_backoff_seconds: f64,
+    /// TrainingJobs reconciled at once. Each reconcile makes its gang's pods concurrently over
+    /// connections of their own (the Kubernetes client speaks HTTP/1.1), so this bounds the
+    /// operator's connections and memory when thousands of jobs arrive at once; the API
+    /// server, not this, is what limits how fast they start.
+    #[arg(
+        long,
+        env = "RINGMASTER_MAX_CONCURRENT_RECONCILES",
+        default_value_t = 16,
+        value_parser = clap::value_parser!(u16).range(1..)
+    )]
+    max_concurrent_reconciles: u16,
     /// Image of a DataStage's copy Job; it runs `ringmaster stage`, so it is the operator's
     /// own image (the Helm chart passes it).
     #[arg(long, env = "RINGMASTER_STAGER_IMAGE", default_value = ringmaster::controller::DEFAULT_STAGER_IMAGE)]
@@ -247,6 +258,7 @@ async fn run(args: RunArgs) -> Result<(), String> {
             ),
             stager_image: args.stager_image,
             arm,
+            max_concurrent_reconciles: args.max_concurrent_reconciles,
         },
     ));
     let scope = Scope {

@@ -312,8 +312,9 @@ fn mpich_and_a_users_command() {
     );
     let exec = command.iter().position(|a| a == "-launcher-exec").unwrap();
     assert_eq!(command[exec + 1], "/etc/ringmaster/mpi/ssh");
-    let config_map = value(&build::hostfile_config_map(&job));
-    let program = config_map["data"]["ssh"].as_str().unwrap();
+    let program = launcher["metadata"]["annotations"]["ringmaster.dev/ssh-program"]
+        .as_str()
+        .unwrap();
     assert!(program.starts_with("#!/bin/sh\n"), "{program}");
     assert!(
         program.contains("exec ssh -p 3022 -i /etc/ringmaster/ssh/ssh-privatekey ")
@@ -551,4 +552,48 @@ fn the_flagship_samples_trainer_flags_are_the_ones_the_gpu_tests_run() {
         "{} is stale: run `RINGMASTER_BLESS=1 cargo test --test training_job_build flagship`",
         path.display()
     );
+}
+
+#[test]
+fn the_launchers_hostfile_and_ssh_program_are_its_own_annotations_projected_into_files() {
+    let job = gpu_job();
+    let launcher = value(&build::launcher_pod(&job, &inputs()));
+    let annotations = &launcher["metadata"]["annotations"];
+    assert_eq!(
+        annotations["ringmaster.dev/hostfile"],
+        build::hostfile(&job)
+    );
+    assert!(
+        annotations["ringmaster.dev/ssh-program"]
+            .as_str()
+            .unwrap()
+            .starts_with("#!/bin/sh\n")
+    );
+    let volumes = launcher["spec"]["volumes"].as_array().unwrap();
+    let files = volumes.iter().find(|v| v["name"] == "hostfile").unwrap();
+    assert_eq!(
+        files["downwardAPI"],
+        json!({"defaultMode": 0o755, "items": [
+            {"path": "hostfile", "fieldRef": {"fieldPath": "metadata.annotations['ringmaster.dev/hostfile']"}},
+            {"path": "ssh", "fieldRef": {"fieldPath": "metadata.annotations['ringmaster.dev/ssh-program']"}},
+        ]})
+    );
+    let mounts = launcher["spec"]["containers"][0]["volumeMounts"]
+        .as_array()
+        .unwrap();
+    assert!(mounts.contains(
+        &json!({"name": "hostfile", "mountPath": "/etc/ringmaster/mpi", "readOnly": true})
+    ));
+}
+
+#[test]
+fn training_pods_carry_no_api_token_and_no_service_links() {
+    let job = gpu_job();
+    for pod in [
+        value(&build::worker_pod(&job, 0, &inputs())),
+        value(&build::launcher_pod(&job, &inputs())),
+    ] {
+        assert_eq!(pod["spec"]["automountServiceAccountToken"], false);
+        assert_eq!(pod["spec"]["enableServiceLinks"], false);
+    }
 }

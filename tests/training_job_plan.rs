@@ -552,3 +552,105 @@ fn pods_of_an_earlier_job_of_the_same_name_are_waited_out_not_overwritten() {
     plan::hold_back_names_in_use(&mut p, "resnet18-cpu", &Default::default());
     assert_eq!(p, before);
 }
+
+#[test]
+fn a_cached_pod_stripped_of_what_the_controller_never_reads_reads_the_same() {
+    use ringmaster::controller::training_job::observe::{PodState, strip_for_cache};
+    let states = [
+        "pending",
+        "unschedulable",
+        "running",
+        "ready",
+        "deleting",
+        "succeeded:{\"done\": true}",
+        "failed:137:OOMKilled:30",
+        "evicted",
+    ];
+    for state in states {
+        let mut full = serde_json::to_value(pod("worker", 1, 2, state)).unwrap();
+        // What a real pod carries besides: a spec, managed fields, annotations, more status.
+        full["metadata"]["annotations"] = json!({"a": "b"});
+        full["metadata"]["creationTimestamp"] = json!("2027-01-15T07:00:00Z");
+        full["metadata"]["managedFields"] = json!([{"manager": "ringmaster", "operation": "Apply", "fieldsType": "FieldsV1", "fieldsV1": {"f:spec": {}}}]);
+        full["spec"] =
+            json!({"containers": [{"name": "worker", "image": "i", "command": ["sshd"]}]});
+        full["status"]["hostIP"] = json!("10.0.0.4");
+        full["status"]["podIPs"] = json!([{"ip": "10.244.1.7"}]);
+        if let Some(conditions) = full["status"]["conditions"].as_array_mut() {
+            conditions.push(json!({"type": "Initialized", "status": "True"}));
+        }
+        let full: Pod = serde_json::from_value(full).unwrap();
+        let mut cached = full.clone();
+        strip_for_cache(&mut cached);
+        assert_eq!(PodState::of(&cached), PodState::of(&full), "{state}");
+        assert_eq!(cached.metadata.labels, full.metadata.labels);
+        assert!(cached.spec.is_none() && cached.metadata.managed_fields.is_none());
+        assert!(
+            serde_json::to_vec(&cached).unwrap().len() < serde_json::to_vec(&full).unwrap().len()
+        );
+    }
+}
+
+#[test]
+fn worker_counts_and_messages_are_progress_a_new_phase_or_a_stuck_worker_is_not() {
+    let mut s = Scenario::new(job(|_| {}));
+    s.step();
+    s.pods = vec![
+        pod("worker", 0, 0, "running"),
+        pod("worker", 1, 0, "running"),
+    ];
+    s.step();
+    let starting = s.status.clone();
+    s.pods[0] = pod("worker", 0, 0, "ready");
+    s.step();
+    assert!(
+        status::is_progress_only(&starting, &s.status),
+        "one more worker ready"
+    );
+    let one_ready = s.status.clone();
+    s.pods[1] = pod("worker", 1, 0, "ready");
+    s.step();
+    assert!(
+        status::is_progress_only(&one_ready, &s.status),
+        "every worker ready: the launcher is made, the phase stays Starting"
+    );
+    let all_ready = s.status.clone();
+    s.pods.push(pod("launcher", 0, 0, "running"));
+    s.step();
+    assert!(
+        !status::is_progress_only(&all_ready, &s.status),
+        "Running is written at once"
+    );
+    assert!(!status::is_progress_only(&s.status, &s.status), "no change");
+
+    let mut stuck = Scenario::new(job(|_| {}));
+    stuck.step();
+    let before = stuck.status.clone();
+    stuck.pods = vec![
+        pod("worker", 0, 0, "unschedulable"),
+        pod("worker", 1, 0, "pending"),
+    ];
+    stuck.step();
+    assert!(
+        !status::is_progress_only(&before, &stuck.status),
+        "an unschedulable worker is written at once"
+    );
+}
+
+#[test]
+fn the_start_time_comes_from_the_launcher_pod_when_the_status_has_none() {
+    let mut s = Scenario::new(job(|_| {}));
+    let mut launcher = serde_json::to_value(pod("launcher", 0, 0, "running")).unwrap();
+    launcher["metadata"]["creationTimestamp"] = json!(at(3).0.to_string());
+    s.pods = vec![
+        pod("worker", 0, 0, "ready"),
+        pod("worker", 1, 0, "ready"),
+        serde_json::from_value(launcher).unwrap(),
+    ];
+    s.now = at(9);
+    let p = s.step();
+    assert_eq!(
+        (p.phase, s.status.start_time.clone()),
+        (Phase::Running, Some(at(3)))
+    );
+}

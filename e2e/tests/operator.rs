@@ -27,7 +27,7 @@ fn sample(file: &str, kind: &str) -> Value {
 }
 
 /// The samples pass the validate step: the TrainingJob is SpecValid and starts, with a Normal
-/// `Valid` Event; the DataStage, whose claim does not exist here, waits in Pending and says
+/// `Starting` Event (Events mark phase changes only); the DataStage, whose claim does not exist here, waits in Pending and says
 /// why (VolumeBound False, ClaimNotFound), with a Warning for its account-key auth. The
 /// operator's metrics and probes answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -91,17 +91,23 @@ async fn valid_samples_are_accepted_and_a_stage_without_its_claim_waits_and_says
     .await;
     eventually(
         Duration::from_secs(30),
-        "a Normal Event for the valid spec",
+        "a Normal Event for the job's first phase",
         || async {
             common::events_for(&client, &ns.name, "resnet18-cpu")
                 .await
                 .iter()
                 .any(|e| {
-                    e.reason.as_deref() == Some("Valid") && e.type_.as_deref() == Some("Normal")
+                    e.reason.as_deref() == Some("Starting") && e.type_.as_deref() == Some("Normal")
                 })
         },
     )
     .await;
+    // Events only for phase changes: a valid spec is said on the status, not in an Event.
+    let events = common::events_for(&client, &ns.name, "resnet18-cpu").await;
+    assert!(
+        events.iter().all(|e| e.reason.as_deref() != Some("Valid")),
+        "{events:?}"
+    );
 
     let metrics = operator.get("/metrics").await;
     assert!(

@@ -100,10 +100,9 @@ async fn a_gpu_job_with_infiniband_runs_and_succeeds_with_its_result() {
             "launcher created {created} before worker ready {ready}"
         );
     }
-    let hostfile: Api<ConfigMap> = Api::namespaced(client.clone(), &ns.name);
-    let hostfile = hostfile.get("resnet50-hostfile").await.unwrap();
+    // The hostfile travels as the launcher's annotation (projected into a file).
     assert_eq!(
-        hostfile.data.unwrap()["hostfile"],
+        launcher.annotations()["ringmaster.dev/hostfile"],
         format!(
             "resnet50-worker-0.resnet50-workers.{0}.svc slots=8\nresnet50-worker-1.resnet50-workers.{0}.svc slots=8\n",
             ns.name
@@ -352,11 +351,9 @@ async fn deleting_a_job_leaves_no_child() {
     let selector = ListParams::default().labels("ringmaster.dev/job-name=gone");
     eventually(Duration::from_secs(60), "every child gone", || async {
         let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
-        let maps: Api<ConfigMap> = Api::namespaced(client.clone(), &ns.name);
         let services: Api<Service> = Api::namespaced(client.clone(), &ns.name);
         let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns.name);
         pods.list(&selector).await.unwrap().items.is_empty()
-            && maps.list(&selector).await.unwrap().items.is_empty()
             && services.list(&selector).await.unwrap().items.is_empty()
             && secrets.list(&selector).await.unwrap().items.is_empty()
     })
@@ -417,7 +414,8 @@ async fn an_operator_killed_mid_creation_converges_without_duplicates() {
     let maps: Api<ConfigMap> = Api::namespaced(client.clone(), &ns.name);
     let services: Api<Service> = Api::namespaced(client.clone(), &ns.name);
     assert_eq!(secrets.list(&selector).await.unwrap().items.len(), 1);
-    assert_eq!(maps.list(&selector).await.unwrap().items.len(), 1);
+    // No ConfigMap: the hostfile travels with the launcher.
+    assert_eq!(maps.list(&selector).await.unwrap().items.len(), 0);
     assert_eq!(services.list(&selector).await.unwrap().items.len(), 1);
 }
 

@@ -1,54 +1,189 @@
-//! `bench-operator`: applies many TrainingJobs at once to the local cluster with the operator
-//! (a release build, run as its own process) and reports how fast and how cheaply it brings
-//! them up. A benchmark that prints figures, not a pass/fail test.
+//! `bench-operator`: Ringmaster and Kubeflow MPI Operator side by side on the local cluster,
+//! in one run. Each operator (a release build, its own process, its own ServiceAccount) is
+//! given the same JOBS jobs of WORKERS workers at once, in a fresh namespace, and measured
+//! until every job is Running; then the namespace is deleted and the next one goes. A
+//! benchmark that prints figures, not a pass/fail test.
 //!
-//! Figures: seconds until every launcher exists, seconds until every job is Running, the
-//! operator's CPU seconds and peak RSS, and API requests per job (the operator's own count).
+//! Figures per operator: seconds until every job is Running, the operator's CPU seconds and
+//! peak RSS, the API server's and etcd's CPU seconds meanwhile, and the API requests the
+//! operator made, by verb and resource, as the API server's audit log counts them. With
+//! `--failures N`, for each Ringmaster: with every job Running, N worker pods fail one after
+//! another and the time from each failure to its job's Restarting phase is measured.
 
-use std::process::{ExitCode, Stdio};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
-use kube::runtime::{WatchStreamExt, reflector, watcher};
-use kube::{Api, Client, ResourceExt};
-use ringmaster::api::{TrainingJob, TrainingJobPhase};
+use kube::api::{DeleteParams, DynamicObject, Patch, PatchParams};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client};
+use ringmaster::controller::training_job::names;
+use ringmaster_e2e::bench::audit::{AuditLog, RequestCounts};
+use ringmaster_e2e::bench::contender::{Contender, Operator};
+use ringmaster_e2e::bench::process::{self, Usage};
+use ringmaster_e2e::bench::{identity, percentile};
+use ringmaster_e2e::nodes::{self, PoolMode, PoolShape};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// Applies JOBS TrainingJobs of WORKERS workers at once and measures the operator.
+/// Brings JOBS jobs × WORKERS workers up with each operator in turn and prints what it cost.
 #[derive(Parser, Debug)]
 #[command(name = "bench-operator", version)]
 struct Args {
-    /// The operator binary (build it with `cargo build --release`).
+    /// A Ringmaster operator binary to measure: PATH, or LABEL=PATH (repeatable: `--ringmaster
+    /// 539e17c=... --ringmaster ...` measures an earlier build beside this one in one run).
+    #[arg(long = "ringmaster", value_parser = parse_labelled, required = true)]
+    ringmasters: Vec<(String, PathBuf)>,
+    /// Kubeflow MPI Operator's binary (e2e/tools/peers.sh mpi-operator); measured with every
+    /// limit raised, then with its defaults. Its CRD is read from `<PATH>.crd.yaml`.
     #[arg(long)]
-    operator: std::path::PathBuf,
-    /// TrainingJobs to apply.
+    mpi_operator: Option<PathBuf>,
+    /// Measure MPI Operator with its default limits too (slow: its client sends 5 requests
+    /// a second).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    mpi_operator_defaults: bool,
+    /// Jobs to apply at once.
     #[arg(long, default_value_t = 100)]
     jobs: u32,
     /// Workers per job.
     #[arg(long, default_value_t = 4)]
     workers: u32,
-    /// Port of the operator's metrics.
+    /// Worker failures to time with every job Running (Ringmaster only; 0: none).
+    #[arg(long, default_value_t = 0)]
+    failures: u32,
+    /// Port of Ringmaster's metrics and readiness.
     #[arg(long, default_value_t = 18089)]
     metrics_port: u16,
-    /// Give up after this many seconds.
-    #[arg(long, default_value_t = 600)]
+    /// Stop waiting for one operator after this many seconds and report how far it got.
+    #[arg(long, default_value_t = 900)]
     timeout: u64,
+    /// The same for MPI Operator with its defaults, when it should wait less (at 1,000 × 8
+    /// its 5 requests a second need over an hour).
+    #[arg(long)]
+    mpi_operator_defaults_timeout: Option<u64>,
+}
+
+/// `PATH` (labelled `ringmaster`) or `LABEL=PATH` (labelled `ringmaster-LABEL`).
+fn parse_labelled(text: &str) -> Result<(String, PathBuf), String> {
+    let Some((label, path)) = text.split_once('=') else {
+        return Ok(("ringmaster".into(), PathBuf::from(text)));
+    };
+    if label.is_empty()
+        || !label
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+    {
+        return Err(format!(
+            "label {label:?}: lowercase letters, digits and '-' only"
+        ));
+    }
+    Ok((format!("ringmaster-{label}"), PathBuf::from(path)))
+}
+
+/// What one operator's run came to.
+#[derive(Debug, Default)]
+struct Figures {
+    label: String,
+    jobs_running: usize,
+    /// Seconds from the first apply until every job was Running; `None` if it timed out.
+    all_running: Option<f64>,
+    /// Seconds the run was measured over.
+    measured: f64,
+    operator: Usage,
+    apiserver_cpu: f64,
+    etcd_cpu: f64,
+    requests: RequestCounts,
+    /// Seconds from a worker's failure to its job's Restarting phase, as the benchmark's
+    /// watches saw both.
+    failure_to_restarting: Vec<f64>,
+    /// Seconds the API server spent answering everyone, and how many requests, by request.
+    apiserver_time: BTreeMap<String, (f64, f64)>,
 }
 
 #[tokio::main]
-async fn main() -> ExitCode {
+async fn main() -> std::process::ExitCode {
     match run(Args::parse()).await {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => std::process::ExitCode::SUCCESS,
         Err(message) => {
             eprintln!("bench-operator: {message}");
-            ExitCode::FAILURE
+            std::process::ExitCode::FAILURE
         }
     }
+}
+
+async fn run(args: Args) -> Result<(), String> {
+    let client = ringmaster_e2e::cluster::client()
+        .await
+        .map_err(|e| e.to_string())?;
+    let kubeconfig = ringmaster_e2e::cluster::kubeconfig_path();
+    let audit = AuditLog::beside(&kubeconfig);
+    if !audit.path().exists() {
+        return Err(format!(
+            "no audit log at {}: restart the cluster (e2e/cluster.sh down; e2e/cluster.sh up) so the API server records the operators' requests",
+            audit.path().display()
+        ));
+    }
+    let mut contenders: Vec<Contender> = args
+        .ringmasters
+        .iter()
+        .map(|(label, binary)| Contender {
+            label: label.clone(),
+            operator: Operator::Ringmaster,
+            binary: binary.clone(),
+        })
+        .collect();
+    if let Some(binary) = &args.mpi_operator {
+        let mut crd = binary.clone().into_os_string();
+        crd.push(".crd.yaml");
+        apply_crd_file(&client, std::path::Path::new(&crd)).await?;
+        contenders.push(Contender {
+            label: "mpi-operator-raised".into(),
+            operator: Operator::MpiOperatorRaised,
+            binary: binary.clone(),
+        });
+        if args.mpi_operator_defaults {
+            contenders.push(Contender {
+                label: "mpi-operator-defaults".into(),
+                operator: Operator::MpiOperatorDefaults,
+                binary: binary.clone(),
+            });
+        }
+    }
+    apply_ringmaster_crds(&client).await?;
+    let pods = args.jobs * (args.workers + 1);
+    let node_count = pods.div_ceil(100);
+    let shape =
+        PoolShape::new("bench", "Standard_D4s_v5", PoolMode::User).map_err(|e| e.to_string())?;
+    nodes::add(&client, &shape, node_count)
+        .await
+        .map_err(|e| e.to_string())?;
+    println!(
+        "{} jobs × {} workers ({pods} pods) on {node_count} more KWOK nodes; {} in turn",
+        args.jobs,
+        args.workers,
+        contenders
+            .iter()
+            .map(|c| c.label.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let mut all = Vec::new();
+    for contender in &contenders {
+        let figures = measure(&client, &kubeconfig, &audit, contender, &args).await?;
+        print_one(&figures, args.jobs);
+        all.push(figures);
+    }
+    print_table(&all, args.jobs, args.workers);
+    nodes::remove(&client, "bench")
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(())
 }
 
 async fn http_get(port: u16, path: &str) -> Option<String> {
@@ -64,192 +199,455 @@ async fn http_get(port: u16, path: &str) -> Option<String> {
     Some(response)
 }
 
-/// CPU seconds (user + system) and peak RSS in MiB of a process, from /proc.
-fn process_usage(pid: u32) -> Option<(f64, f64)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-    // Fields 14 and 15 of stat (utime, stime), counted after the command's closing paren.
-    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let hwm_kib: f64 = status
-        .lines()
-        .find(|l| l.starts_with("VmHWM:"))?
-        .split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()?;
-    // Linux reports times in USER_HZ, 100 on every architecture Kubernetes runs on.
-    Some((ticks / 100.0, hwm_kib / 1024.0))
-}
-
-fn metric_sum(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-        .filter_map(|l| {
-            l.rsplit_once(' ')
-                .and_then(|(_, v)| v.trim().parse::<f64>().ok())
-        })
-        .sum()
-}
-
-async fn ensure_crds(client: &Client) -> Result<(), String> {
+async fn apply_crd(client: &Client, body: serde_json::Value) -> Result<(), String> {
     let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let name = body["metadata"]["name"]
+        .as_str()
+        .ok_or("a CRD without a name")?
+        .to_string();
+    api.patch(
+        &name,
+        &PatchParams::apply("bench-operator").force(),
+        &Patch::Apply(&body),
+    )
+    .await
+    .map_err(|e| format!("applying CRD {name}: {e}"))?;
+    Ok(())
+}
+
+async fn apply_ringmaster_crds(client: &Client) -> Result<(), String> {
     for crd in ringmaster::crdgen::all() {
         let mut body = serde_json::to_value(&crd).map_err(|e| e.to_string())?;
         body["apiVersion"] = "apiextensions.k8s.io/v1".into();
         body["kind"] = "CustomResourceDefinition".into();
-        api.patch(
-            &crd.name_any(),
-            &PatchParams::apply("bench-operator").force(),
-            &Patch::Apply(&body),
-        )
-        .await
-        .map_err(|e| format!("applying CRD: {e}"))?;
+        apply_crd(client, body).await?;
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
     Ok(())
 }
 
-async fn run(args: Args) -> Result<(), String> {
-    let client = ringmaster_e2e::cluster::client()
-        .await
-        .map_err(|e| e.to_string())?;
-    ensure_crds(&client).await?;
-    let namespace = format!("bench-{}", std::process::id());
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": namespace}})).unwrap();
-    namespaces
-        .create(&PostParams::default(), &ns)
-        .await
-        .map_err(|e| e.to_string())?;
+async fn apply_crd_file(client: &Client, path: &std::path::Path) -> Result<(), String> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        format!(
+            "reading MPI Operator's CRD {} (e2e/tools/peers.sh mpi-operator puts it there): {e}",
+            path.display()
+        )
+    })?;
+    let body: serde_json::Value =
+        serde_saphyr::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    apply_crd(client, body).await
+}
 
-    let mut operator = tokio::process::Command::new(&args.operator)
-        .args(["run", "--namespace", &namespace, "--metrics-bind-address"])
-        .arg(format!("127.0.0.1:{}", args.metrics_port))
-        .env("KUBECONFIG", ringmaster_e2e::cluster::kubeconfig_path())
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|e| format!("starting {}: {e}", args.operator.display()))?;
-    let pid = operator.id().ok_or("the operator exited at once")?;
-    let ready_deadline = Instant::now() + Duration::from_secs(30);
-    while !http_get(args.metrics_port, "/readyz")
+/// Deletes `namespace` if it exists and waits until it is gone.
+async fn delete_namespace(client: &Client, namespace: &str) -> Result<(), String> {
+    let api: Api<Namespace> = Api::all(client.clone());
+    let deadline = Instant::now() + Duration::from_secs(900);
+    match api.delete(namespace, &DeleteParams::background()).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 404 => return Ok(()),
+        Err(e) => return Err(format!("deleting namespace {namespace}: {e}")),
+    }
+    while api
+        .get_opt(namespace)
         .await
-        .is_some_and(|r| r.starts_with("HTTP/1.0 200"))
+        .map_err(|e| e.to_string())?
+        .is_some()
     {
-        if Instant::now() > ready_deadline {
-            return Err("the operator did not become ready in 30 s".into());
+        if Instant::now() > deadline {
+            return Err(format!("namespace {namespace} still there after 900 s"));
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    Ok(())
+}
+
+/// Waits until the operator can take jobs: Ringmaster's readiness (its caches synced), MPI
+/// Operator's leader-election lock taken (its informers start right after).
+async fn wait_ready(
+    client: &Client,
+    contender: &Contender,
+    namespace: &str,
+    metrics_port: u16,
+) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let leases: Api<Lease> = Api::namespaced(client.clone(), namespace);
+    loop {
+        let ready = match contender.operator {
+            Operator::Ringmaster => http_get(metrics_port, "/readyz")
+                .await
+                .is_some_and(|r| r.starts_with("HTTP/1.0 200")),
+            Operator::MpiOperatorDefaults | Operator::MpiOperatorRaised => leases
+                .get_opt("mpi-operator")
+                .await
+                .ok()
+                .flatten()
+                .and_then(|l| l.spec)
+                .and_then(|s| s.holder_identity)
+                .is_some_and(|h| !h.is_empty()),
+        };
+        if ready {
+            if contender.operator != Operator::Ringmaster {
+                // Its informers list an empty namespace once it leads.
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!("{} was not ready after 60 s", contender.label));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let idle_requests = metric_sum(
-        &http_get(args.metrics_port, "/metrics")
-            .await
-            .unwrap_or_default(),
-        "ringmaster_kube_requests_total",
-    );
-    let (idle_cpu, _) = process_usage(pid).unwrap_or_default();
+}
 
+fn usage_of(name: &str) -> Usage {
+    process::find_by_name(name)
+        .and_then(Usage::of)
+        .unwrap_or_default()
+}
+
+async fn measure(
+    client: &Client,
+    kubeconfig: &std::path::Path,
+    audit: &AuditLog,
+    contender: &Contender,
+    args: &Args,
+) -> Result<Figures, String> {
+    let namespace = format!("bench-{}", contender.label);
+    delete_namespace(client, &namespace).await?;
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let ns = json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}});
+    namespaces
+        .patch(
+            &namespace,
+            &PatchParams::apply("bench-operator"),
+            &Patch::Apply(&ns),
+        )
+        .await
+        .map_err(|e| format!("making namespace {namespace}: {e}"))?;
+    let identity = identity::for_operator(client, kubeconfig, &contender.label, 4)
+        .await
+        .map_err(|e| e.to_string())?;
+    let log_path = kubeconfig.with_file_name(format!("bench-{}.log", contender.label));
+    let log = std::fs::File::create(&log_path)
+        .map_err(|e| format!("creating {}: {e}", log_path.display()))?;
+    let mut operator = contender
+        .command(&identity.kubeconfig, &namespace, args.metrics_port, log)
+        .spawn()
+        .map_err(|e| format!("starting {}: {e}", contender.binary.display()))?;
+    let pid = operator.id().ok_or("the operator exited at once")?;
+    wait_ready(client, contender, &namespace, args.metrics_port).await?;
     println!(
-        "applying {} TrainingJobs × {} workers at once (namespace {namespace})",
-        args.jobs, args.workers
+        "\n== {} ({}) in namespace {namespace}; its log: {}",
+        contender.label,
+        contender.binary.display(),
+        log_path.display()
     );
-    let jobs: Api<TrainingJob> = Api::namespaced(client.clone(), &namespace);
-    let start = Instant::now();
-    let applies = (0..args.jobs).map(|i| {
-        let jobs = jobs.clone();
-        let workers = args.workers;
-        async move {
-            let job = json!({
-                "apiVersion": "ringmaster.dev/v1alpha1", "kind": "TrainingJob",
-                "metadata": {"name": format!("bench-{i:04}")},
-                "spec": {"workers": workers, "image": "ringmaster-trainer:bench",
-                         "trainer": {"model": "resnet18", "steps": 10}},
-            });
-            jobs.patch(
-                &format!("bench-{i:04}"),
-                &PatchParams::apply("bench-operator"),
-                &Patch::Apply(&job),
-            )
-            .await
-            .map(|_| ())
-        }
-    });
-    for result in futures::future::join_all(applies).await {
-        result.map_err(|e| format!("applying a job: {e}"))?;
-    }
-    let applied = start.elapsed().as_secs_f64();
 
-    // Watch (not poll) the jobs and launchers, so measuring adds next to no load.
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
-    let (launchers, launchers_writer) = reflector::store();
-    let launcher_watch = watcher(
-        pods,
-        watcher::Config::default().labels("ringmaster.dev/role=launcher"),
-    )
-    .reflect(launchers_writer)
-    .for_each(|_| async {});
-    let (job_store, jobs_writer) = reflector::store::<TrainingJob>();
-    let job_watch = watcher(jobs.clone(), watcher::Config::default())
-        .reflect(jobs_writer)
+    let resource = contender.job_resource();
+    let jobs: Api<DynamicObject> = Api::namespaced_with(client.clone(), &namespace, &resource);
+    let job_writer = reflector::store::Writer::<DynamicObject>::new(resource.clone());
+    let job_store = job_writer.as_reader();
+    let watch = watcher(jobs.clone(), watcher::Config::default())
+        .default_backoff()
+        .reflect(job_writer)
         .for_each(|_| async {});
-    tokio::spawn(launcher_watch);
-    tokio::spawn(job_watch);
-    let mut all_launchers = None;
-    let mut all_running = None;
-    let deadline = start + Duration::from_secs(args.timeout);
-    while all_running.is_none() {
-        if Instant::now() > deadline {
-            return Err(format!("not every job Running after {} s", args.timeout));
-        }
-        if all_launchers.is_none() && launchers.len() as u32 >= args.jobs {
-            all_launchers = Some(start.elapsed().as_secs_f64());
-        }
+    let watch = tokio::spawn(watch);
+    job_store
+        .wait_until_ready()
+        .await
+        .map_err(|e| e.to_string())?;
+
+    let apiserver_time_before = apiserver_time(client).await;
+    let mark = audit.mark();
+    let operator_before = Usage::of(pid).unwrap_or_default();
+    let apiserver_before = usage_of("kube-apiserver");
+    let etcd_before = usage_of("etcd");
+    let start = Instant::now();
+    let applies = futures::stream::iter(0..args.jobs)
+        .map(|i| {
+            let jobs = jobs.clone();
+            let name = job_name(i);
+            let body = contender.job(&name, args.workers);
+            async move {
+                jobs.patch(
+                    &name,
+                    &PatchParams::apply("bench-operator"),
+                    &Patch::Apply(&body),
+                )
+                .await
+                .map(|_| ())
+                .map_err(|e| format!("applying {name}: {e}"))
+            }
+        })
+        .buffer_unordered(64)
+        .collect::<Vec<_>>()
+        .await;
+    applies.into_iter().collect::<Result<Vec<()>, String>>()?;
+    println!(
+        "applied {} jobs in {:.2} s",
+        args.jobs,
+        start.elapsed().as_secs_f64()
+    );
+
+    let timeout = match (&contender.operator, args.mpi_operator_defaults_timeout) {
+        (Operator::MpiOperatorDefaults, Some(seconds)) => seconds,
+        _ => args.timeout,
+    };
+    let deadline = start + Duration::from_secs(timeout);
+    let mut last_report = Instant::now();
+    let (all_running, jobs_running) = loop {
         let running = job_store
             .state()
             .iter()
-            .filter(|j| {
-                j.status
-                    .as_ref()
-                    .is_some_and(|s| s.phase == TrainingJobPhase::Running)
-            })
+            .filter(|j| contender.is_running(j))
             .count();
-        if running as u32 >= args.jobs && all_launchers.is_some() {
-            all_running = Some(start.elapsed().as_secs_f64());
+        if running as u32 >= args.jobs {
+            break (Some(start.elapsed().as_secs_f64()), running);
+        }
+        if Instant::now() > deadline {
+            break (None, running);
+        }
+        if last_report.elapsed() > Duration::from_secs(30) {
+            println!(
+                "  {running}/{} Running after {:.0} s",
+                args.jobs,
+                start.elapsed().as_secs_f64()
+            );
+            last_report = Instant::now();
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let metrics = http_get(args.metrics_port, "/metrics")
-        .await
-        .unwrap_or_default();
-    let requests = metric_sum(&metrics, "ringmaster_kube_requests_total") - idle_requests;
-    let reconciles = metric_sum(&metrics, "ringmaster_reconcile_total{");
-    let (cpu, rss) = process_usage(pid).ok_or("reading /proc of the operator")?;
+    };
+    let measured = start.elapsed().as_secs_f64();
+    let apiserver_time_after = apiserver_time(client).await;
+    let apiserver_after = usage_of("kube-apiserver");
+    let etcd_after = usage_of("etcd");
+    let operator_after = Usage::of(pid).unwrap_or_default();
+    // The audit log is appended as each response completes: give the last ones a moment.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let requests = audit
+        .requests_since(mark, &identity.username)
+        .map_err(|e| format!("reading {}: {e}", audit.path().display()))?;
 
-    println!("jobs applied in                  {applied:8.2} s");
-    println!(
-        "every launcher exists after      {:8.2} s",
-        all_launchers.unwrap_or_default()
-    );
-    println!(
-        "every job Running after          {:8.2} s",
-        all_running.unwrap_or_default()
-    );
-    println!("operator CPU while bringing up   {:8.2} s", cpu - idle_cpu);
-    println!("operator peak RSS                {rss:8.1} MiB");
-    println!(
-        "API requests by the operator     {requests:8.0} ({:.1} per job)",
-        requests / f64::from(args.jobs)
-    );
-    println!(
-        "reconciles                       {reconciles:8.0} ({:.1} per job)",
-        reconciles / f64::from(args.jobs)
-    );
-
+    let failure_to_restarting =
+        if contender.operator == Operator::Ringmaster && all_running.is_some() && args.failures > 0
+        {
+            time_failures(client, &namespace, &job_store, &resource, args).await?
+        } else {
+            Vec::new()
+        };
+    let peak = Usage::of(pid).unwrap_or(operator_after).peak_rss_mib;
     let _ = operator.kill().await;
-    let _ = namespaces
-        .delete(&namespace, &DeleteParams::background())
-        .await;
-    Ok(())
+    watch.abort();
+    delete_namespace(client, &namespace).await?;
+    Ok(Figures {
+        label: contender.label.clone(),
+        jobs_running,
+        all_running,
+        measured,
+        operator: Usage {
+            cpu_seconds: operator_after.cpu_seconds - operator_before.cpu_seconds,
+            peak_rss_mib: peak,
+        },
+        apiserver_cpu: apiserver_after.cpu_seconds - apiserver_before.cpu_seconds,
+        etcd_cpu: etcd_after.cpu_seconds - etcd_before.cpu_seconds,
+        requests,
+        failure_to_restarting,
+        apiserver_time: apiserver_time_after
+            .into_iter()
+            .map(|(what, (seconds, count))| {
+                let (s0, c0) = apiserver_time_before
+                    .get(&what)
+                    .copied()
+                    .unwrap_or_default();
+                (what, (seconds - s0, count - c0))
+            })
+            .filter(|(_, (seconds, _))| *seconds > 0.0)
+            .collect(),
+    })
+}
+
+/// The API server's time by request, from its /metrics (see
+/// [`ringmaster_e2e::bench::apiserver_time_by_request`]).
+async fn apiserver_time(client: &Client) -> BTreeMap<String, (f64, f64)> {
+    let request = http::Request::get("/metrics")
+        .body(Vec::new())
+        .expect("a GET request");
+    let text = client.request_text(request).await.unwrap_or_default();
+    ringmaster_e2e::bench::apiserver_time_by_request(&text)
+}
+
+fn job_name(index: u32) -> String {
+    format!("bench-{index:04}")
+}
+
+/// Fails worker 0 of `args.failures` jobs spread over the run, one after another, and times
+/// each from the pod's Failed phase to its job's Restarting phase, both as this benchmark's
+/// watches saw them (so both carry the same watch delay).
+async fn time_failures(
+    client: &Client,
+    namespace: &str,
+    job_store: &Store<DynamicObject>,
+    resource: &kube::api::ApiResource,
+    args: &Args,
+) -> Result<Vec<f64>, String> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let (pod_store, writer) = reflector::store::<Pod>();
+    let config =
+        watcher::Config::default().labels(&format!("{}={}", names::ROLE_LABEL, names::WORKER_ROLE));
+    let watch = tokio::spawn(
+        watcher(pods.clone(), config)
+            .default_backoff()
+            .reflect(writer)
+            .for_each(|_| async {}),
+    );
+    pod_store
+        .wait_until_ready()
+        .await
+        .map_err(|e| e.to_string())?;
+    println!(
+        "failing {} workers one after another, {} jobs Running",
+        args.failures, args.jobs
+    );
+    let mut latencies = Vec::new();
+    for k in 0..args.failures {
+        let job = job_name(k * args.jobs / args.failures);
+        let pod = names::worker_pod(&job, 0);
+        let fail = json!({"metadata": {"annotations": {
+            "kwok.ringmaster.dev/exit-code": "1",
+            "kwok.ringmaster.dev/reason": "Error",
+        }}});
+        pods.patch(&pod, &PatchParams::default(), &Patch::Merge(&fail))
+            .await
+            .map_err(|e| format!("failing pod {pod}: {e}"))?;
+        let pod_ref = ObjectRef::<Pod>::new(&pod).within(namespace);
+        let job_ref =
+            ObjectRef::<DynamicObject>::new_with(&job, resource.clone()).within(namespace);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let mut failed_at = None;
+        loop {
+            if failed_at.is_none()
+                && pod_store.get(&pod_ref).is_some_and(|p| {
+                    p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed")
+                })
+            {
+                failed_at = Some(Instant::now());
+            }
+            let restarting = job_store
+                .get(&job_ref)
+                .is_some_and(|j| j.data["status"]["phase"] == "Restarting");
+            if let (Some(failed), true) = (failed_at, restarting) {
+                latencies.push(failed.elapsed().as_secs_f64());
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "job {job} did not reach Restarting within 120 s of failing {pod}"
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    watch.abort();
+    Ok(latencies)
+}
+
+fn print_one(f: &Figures, jobs: u32) {
+    match f.all_running {
+        Some(s) => println!("every job Running after          {s:8.2} s"),
+        None => println!(
+            "{}/{jobs} jobs Running when the benchmark stopped waiting, at {:.0} s",
+            f.jobs_running, f.measured
+        ),
+    }
+    println!(
+        "operator CPU                     {:8.2} s",
+        f.operator.cpu_seconds
+    );
+    println!(
+        "operator peak RSS                {:8.1} MiB",
+        f.operator.peak_rss_mib
+    );
+    println!("API server CPU                   {:8.2} s", f.apiserver_cpu);
+    println!("etcd CPU                         {:8.2} s", f.etcd_cpu);
+    println!(
+        "API requests (audit log)         {:8} ({:.1} per job)",
+        f.requests.total(),
+        f.requests.total() as f64 / f64::from(jobs)
+    );
+    for (what, n) in &f.requests.0 {
+        println!(
+            "  {what:<40} {n:7} ({:.2} per job)",
+            *n as f64 / f64::from(jobs)
+        );
+    }
+    let mut busiest: Vec<_> = f.apiserver_time.iter().collect();
+    busiest.sort_by(|a, b| b.1.0.total_cmp(&a.1.0));
+    println!("API server time answering, every client (top 8):");
+    for (what, (seconds, count)) in busiest.into_iter().take(8) {
+        println!("  {what:<40} {seconds:8.1} s  {count:7.0} requests");
+    }
+    if !f.failure_to_restarting.is_empty() {
+        println!(
+            "worker failure → Restarting      p50 {:.3} s, p99 {:.3} s, max {:.3} s over {}",
+            percentile(&f.failure_to_restarting, 50.0).unwrap_or_default(),
+            percentile(&f.failure_to_restarting, 99.0).unwrap_or_default(),
+            percentile(&f.failure_to_restarting, 100.0).unwrap_or_default(),
+            f.failure_to_restarting.len()
+        );
+    }
+}
+
+/// The side-by-side table (Markdown), one column per operator.
+fn print_table(all: &[Figures], jobs: u32, workers: u32) {
+    println!("\n{jobs} jobs × {workers} workers, one run:\n");
+    let mut header = String::from("| |");
+    let mut rule = String::from("|---|");
+    for f in all {
+        header.push_str(&format!(" {} |", f.label));
+        rule.push_str("---:|");
+    }
+    println!("{header}\n{rule}");
+    let row = |name: &str, cell: &dyn Fn(&Figures) -> String| {
+        let cells: String = all.iter().map(|f| format!(" {} |", cell(f))).collect();
+        println!("| {name} |{cells}");
+    };
+    row("every job Running after (s)", &|f| match f.all_running {
+        Some(s) => format!("{s:.1}"),
+        None => format!("{}/{jobs} at {:.0}", f.jobs_running, f.measured),
+    });
+    row("operator CPU (s)", &|f| {
+        format!("{:.1}", f.operator.cpu_seconds)
+    });
+    row("operator peak RSS (MiB)", &|f| {
+        format!("{:.0}", f.operator.peak_rss_mib)
+    });
+    row("API server CPU (s)", &|f| format!("{:.1}", f.apiserver_cpu));
+    row("API server CPU per job (ms)", &|f| {
+        format!("{:.1}", 1000.0 * f.apiserver_cpu / f64::from(jobs))
+    });
+    row("etcd CPU (s)", &|f| format!("{:.1}", f.etcd_cpu));
+    row("API requests per job", &|f| {
+        format!("{:.1}", f.requests.total() as f64 / f64::from(jobs))
+    });
+    let mut kinds: BTreeMap<&str, ()> = BTreeMap::new();
+    for f in all {
+        for what in f.requests.0.keys() {
+            kinds.insert(what, ());
+        }
+    }
+    for what in kinds.keys() {
+        row(&format!("  {what}"), &|f| {
+            let n = f.requests.0.get(*what).copied().unwrap_or(0);
+            format!("{:.2}", n as f64 / f64::from(jobs))
+        });
+    }
+    if all.iter().any(|f| !f.failure_to_restarting.is_empty()) {
+        row("worker failure → Restarting p50 / p99 (ms)", &|f| match (
+            percentile(&f.failure_to_restarting, 50.0),
+            percentile(&f.failure_to_restarting, 99.0),
+        ) {
+            (Some(p50), Some(p99)) => format!("{:.0} / {:.0}", p50 * 1000.0, p99 * 1000.0),
+            _ => "–".into(),
+        });
+    }
 }

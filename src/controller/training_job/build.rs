@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
+use k8s_openapi::api::core::v1::{Pod, Secret, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use serde_json::{Value, json};
 
@@ -149,16 +149,27 @@ pub fn ssh_program(job: &ValidatedTrainingJob) -> String {
     )
 }
 
-/// The launcher's ConfigMap: the hostfile, and the ssh program Hydra runs.
-pub fn hostfile_config_map(job: &ValidatedTrainingJob) -> ConfigMap {
-    let mut labels = names::job_labels(&job.name);
-    labels.insert(names::ROLE_LABEL.into(), "hostfile".into());
-    typed(json!({
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": metadata(job, &names::hostfile_config_map(&job.name), labels),
-        "data": {"hostfile": hostfile(job), SSH_PROGRAM: ssh_program(job)},
-    }))
+/// The launcher's files under [`names::HOSTFILE_MOUNT`] (the hostfile, and the ssh program
+/// Hydra runs): annotations of the launcher pod, projected into files by a downward-API
+/// volume. They depend on the spec alone, so they travel with the pod the launcher runs in:
+/// no ConfigMap to write and keep per job.
+fn launcher_files(job: &ValidatedTrainingJob) -> (BTreeMap<String, String>, Value) {
+    let files = [
+        (names::HOSTFILE_ANNOTATION, "hostfile", hostfile(job)),
+        (names::SSH_PROGRAM_ANNOTATION, SSH_PROGRAM, ssh_program(job)),
+    ];
+    let annotations = files
+        .iter()
+        .map(|(key, _, text)| (key.to_string(), text.clone()))
+        .collect();
+    let items: Vec<Value> = files
+        .iter()
+        .map(|(key, path, _)| {
+            json!({"path": path, "fieldRef": {"fieldPath": format!("metadata.annotations['{key}']")}})
+        })
+        .collect();
+    let volume = json!({"name": "hostfile", "downwardAPI": {"defaultMode": 0o755, "items": items}});
+    (annotations, volume)
 }
 
 /// The headless Service that gives each worker a DNS name. Not-ready addresses are published
@@ -365,6 +376,11 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
             "hostname": name,
             "subdomain": names::worker_service(&job.name),
             "restartPolicy": "Never",
+            // Training pods never call the API server: no token to steal, and smaller pods.
+            "automountServiceAccountToken": false,
+            // Not one variable per Service of the namespace in every container: a namespace
+            // with a thousand jobs has a thousand Services.
+            "enableServiceLinks": false,
             "securityContext": {"fsGroup": POD_FS_GROUP},
             "nodeSelector": node_selector,
             "tolerations": tolerations,
@@ -453,9 +469,8 @@ fn own_pool_placement(
 /// The launcher pod of gang `inputs.attempt`: runs the MPI launcher over the hostfile.
 pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
     let (mut volumes, mut mounts): (Vec<Value>, Vec<Value>) = ssh_volumes(job).into_iter().unzip();
-    volumes.push(
-        json!({"name": "hostfile", "configMap": {"name": names::hostfile_config_map(&job.name), "defaultMode": 0o755}}),
-    );
+    let (annotations, files) = launcher_files(job);
+    volumes.push(files);
     mounts.push(json!({"name": "hostfile", "mountPath": names::HOSTFILE_MOUNT, "readOnly": true}));
     if let Some(output) = &job.output {
         let (volume, mount) = output_volume(output);
@@ -481,6 +496,11 @@ pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
         "metadata": metadata(job, &names::launcher_pod(&job.name), names::pod_labels(&job.name, LAUNCHER_ROLE, inputs.attempt)),
         "spec": {
             "restartPolicy": "Never",
+            // Training pods never call the API server: no token to steal, and smaller pods.
+            "automountServiceAccountToken": false,
+            // Not one variable per Service of the namespace in every container: a namespace
+            // with a thousand jobs has a thousand Services.
+            "enableServiceLinks": false,
             "nodeSelector": node_selector,
             "tolerations": tolerations,
             "securityContext": {"fsGroup": POD_FS_GROUP},
@@ -495,6 +515,7 @@ pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
             }],
         },
     });
+    pod["metadata"]["annotations"] = json!(annotations);
     merge_overrides(&mut pod, &job.launcher);
     typed(pod)
 }

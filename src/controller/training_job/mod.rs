@@ -7,6 +7,7 @@ pub mod names;
 pub mod observe;
 pub mod plan;
 pub mod pool;
+pub mod recent;
 pub mod status;
 pub mod validate;
 
@@ -14,17 +15,16 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::DeleteParams;
 use kube::core::error_boundary::DeserializeGuard;
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
+use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Resource, ResourceExt};
 
 use super::{Context, Error, conditions, is_warning, now, object_key};
 use crate::api::{
     DataStage, DataStagePhase, TrainingJob, TrainingJobPhase, TrainingJobStatus, condition_reasons,
-    condition_types,
 };
 use crate::validation::FieldErrors;
 use build::BuildInputs;
@@ -95,24 +95,13 @@ async fn report_invalid(
     Ok(Action::await_change())
 }
 
-/// The referenced DataStage's state.
-async fn data_state(
-    ctx: &Context,
-    job: &validate::ValidatedTrainingJob,
-) -> Result<DataState, Error> {
+/// The referenced DataStage's state, from the cache (no read of the API server).
+fn data_state(ctx: &Context, job: &validate::ValidatedTrainingJob) -> DataState {
     let Some(reference) = &job.data else {
-        return Ok(DataState::NotNeeded);
+        return DataState::NotNeeded;
     };
-    let api: Api<DataStage> = Api::namespaced(ctx.client.clone(), &job.namespace);
-    let stage = api
-        .get_opt(&reference.name)
-        .await
-        .map_err(|source| Error::Read {
-            kind: "DataStage",
-            name: format!("{}/{}", job.namespace, reference.name),
-            source,
-        })?;
-    Ok(match stage.and_then(|s| s.status) {
+    let key = ObjectRef::<DataStage>::new(&reference.name).within(&job.namespace);
+    match ctx.data_stages.get(&key).and_then(|s| s.status.clone()) {
         Some(status) if status.phase == DataStagePhase::Ready && status.claim_name.is_some() => {
             DataState::Ready {
                 claim: status.claim_name.unwrap_or_default(),
@@ -127,7 +116,7 @@ async fn data_state(
                 reference.name
             ),
         },
-    })
+    }
 }
 
 /// The pods from the shared cache that carry the job's name label (same namespace), in one
@@ -159,10 +148,16 @@ async fn run(
     job: &TrainingJob,
     validated: &validate::ValidatedTrainingJob,
 ) -> Result<Action, Error> {
-    let old = job.status.clone().unwrap_or_default();
+    let uid = job.uid().unwrap_or_default();
+    let clock = std::time::Instant::now();
+    // The status written moments ago, when the cache does not show it yet.
+    let old = ctx
+        .recent
+        .latest_status(&uid, &job.status.clone().unwrap_or_default(), clock);
     let generation = job.meta().generation;
+    let key = object_key(object);
     let now = now();
-    let data = data_state(ctx, validated).await?;
+    let data = data_state(ctx, validated);
     let (pods, names_in_use) = pods_of(ctx, job);
     let pod_refs: Vec<&Pod> = pods.iter().map(AsRef::as_ref).collect();
     let observed = Observed::sort(&pod_refs, validated.workers, old.restarts);
@@ -189,6 +184,13 @@ async fn run(
         restart_backoff: ctx.config.restart_backoff,
     });
     plan::hold_back_names_in_use(&mut plan, &validated.name, &names_in_use);
+    // Pods made moments ago that the cache does not show yet are not made again.
+    let unseen = ctx.recent.pods_not_yet_seen(&uid, &pod_refs, clock);
+    plan.create_workers
+        .retain(|i| !unseen.contains(&names::worker_pod(&validated.name, *i)));
+    if unseen.contains(&names::launcher_pod(&validated.name)) {
+        plan.create_launcher = false;
+    }
     let mut new = status::from_plan(&old, generation, &plan, &observed, &now);
     if pool.status.is_some() {
         new.node_pool = pool.status.clone();
@@ -205,10 +207,42 @@ async fn run(
     let restarting = plan.restarts != old.restarts;
     if restarting {
         write_status(ctx, object, &old, &new, &plan.message).await?;
+        ctx.status_written(&key);
         ctx.metrics.training_job_restarted();
     }
-    let refresh = old.observed_generation != generation;
-    if let Err(source) = apply::execute(&ctx.client, validated, &plan, &inputs, refresh).await {
+    // The Secret and Service go out with a gang's workers (the launcher comes later, into a
+    // gang that has them) and with a new spec, once.
+    let spec_changed = old.observed_generation.is_some() && old.observed_generation != generation;
+    let children = if ctx
+        .recent
+        .children_fresh(&uid, generation, plan.restarts, clock)
+    {
+        apply::Children::Keep
+    } else if spec_changed {
+        apply::Children::Update
+    } else if !plan.create_workers.is_empty() {
+        apply::Children::Ensure
+    } else {
+        apply::Children::Keep
+    };
+    let mut written = apply::Written::default();
+    let applied = apply::execute(
+        &ctx.client,
+        validated,
+        &plan,
+        &inputs,
+        children,
+        &mut written,
+    )
+    .await;
+    // Remembered also when something failed after: a retry does not write it again.
+    if written.children {
+        ctx.recent
+            .children_applied(&uid, generation, plan.restarts, clock);
+    }
+    ctx.recent
+        .pods_made(&uid, plan.restarts, written.pods, clock);
+    if let Err(source) = applied {
         if let Some(message) = source.rejection() {
             // Visible on the job, not only in the log; retried with backoff (a missing
             // PriorityClass or an exhausted quota can be fixed meanwhile).
@@ -225,8 +259,16 @@ async fn run(
             source,
         });
     }
-    if !restarting {
+    // Progress alone (worker counts, messages) is held back a little and goes out with the
+    // next write: one write per pod event would cost the API server most of a job's requests.
+    let progress_wait = if !restarting && status::is_progress_only(&old, &new) {
+        ctx.progress_wait(&key)
+    } else {
+        None
+    };
+    if !restarting && progress_wait.is_none() {
         write_status(ctx, object, &old, &new, &plan.message).await?;
+        ctx.status_written(&key);
     }
     // Time to Running, for first runs only (not restarts or resumes).
     if new.phase == TrainingJobPhase::Running
@@ -257,15 +299,21 @@ async fn run(
         }
         return Ok(Action::await_change());
     }
-    Ok(match (plan.requeue_after, pool.requeue) {
-        (Some(a), Some(b)) => Action::requeue(a.min(b)),
-        (Some(after), None) | (None, Some(after)) => Action::requeue(after),
-        (None, None) => Action::await_change(),
-    })
+    Ok(
+        match [plan.requeue_after, pool.requeue, progress_wait]
+            .into_iter()
+            .flatten()
+            .min()
+        {
+            Some(after) => Action::requeue(after),
+            None => Action::await_change(),
+        },
+    )
 }
 
-/// Writes the status when it changed, with an Event for a new phase and for SpecValid's
-/// transitions (the other conditions move with the phase).
+/// Writes the status when it changed, with an Event when the phase changed (and only then:
+/// the conditions move with the phase, and an invalid spec is reported by
+/// [`report_invalid`]).
 async fn write_status(
     ctx: &Context,
     object: &DeserializeGuard<TrainingJob>,
@@ -276,21 +324,14 @@ async fn write_status(
     if new == old {
         return Ok(());
     }
-    let spec_valid = |cs: &[Condition]| -> Vec<Condition> {
-        cs.iter()
-            .filter(|c| c.type_ == condition_types::SPEC_VALID)
-            .cloned()
-            .collect()
-    };
     let value = serde_json::to_value(new).expect("status serializes");
-    ctx.write_status(
-        object,
-        &spec_valid(&old.conditions),
-        &spec_valid(&new.conditions),
-        value,
-        is_warning,
-    )
-    .await?;
+    ctx.write_status(object, &[], &[], value, is_warning)
+        .await?;
+    ctx.recent.status_written(
+        &object.uid().unwrap_or_default(),
+        new,
+        std::time::Instant::now(),
+    );
     publish_phase_event(ctx, object, old.phase, new.phase, message).await;
     Ok(())
 }

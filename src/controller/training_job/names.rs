@@ -29,17 +29,16 @@ pub const SSH_MOUNT: &str = "/etc/ringmaster/ssh";
 pub const SSH_SECRET_MOUNT: &str = "/etc/ringmaster/ssh-secret";
 /// Where the hostfile ConfigMap is mounted in the launcher.
 pub const HOSTFILE_MOUNT: &str = "/etc/ringmaster/mpi";
+/// The launcher pod's annotation holding its hostfile (projected to HOSTFILE_MOUNT/hostfile).
+pub const HOSTFILE_ANNOTATION: &str = "ringmaster.dev/hostfile";
+/// The launcher pod's annotation holding the ssh program Hydra runs (HOSTFILE_MOUNT/ssh).
+pub const SSH_PROGRAM_ANNOTATION: &str = "ringmaster.dev/ssh-program";
 /// The trainer's binary in the image.
 pub const TRAINER_BINARY: &str = "ringmaster-trainer";
 
 /// The per-job SSH key Secret.
 pub fn ssh_secret(job: &str) -> String {
     format!("{job}-ssh")
-}
-
-/// The hostfile ConfigMap.
-pub fn hostfile_config_map(job: &str) -> String {
-    format!("{job}-hostfile")
 }
 
 /// The headless Service that gives workers DNS names.

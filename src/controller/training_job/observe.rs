@@ -43,6 +43,8 @@ pub struct PodState {
     pub life: PodLife,
     /// Being deleted.
     pub deleting: bool,
+    /// When the API server made it.
+    pub created: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
 }
 
 impl PodState {
@@ -93,6 +95,7 @@ impl PodState {
             attempt,
             life,
             deleting: pod.metadata.deletion_timestamp.is_some(),
+            created: pod.metadata.creation_timestamp.clone(),
         }
     }
 
@@ -104,6 +107,56 @@ impl PodState {
     /// Exited (either way).
     pub fn is_finished(&self) -> bool {
         matches!(self.life, PodLife::Succeeded(_) | PodLife::Failed(_))
+    }
+}
+
+/// Drops from a pod what the controller never reads, before it reaches the shared cache: the
+/// spec, annotations, managed fields, and every part of the status but the phase, the
+/// pod-level reason, the Ready and PodScheduled conditions and the first container's
+/// termination. What is kept is what [`PodState::of`] and the job's pod lookup read
+/// (namespace, name, labels, owners, UID, resourceVersion, timestamps); a cached pod gives
+/// the same [`PodState`] as the whole pod. Thousands of pods are cached: most of a pod's
+/// bytes are its spec and managed fields.
+pub fn strip_for_cache(pod: &mut Pod) {
+    pod.spec = None;
+    let meta = &mut pod.metadata;
+    meta.annotations = None;
+    meta.managed_fields = None;
+    meta.generate_name = None;
+    meta.finalizers = None;
+    if let Some(status) = pod.status.as_mut() {
+        let phase = status.phase.take();
+        let reason = status.reason.take();
+        let conditions = status.conditions.take().map(|cs| {
+            cs.into_iter()
+                .filter(|c| c.type_ == "Ready" || c.type_ == "PodScheduled")
+                .map(|c| k8s_openapi::api::core::v1::PodCondition {
+                    last_probe_time: None,
+                    last_transition_time: None,
+                    observed_generation: None,
+                    ..c
+                })
+                .collect()
+        });
+        let terminated = status
+            .container_statuses
+            .take()
+            .and_then(|cs| cs.into_iter().next())
+            .map(|c| k8s_openapi::api::core::v1::ContainerStatus {
+                name: c.name,
+                state: c.state.map(|s| k8s_openapi::api::core::v1::ContainerState {
+                    terminated: s.terminated,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            });
+        *status = k8s_openapi::api::core::v1::PodStatus {
+            phase,
+            reason,
+            conditions,
+            container_statuses: terminated.map(|c| vec![c]),
+            ..Default::default()
+        };
     }
 }
 

@@ -645,6 +645,18 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
             plan.requeue(Duration::from_secs(u64::try_from(deadline).unwrap_or(1)));
         }
     }
+    // The launcher's start, when the status has not recorded it yet (its write can wait
+    // behind others, and the operator can restart in between): the pod says when it was made.
+    if plan.start_time.is_none()
+        && let Some(launcher) = observed.launcher.as_ref().filter(|l| !l.deleting)
+    {
+        plan.start_time = Some(
+            launcher
+                .created
+                .clone()
+                .unwrap_or_else(|| inputs.now.clone()),
+        );
+    }
     let launcher_running = observed
         .launcher
         .as_ref()

@@ -96,3 +96,31 @@ pub fn from_plan(
     }
     status
 }
+
+/// Whether `new` differs from `old` only in progress: worker counts, the launcher's state,
+/// the start time (the launcher pod holds it too), condition messages and timestamps, and
+/// WorkersReady going from Starting to ready. Such a change can wait a little and go out with
+/// the next one; a new phase, restart, result, generation, node pool, or any other condition
+/// moving (an unschedulable worker among them) is written at once.
+pub fn is_progress_only(old: &TrainingJobStatus, new: &TrainingJobStatus) -> bool {
+    fn gist(status: &TrainingJobStatus) -> (TrainingJobStatus, Vec<(String, String, String)>) {
+        let conditions = status
+            .conditions
+            .iter()
+            .filter(|c| {
+                c.type_ != super::plan::condition_types::WORKERS_READY
+                    || c.reason == super::plan::reasons::UNSCHEDULABLE
+            })
+            .map(|c| (c.type_.clone(), c.status.clone(), c.reason.clone()))
+            .collect();
+        let rest = TrainingJobStatus {
+            workers: WorkerCounts::default(),
+            launcher: None,
+            start_time: None,
+            conditions: Vec::new(),
+            ..status.clone()
+        };
+        (rest, conditions)
+    }
+    new != old && gist(new) == gist(old)
+}

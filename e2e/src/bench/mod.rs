@@ -1,0 +1,98 @@
+//! bench-operator's parts: the operators it measures side by side, the identities that let
+//! the API server's audit log count each one's requests, and the /proc readings of CPU and
+//! memory.
+
+pub mod audit;
+pub mod contender;
+pub mod identity;
+pub mod process;
+
+use std::collections::BTreeMap;
+
+/// Where the API server's time went: seconds spent answering and requests answered, by
+/// "VERB resource[/subresource]", summed over every client, from the text of its /metrics
+/// (`apiserver_request_duration_seconds`). Watches and other long-running requests are left
+/// out: their duration is how long they stayed open.
+pub fn apiserver_time_by_request(metrics: &str) -> BTreeMap<String, (f64, f64)> {
+    let mut by_request: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    for line in metrics.lines() {
+        let (is_sum, rest) = if let Some(rest) =
+            line.strip_prefix("apiserver_request_duration_seconds_sum{")
+        {
+            (true, rest)
+        } else if let Some(rest) = line.strip_prefix("apiserver_request_duration_seconds_count{") {
+            (false, rest)
+        } else {
+            continue;
+        };
+        let Some((labels, value)) = rest.rsplit_once("} ") else {
+            continue;
+        };
+        let Ok(value) = value.trim().parse::<f64>() else {
+            continue;
+        };
+        let label = |name: &str| {
+            labels
+                .split(',')
+                .find_map(|kv| kv.strip_prefix(&format!("{name}=\"")))
+                .map(|v| v.trim_end_matches('"'))
+                .unwrap_or("")
+        };
+        let verb = label("verb");
+        if matches!(verb, "WATCH" | "CONNECT") {
+            continue;
+        }
+        let resource = match label("subresource") {
+            "" => label("resource").to_string(),
+            sub => format!("{}/{sub}", label("resource")),
+        };
+        let entry = by_request.entry(format!("{verb} {resource}")).or_default();
+        if is_sum {
+            entry.0 += value;
+        } else {
+            entry.1 += value;
+        }
+    }
+    by_request
+}
+
+/// The `p`th percentile (0..=100) of `values`, nearest rank; `None` when there are none.
+pub fn percentile(values: &[f64], p: f64) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    Some(sorted[rank.clamp(1, sorted.len()) - 1])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{apiserver_time_by_request, percentile};
+
+    #[test]
+    fn the_api_servers_time_is_summed_by_verb_and_resource_without_watches() {
+        let metrics = r#"# HELP apiserver_request_duration_seconds x
+apiserver_request_duration_seconds_sum{component="apiserver",dry_run="",group="",resource="pods",scope="resource",subresource="binding",verb="POST",version="v1"} 2.5
+apiserver_request_duration_seconds_count{component="apiserver",dry_run="",group="",resource="pods",scope="resource",subresource="binding",verb="POST",version="v1"} 100
+apiserver_request_duration_seconds_sum{component="apiserver",dry_run="",group="",resource="pods",scope="resource",subresource="",verb="PATCH",version="v1"} 1.5
+apiserver_request_duration_seconds_sum{component="",dry_run="",group="",resource="pods",scope="resource",subresource="",verb="PATCH",version="v1"} 0.5
+apiserver_request_duration_seconds_sum{component="apiserver",dry_run="",group="",resource="pods",scope="namespace",subresource="",verb="WATCH",version="v1"} 900
+apiserver_request_duration_seconds_bucket{component="apiserver",le="0.1",resource="pods",verb="PATCH"} 3
+"#;
+        let by = apiserver_time_by_request(metrics);
+        assert_eq!(by["POST pods/binding"], (2.5, 100.0));
+        assert_eq!(by["PATCH pods"], (2.0, 0.0));
+        assert_eq!(by.len(), 2);
+    }
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let values: Vec<f64> = (1..=20).rev().map(f64::from).collect();
+        assert_eq!(percentile(&values, 50.0), Some(10.0));
+        assert_eq!(percentile(&values, 99.0), Some(20.0));
+        assert_eq!(percentile(&values, 0.0), Some(1.0));
+        assert_eq!(percentile(&[], 50.0), None);
+    }
+}

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Builds the peers Ringmaster's benchmarks measure it against, from their published Go
+# modules, into a cache outside the repository keyed by version (a binary already there is
+# not rebuilt), and prints the binary's path on stdout:
+#   e2e/tools/peers.sh mpi-operator   Kubeflow MPI Operator (github.com/kubeflow/mpi-operator)
+#   e2e/tools/peers.sh azcopy         azcopy (github.com/Azure/azure-storage-azcopy/v10)
+# The proxy here serves these exact versions but refuses their version lists, which
+# `go install module@version` asks for, so each builds from a module of ours (its folder
+# here pins the version). MPI Operator's CRD is copied beside its binary
+# (<binary>.crd.yaml). MPI Operator is patched in one place only: its health server
+# listens on 127.0.0.1 instead of every interface, as servers here must.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+cache=${RINGMASTER_CACHE:-$HOME/.cache/ringmaster}
+export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
+log() { printf '[peers] %s\n' "$*" >&2; }
+
+peer=${1:-}
+case "$peer" in
+  mpi-operator) module=github.com/kubeflow/mpi-operator package=$module/cmd/mpi-operator ;;
+  azcopy) module=github.com/Azure/azure-storage-azcopy/v10 package=$module ;;
+  *) echo "usage: $0 mpi-operator|azcopy" >&2; exit 2 ;;
+esac
+version=$(sed -n "s|^require $module \(v[^ ]*\)$|\1|p" "$here/$peer/go.mod")
+[ -n "$version" ] || { log "no version of $module in $here/$peer/go.mod"; exit 1; }
+out="$cache/bin/peers/$peer-$version"
+if [ ! -x "$out" ]; then
+  started=$SECONDS
+  log "building $peer $version from $module (first time: a few minutes on 2 cores)"
+  work=$(mktemp -d)
+  trap 'chmod -R u+w "$work" 2>/dev/null; rm -rf "$work"' EXIT
+  cp "$here/$peer/go.mod" "$here/$peer/go.sum" "$here/$peer/tools.go" "$work/"
+  if [ "$peer" = mpi-operator ]; then
+    source_dir=$(cd "$work" && go mod download -json "$module@$version" | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')
+    cp -r "$source_dir" "$work/src" && chmod -R u+w "$work/src"
+    server="$work/src/cmd/mpi-operator/app/server.go"
+    grep -q 'fmt.Sprintf(":%d", healthCheckPort)' "$server" || { log "the health server's address moved in $version: update the patch"; exit 1; }
+    sed -i 's|fmt.Sprintf(":%d", healthCheckPort)|fmt.Sprintf("127.0.0.1:%d", healthCheckPort)|' "$server"
+    (cd "$work" && go mod edit -replace "$module=./src")
+    # Its CRD travels with the binary: bench-operator installs it.
+    mkdir -p "$(dirname "$out")"
+    cp "$work/src/manifests/base/kubeflow.org_mpijobs.yaml" "$out.crd.yaml"
+  fi
+  mkdir -p "$(dirname "$out")"
+  (cd "$work" && go build -trimpath -ldflags "-s -w" -o "$out" "$package" >&2)
+  log "built $peer $version in $((SECONDS - started)) s"
+fi
+echo "$out"
