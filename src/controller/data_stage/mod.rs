@@ -157,6 +157,13 @@ async fn write(
     if let Some(map) = value.as_object_mut() {
         map.remove("progress");
     }
-    ctx.write_status(object, &old.conditions, &new.conditions, value, is_warning)
-        .await
+    ctx.write_status(
+        object,
+        &old.conditions,
+        &new.conditions,
+        value,
+        super::StatusWrite::Apply,
+        is_warning,
+    )
+    .await
 }

@@ -103,20 +103,21 @@ async fn ensure_ssh_secret(client: &Client, job: &ValidatedTrainingJob) -> Resul
 pub struct Written {
     /// The Secret and Service were applied.
     pub children: bool,
-    /// The pods made, by name.
+    /// The pods this call made (not those that existed already), by name.
     pub pods: Vec<String>,
 }
 
-/// Creates `object`, keeping one that exists already (409). Pods are never changed once
-/// made, and a create costs the API server far less than a server-side apply of the same
-/// object (measured at 1,000 jobs × 8 workers: applies of pods took most of its time).
-async fn create_unless_exists<K>(api: &Api<K>, object: &K) -> Result<(), kube::Error>
+/// Creates `object`, keeping one that exists already (409); true when this call made it.
+/// Pods are never changed once made, and a create costs the API server far less than a
+/// server-side apply of the same object (measured at 1,000 jobs × 8 workers: applies of
+/// pods took most of its time).
+async fn create_unless_exists<K>(api: &Api<K>, object: &K) -> Result<bool, kube::Error>
 where
     K: kube::Resource + serde::Serialize + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
     match api.create(&PostParams::default(), object).await {
-        Ok(_) => Ok(()),
-        Err(e) if is_conflict(&e) => Ok(()),
+        Ok(_) => Ok(true),
+        Err(e) if is_conflict(&e) => Ok(false),
         Err(e) => Err(e),
     }
 }
@@ -151,7 +152,7 @@ pub async fn execute(
         let result = if children == Children::Update {
             server_side_apply(&services, &service).await
         } else {
-            create_unless_exists(&services, &service).await
+            create_unless_exists(&services, &service).await.map(|_| ())
         };
         result.map_err(kube_error("applying", "Service", &service.name_any()))?;
         written.children = true;
@@ -165,7 +166,7 @@ pub async fn execute(
             let name = pod.name_any();
             create_unless_exists(&pods, &pod)
                 .await
-                .map(|()| name.clone())
+                .map(|made| made.then(|| name.clone()))
                 .map_err(kube_error("creating", "Pod", &name))
         }
     });
@@ -174,7 +175,7 @@ pub async fn execute(
     let mut first_error = None;
     for result in futures::future::join_all(workers).await {
         match result {
-            Ok(name) => written.pods.push(name),
+            Ok(made) => written.pods.extend(made),
             Err(error) => {
                 first_error.get_or_insert(error);
             }
@@ -185,12 +186,13 @@ pub async fn execute(
     }
     if plan.create_launcher {
         let pod = build::launcher_pod(job, inputs);
-        create_unless_exists(&pods, &pod).await.map_err(kube_error(
+        if create_unless_exists(&pods, &pod).await.map_err(kube_error(
             "creating",
             "Pod",
             &pod.name_any(),
-        ))?;
-        written.pods.push(pod.name_any());
+        ))? {
+            written.pods.push(pod.name_any());
+        }
     }
     Ok(())
 }

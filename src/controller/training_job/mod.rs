@@ -22,7 +22,7 @@ use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Resource, ResourceExt};
 
-use super::{Context, Error, conditions, is_warning, now, object_key};
+use super::{Context, Error, StatusWrite, conditions, is_warning, now, object_key};
 use crate::api::{
     DataStage, DataStagePhase, TrainingJob, TrainingJobPhase, TrainingJobStatus, condition_reasons,
 };
@@ -39,6 +39,10 @@ pub async fn reconcile(
     object: Arc<DeserializeGuard<TrainingJob>>,
     ctx: Arc<Context>,
 ) -> Result<Action, Error> {
+    if !ctx.caches_synced() {
+        // Planned from caches without the job's pods, it would make pods that exist.
+        return Ok(Action::requeue(std::time::Duration::from_millis(500)));
+    }
     let _timer = ctx.metrics.reconcile_started(CONTROLLER);
     let key = object_key(object.as_ref());
     let action = match &object.0 {
@@ -89,8 +93,15 @@ async fn report_invalid(
     let new = status::invalid(&old, object.meta().generation, errors, &now());
     if new != old {
         let value = serde_json::to_value(&new).expect("status serializes");
-        ctx.write_status(object, &old.conditions, &new.conditions, value, is_warning)
-            .await?;
+        ctx.write_status(
+            object,
+            &old.conditions,
+            &new.conditions,
+            value,
+            StatusWrite::Replace,
+            is_warning,
+        )
+        .await?;
     }
     Ok(Action::await_change())
 }
@@ -185,10 +196,18 @@ async fn run(
     });
     plan::hold_back_names_in_use(&mut plan, &validated.name, &names_in_use);
     // Pods made moments ago that the cache does not show yet are not made again.
-    let unseen = ctx.recent.pods_not_yet_seen(&uid, &pod_refs, clock);
-    plan.create_workers
-        .retain(|i| !unseen.contains(&names::worker_pod(&validated.name, *i)));
-    if unseen.contains(&names::launcher_pod(&validated.name)) {
+    let unseen = ctx
+        .recent
+        .pods_not_yet_seen(&uid, plan.restarts, &pod_refs, clock);
+    let worker_held_back = |i: &u32| unseen.contains(&names::worker_pod(&validated.name, *i));
+    let launcher_held_back =
+        plan.create_launcher && unseen.contains(&names::launcher_pod(&validated.name));
+    if launcher_held_back || plan.create_workers.iter().any(worker_held_back) {
+        // Looked at again when the memory fades, should the cache never show them.
+        plan.requeue(recent::FRESH_FOR);
+    }
+    plan.create_workers.retain(|i| !worker_held_back(i));
+    if launcher_held_back {
         plan.create_launcher = false;
     }
     let mut new = status::from_plan(&old, generation, &plan, &observed, &now);
@@ -325,7 +344,7 @@ async fn write_status(
         return Ok(());
     }
     let value = serde_json::to_value(new).expect("status serializes");
-    ctx.write_status(object, &[], &[], value, is_warning)
+    ctx.write_status(object, &[], &[], value, StatusWrite::Replace, is_warning)
         .await?;
     ctx.recent.status_written(
         &object.uid().unwrap_or_default(),

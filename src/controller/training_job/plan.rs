@@ -153,7 +153,17 @@ impl Plan {
             create_workers: Vec::new(),
             create_launcher: false,
             delete_pods: Vec::new(),
-            start_time: inputs.status.start_time.clone(),
+            // The launcher's start, when the status has not recorded it yet (its write can
+            // wait behind others, and the operator can restart in between): the pod says
+            // when it was made.
+            start_time: inputs.status.start_time.clone().or_else(|| {
+                inputs
+                    .observed
+                    .launcher
+                    .as_ref()
+                    .filter(|l| !l.deleting)
+                    .map(|l| l.created.clone().unwrap_or_else(|| inputs.now.clone()))
+            }),
             completion_time: inputs.status.completion_time.clone(),
             result: inputs.status.result.clone(),
             conditions: Vec::new(),
@@ -163,7 +173,8 @@ impl Plan {
         }
     }
 
-    fn requeue(&mut self, after: Duration) {
+    /// Asks to look again after `after` at the latest.
+    pub fn requeue(&mut self, after: Duration) {
         self.requeue_after = Some(self.requeue_after.map_or(after, |d| d.min(after)));
     }
 
@@ -644,18 +655,6 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
         if let Some(deadline) = job.run_policy.active_deadline_seconds {
             plan.requeue(Duration::from_secs(u64::try_from(deadline).unwrap_or(1)));
         }
-    }
-    // The launcher's start, when the status has not recorded it yet (its write can wait
-    // behind others, and the operator can restart in between): the pod says when it was made.
-    if plan.start_time.is_none()
-        && let Some(launcher) = observed.launcher.as_ref().filter(|l| !l.deleting)
-    {
-        plan.start_time = Some(
-            launcher
-                .created
-                .clone()
-                .unwrap_or_else(|| inputs.now.clone()),
-        );
     }
     let launcher_running = observed
         .launcher

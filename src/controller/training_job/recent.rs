@@ -58,9 +58,15 @@ impl RecentWrites {
         f(jobs.entry(uid.to_string()).or_default())
     }
 
-    /// The pods of job `uid` made in the last [`FRESH_FOR`] that `cached` (the job's pods
-    /// in the cache) does not show yet; those it shows are forgotten.
-    pub fn pods_not_yet_seen(&self, uid: &str, cached: &[&Pod], now: Instant) -> Vec<String> {
+    /// The pods of gang `attempt` of job `uid` made in the last [`FRESH_FOR`] that `cached`
+    /// (the job's pods in the cache) does not show yet; those it shows are forgotten.
+    pub fn pods_not_yet_seen(
+        &self,
+        uid: &str,
+        attempt: i32,
+        cached: &[&Pod],
+        now: Instant,
+    ) -> Vec<String> {
         self.with(uid, now, |job| {
             job.pods.retain(|name, (attempt, at)| {
                 let seen = cached.iter().any(|pod| {
@@ -69,7 +75,11 @@ impl RecentWrites {
                 });
                 !seen && now.duration_since(*at) < FRESH_FOR
             });
-            job.pods.keys().cloned().collect()
+            job.pods
+                .iter()
+                .filter(|(_, (made_for, _))| *made_for == attempt)
+                .map(|(name, _)| name.clone())
+                .collect()
         })
     }
 
@@ -154,21 +164,25 @@ mod tests {
         let t0 = Instant::now();
         recent.pods_made("uid", 0, vec!["w-0".into(), "w-1".into()], t0);
         let w0 = pod("w-0", 0);
-        let mut unseen = recent.pods_not_yet_seen("uid", &[&w0], t0);
+        let mut unseen = recent.pods_not_yet_seen("uid", 0, &[&w0], t0);
         unseen.sort();
         assert_eq!(unseen, ["w-1"]);
         let old_gang = pod("w-1", 3);
         assert_eq!(
-            recent.pods_not_yet_seen("uid", &[&old_gang], t0),
+            recent.pods_not_yet_seen("uid", 0, &[&old_gang], t0),
             ["w-1"],
             "a pod of another gang under the same name is not the one made"
         );
         assert!(
             recent
-                .pods_not_yet_seen("uid", &[], t0 + FRESH_FOR)
+                .pods_not_yet_seen("uid", 0, &[], t0 + FRESH_FOR)
                 .is_empty()
         );
-        assert!(recent.pods_not_yet_seen("other", &[], t0).is_empty());
+        assert!(recent.pods_not_yet_seen("other", 0, &[], t0).is_empty());
+        assert!(
+            recent.pods_not_yet_seen("uid", 1, &[], t0).is_empty(),
+            "another gang's pods are not held back"
+        );
     }
 
     #[test]
