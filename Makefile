@@ -101,11 +101,12 @@ bench-allreduce: mpi ## Benchmark: TCP-ring all-reduce vs Open MPI's MPI_Allredu
 	TRAINER=$(CARGO_TARGET_DIR)/release/ringmaster-trainer MPI_BTL=self,tcp trainer/bench/allreduce-vs-mpi.sh
 
 .PHONY: bench-stage
-bench-stage: azurite ## Benchmark: `ringmaster stage` from Azurite to disk (1,000 × 1 MiB, 4 × 256 MiB) next to the Python SDK's parallel download_blob
+bench-stage: azurite ## Benchmark: `ringmaster stage` from Azurite to disk (1,000 × 1 MiB, 4 × 256 MiB) next to azcopy and the Python SDK's parallel download_blob
 	$(CARGO) build --release --locked -p ringmaster --bin ringmaster
 	@test -x $(RINGMASTER_CACHE)/pysdk/bin/python || python3 -m venv $(RINGMASTER_CACHE)/pysdk
 	@$(RINGMASTER_CACHE)/pysdk/bin/python -c 'import azure.storage.blob' 2>/dev/null || $(RINGMASTER_CACHE)/pysdk/bin/pip install -q azure-storage-blob
-	$(RINGMASTER_CACHE)/pysdk/bin/python bench/stage-vs-sdk.py $(CARGO_TARGET_DIR)/release/ringmaster $(RINGMASTER_CACHE)/azurite-$(AZURITE_VERSION)/node_modules/.bin/azurite-blob
+	azcopy=$$(e2e/tools/peers.sh azcopy) && \
+	  $(RINGMASTER_CACHE)/pysdk/bin/python bench/stage-vs-sdk.py $(CARGO_TARGET_DIR)/release/ringmaster $(RINGMASTER_CACHE)/azurite-$(AZURITE_VERSION)/node_modules/.bin/azurite-blob --azcopy "$$azcopy"
 
 .PHONY: gpu-bundle
 gpu-bundle: ## Build the trainer and its GPU tests (release, stripped) into trainer/gpu/.bundle, to carry to a GPU machine

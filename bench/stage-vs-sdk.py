@@ -57,7 +57,12 @@ def upload(container, prefix, count, size):
 
 
 def tree_size(folder):
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
+    """Bytes of the copied files (not the tools' own bookkeeping, such as the stager's manifest)."""
+    total = 0
+    for d, dirs, fs in os.walk(folder):
+        dirs[:] = [x for x in dirs if not x.startswith(".")]
+        total += sum(os.path.getsize(os.path.join(d, f)) for f in fs)
+    return total
 
 
 def sdk_download(container, prefix, dest):
@@ -125,7 +130,8 @@ def main():
                                AZCOPY_DISABLE_SYSLOG="true")
                     subprocess.run(
                         [args.azcopy, "copy", f"{endpoint}/{CONTAINER}/{prefix}/*?{sas}", dest,
-                         "--recursive", "--log-level", "ERROR", "--output-level", "quiet"],
+                         "--from-to", "BlobLocal", "--recursive", "--log-level", "ERROR",
+                         "--output-level", "essential"],
                         env=env, check=True, stdout=subprocess.DEVNULL)
                     total = tree_size(dest)
                 else:
