@@ -62,14 +62,6 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
-    /// Reading an object the reconcile depends on failed.
-    #[error("reading {kind} {name}: {source}")]
-    Read {
-        kind: &'static str,
-        name: String,
-        #[source]
-        source: kube::Error,
-    },
     /// Carrying out a TrainingJob's plan failed.
     #[error("TrainingJob {name}: {source}")]
     Apply {
@@ -106,7 +98,6 @@ impl Error {
     pub fn category(&self) -> &'static str {
         match self {
             Error::WriteStatus { .. } => "write_status",
-            Error::Read { .. } => "read",
             Error::Apply { .. } | Error::StageApply { .. } => "apply",
             Error::Pool { .. } => "node_pool",
             Error::Delete { .. } => "delete",
@@ -118,10 +109,9 @@ impl Error {
         match self {
             Error::WriteStatus { kind, .. } => kind,
             Error::StageApply { .. } => data_stage::CONTROLLER,
-            Error::Read { .. }
-            | Error::Apply { .. }
-            | Error::Delete { .. }
-            | Error::Pool { .. } => training_job::CONTROLLER,
+            Error::Apply { .. } | Error::Delete { .. } | Error::Pool { .. } => {
+                training_job::CONTROLLER
+            }
         }
     }
 }
