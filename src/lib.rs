@@ -2,7 +2,8 @@
 //!
 //! `api` holds the custom resources; `controller` the reconcilers (one module per kind,
 //! split into validate → build → apply → status steps); `validation` the schema and CEL
-//! checks the validate steps share; `crdgen` prints the CRDs; `metrics`, `server` and
+//! checks the validate steps share; `kueue` the part of Kueue's API a queued TrainingJob
+//! uses; `crdgen` prints the CRDs; `metrics`, `server` and
 //! `telemetry` are the operator's plumbing.
 
 pub mod aks;
@@ -10,6 +11,7 @@ pub mod api;
 pub mod controller;
 pub mod crdgen;
 pub mod kube_client;
+pub mod kueue;
 pub mod leader;
 pub mod metrics;
 pub mod server;

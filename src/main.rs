@@ -77,6 +77,12 @@ struct RunArgs {
         value_parser = clap::value_parser!(u16).range(1..)
     )]
     max_concurrent_reconciles: u16,
+    /// Queue TrainingJobs labelled `kueue.x-k8s.io/queue-name` in Kueue: each gets a Workload
+    /// and runs only while Kueue admits it. Needs Kueue's CRDs, and Kueue configured with
+    /// `integrations.externalFrameworks: ["TrainingJob.v1alpha1.ringmaster.dev"]`. Off, a
+    /// labelled job is not started (its Admitted condition says why).
+    #[arg(long, env = "RINGMASTER_KUEUE")]
+    kueue: bool,
     /// Image of a DataStage's copy Job; it runs `ringmaster stage`, so it is the operator's
     /// own image (the Helm chart passes it).
     #[arg(long, env = "RINGMASTER_STAGER_IMAGE", default_value = ringmaster::controller::DEFAULT_STAGER_IMAGE)]
@@ -259,6 +265,7 @@ async fn run(args: RunArgs) -> Result<(), String> {
             stager_image: args.stager_image,
             arm,
             max_concurrent_reconciles: args.max_concurrent_reconciles,
+            kueue: args.kueue,
         },
     ));
     let scope = Scope {

@@ -8,9 +8,10 @@ use prometheus::{
 use crate::api::TrainingJobPhase;
 
 /// Every phase, so the gauge shows zeros rather than missing series.
-const PHASES: [TrainingJobPhase; 9] = [
+const PHASES: [TrainingJobPhase; 10] = [
     TrainingJobPhase::Pending,
     TrainingJobPhase::WaitingForData,
+    TrainingJobPhase::Queued,
     TrainingJobPhase::ProvisioningNodes,
     TrainingJobPhase::Starting,
     TrainingJobPhase::Running,

@@ -30,6 +30,7 @@ fn inputs() -> BuildInputs {
     BuildInputs {
         attempt: 2,
         data_claim: Some("imagenet-data".into()),
+        ..BuildInputs::default()
     }
 }
 

@@ -13,6 +13,7 @@ use ringmaster::controller::training_job::observe::Observed;
 use ringmaster::controller::training_job::plan::{
     self, DataState, Plan, PlanInputs, PoolState, condition_types, reasons,
 };
+use ringmaster::controller::training_job::queue::{Placement, QueueState};
 use ringmaster::controller::training_job::status;
 use ringmaster::controller::training_job::validate::{ValidatedTrainingJob, validate_value};
 use serde_json::{Value, json};
@@ -89,6 +90,7 @@ struct Scenario {
     pods: Vec<Pod>,
     data: DataState,
     pool: PoolState,
+    queue: QueueState,
     now: Time,
 }
 
@@ -100,6 +102,7 @@ impl Scenario {
             pods: Vec::new(),
             data: DataState::NotNeeded,
             pool: PoolState::NotNeeded,
+            queue: QueueState::NotQueued,
             now: at(0),
         }
     }
@@ -119,6 +122,7 @@ impl Scenario {
             observed: &observed,
             data: &self.data,
             pool: &self.pool,
+            queue: &self.queue,
             now: &self.now,
             restart_backoff: Duration::from_secs(10),
         })
@@ -652,5 +656,151 @@ fn the_start_time_comes_from_the_launcher_pod_when_the_status_has_none() {
     assert_eq!(
         (p.phase, s.status.start_time.clone()),
         (Phase::Running, Some(at(3)))
+    );
+}
+
+#[test]
+fn a_queued_job_makes_no_pod_until_admitted_and_says_what_kueue_says() {
+    let mut s = Scenario::new(job(|_| {}));
+    s.queue = QueueState::Waiting {
+        message: "queued in LocalQueue gpus: couldn't assign flavors to pod set workers".into(),
+    };
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Queued);
+    assert!(p.create_workers.is_empty() && !p.create_launcher);
+    let (status, reason, message) = s.condition(condition_types::ADMITTED);
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("False", reasons::QUEUED)
+    );
+    assert!(message.contains("couldn't assign flavors"), "{message}");
+    assert_eq!(s.condition(condition_types::RECONCILING).0, "True");
+
+    s.queue = QueueState::Admitted {
+        placement: Placement::default(),
+        message: "admitted by ClusterQueue team (flavors: nd96)".into(),
+    };
+    let p = s.step();
+    assert_eq!(
+        (p.phase, p.create_workers.clone()),
+        (Phase::Starting, vec![0, 1])
+    );
+    assert_eq!(s.condition(condition_types::ADMITTED).0, "True");
+}
+
+#[test]
+fn pods_of_a_job_that_is_not_admitted_are_deleted() {
+    // Kueue took the admission back without an eviction the operator saw (or the job was
+    // labelled late): its pods go, whatever state they are in.
+    let mut s = Scenario::new(job(|_| {})).pods(vec![
+        pod("worker", 0, 0, "ready"),
+        pod("worker", 1, 0, "deleting"),
+        pod("launcher", 0, 0, "running"),
+    ]);
+    s.queue = QueueState::Waiting {
+        message: "queued".into(),
+    };
+    let mut p = s.step();
+    p.delete_pods.sort();
+    assert_eq!(
+        p.delete_pods,
+        vec!["resnet18-cpu-launcher", "resnet18-cpu-worker-0"]
+    );
+    assert_eq!(p.phase, Phase::Queued);
+}
+
+#[test]
+fn an_evicted_job_is_suspended_with_kueues_reason_then_starts_again_when_readmitted() {
+    let mut s = Scenario::new(job(|_| {})).pods(vec![
+        pod("worker", 0, 0, "ready"),
+        pod("worker", 1, 0, "ready"),
+        pod("launcher", 0, 0, "running"),
+    ]);
+    s.queue = QueueState::Admitted {
+        placement: Placement::default(),
+        message: "admitted".into(),
+    };
+    assert_eq!(s.step().phase, Phase::Running);
+    s.queue = QueueState::Evicted {
+        reason: "Preempted",
+        message:
+            "Preempted to accommodate a workload (UID: u) due to prioritization in the ClusterQueue"
+                .into(),
+    };
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Suspended);
+    assert_eq!(p.delete_pods.len(), 3);
+    let (status, reason, message) = s.condition(condition_types::SUSPENDED);
+    assert_eq!((status.as_str(), reason.as_str()), ("True", "Preempted"));
+    assert!(message.contains("prioritization"), "{message}");
+    assert_eq!(s.condition(condition_types::ADMITTED).1, "Preempted");
+    // Not a failure: no restart is counted, and nothing is Stalled.
+    assert_eq!(s.status.restarts, 0);
+    assert_eq!(s.condition(condition_types::STALLED).0, "False");
+
+    // Readmitted once the pods are gone: the same gang attempt starts afresh.
+    s.pods.clear();
+    s.queue = QueueState::Admitted {
+        placement: Placement::default(),
+        message: "admitted".into(),
+    };
+    let p = s.step();
+    assert_eq!(
+        (p.phase, p.create_workers.clone()),
+        (Phase::Starting, vec![0, 1])
+    );
+    assert_eq!(p.restarts, 0);
+    assert_eq!(s.condition(condition_types::SUSPENDED).0, "False");
+}
+
+#[test]
+fn a_queued_job_without_the_kueue_integration_is_held_and_says_why() {
+    let mut s = Scenario::new(job(|_| {}));
+    s.queue = QueueState::IntegrationOff {
+        queue: "gpus".into(),
+    };
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Pending);
+    assert!(p.create_workers.is_empty());
+    let (status, reason, message) = s.condition(condition_types::ADMITTED);
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("False", reasons::KUEUE_INTEGRATION_OFF)
+    );
+    assert!(message.contains("--kueue"), "{message}");
+
+    // A gang that runs already (the operator restarted without the integration) is left alone.
+    let mut s = Scenario::new(job(|_| {})).pods(vec![
+        pod("worker", 0, 0, "ready"),
+        pod("worker", 1, 0, "ready"),
+        pod("launcher", 0, 0, "running"),
+    ]);
+    s.queue = QueueState::IntegrationOff {
+        queue: "gpus".into(),
+    };
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Running);
+    assert!(p.delete_pods.is_empty());
+    assert!(
+        s.condition(condition_types::ADMITTED)
+            .2
+            .contains("left alone")
+    );
+}
+
+#[test]
+fn run_policy_suspend_wins_over_an_admission() {
+    let mut s = Scenario::new(job(|j| j["spec"]["runPolicy"]["suspend"] = json!(true)))
+        .pods(vec![pod("worker", 0, 0, "ready")]);
+    s.queue = QueueState::Admitted {
+        placement: Placement::default(),
+        message: "admitted".into(),
+    };
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Suspended);
+    assert_eq!(p.delete_pods, vec!["resnet18-cpu-worker-0"]);
+    assert_eq!(
+        s.condition(condition_types::SUSPENDED).1,
+        reasons::SUSPENDED
     );
 }

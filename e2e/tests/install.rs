@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use common::{TestNamespace, apply, client, ensure_crds, eventually, tool};
 use k8s_openapi::api::core::v1::{Node, Secret};
+use kube::Api;
 use kube::api::{DeleteParams, ListParams};
-use kube::{Api, Client};
 use ringmaster::api::{DataStage, TrainingJob};
 use ringmaster::controller::{self, Context, OperatorConfig, Scope};
 use ringmaster::metrics::Metrics;
@@ -153,22 +153,6 @@ async fn the_chart_lints_refuses_bad_values_and_matches_the_kustomize_bases() {
     assert_eq!(objects(&built), expected);
 }
 
-/// A client that acts as `system:serviceaccount:{ns}:{name}`.
-async fn impersonating(ns: &str, name: &str) -> Client {
-    let kubeconfig =
-        kube::config::Kubeconfig::read_from(ringmaster_e2e::cluster::kubeconfig_path()).unwrap();
-    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
-        .await
-        .unwrap();
-    config.auth_info.impersonate = Some(format!("system:serviceaccount:{ns}:{name}"));
-    config.auth_info.impersonate_groups = Some(vec![
-        "system:serviceaccounts".into(),
-        format!("system:serviceaccounts:{ns}"),
-        "system:authenticated".into(),
-    ]);
-    Client::try_from(config).unwrap()
-}
-
 #[tokio::test]
 async fn helm_install_gives_the_operator_exactly_enough_rights_and_uninstall_leaves_only_crds() {
     let _ = tracing_subscriber::fmt()
@@ -199,7 +183,7 @@ async fn helm_install_gives_the_operator_exactly_enough_rights_and_uninstall_lea
     // The operator, as the chart's ServiceAccount, with leader election in its namespace.
     // The chart names its objects `<release>-ringmaster`.
     let full_name = format!("{release}-ringmaster");
-    let operator = impersonating(&system.name, &full_name).await;
+    let operator = common::impersonating(&system.name, &full_name).await;
     let ctx = Arc::new(Context::new(
         operator.clone(),
         Metrics::new(),

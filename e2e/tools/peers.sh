@@ -4,10 +4,13 @@
 # not rebuilt), and prints the binary's path on stdout:
 #   e2e/tools/peers.sh mpi-operator   Kubeflow MPI Operator (github.com/kubeflow/mpi-operator)
 #   e2e/tools/peers.sh azcopy         azcopy (github.com/Azure/azure-storage-azcopy/v10)
+#   e2e/tools/peers.sh kueue          Kueue (sigs.k8s.io/kueue), which TrainingJobs queue in
 # The proxy here serves these exact versions but refuses their version lists, which
 # `go install module@version` asks for, so each builds from a module of ours (its folder
 # here pins the version). MPI Operator's CRD is copied beside its binary
-# (<binary>.crd.yaml). MPI Operator is patched in one place only: its health server
+# (<binary>.crd.yaml); Kueue's install, rendered from its own kustomization (config/default)
+# and cut to what a controller run outside the cluster needs, too (<binary>.manifests.yaml,
+# see e2e/kueue.sh). MPI Operator is patched in one place only: its health server
 # listens on 127.0.0.1 instead of every interface, as servers here must.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -15,11 +18,27 @@ cache=${RINGMASTER_CACHE:-$HOME/.cache/ringmaster}
 export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
 log() { printf '[peers] %s\n' "$*" >&2; }
 
+# Kueue's own install (kustomize config/default, as its release manifests are made), kept to
+# what Kueue run as a process on this machine needs: its namespace, CRDs, webhook
+# configurations and the Secret its certificate manager fills. Its Deployment, RBAC and
+# Services stay out (e2e/kueue.sh makes the webhook Service, pointing at the process). Every
+# webhook's service reference gets the port the process serves on (@WEBHOOK_PORT@, filled in
+# by e2e/kueue.sh) instead of 443.
+kueue_manifests() {
+  local kubectl
+  kubectl="$("$here/build.sh")/kubectl"
+  "$kubectl" kustomize "$1/config/default" |
+    awk 'BEGIN { RS = "\n---\n"; ORS = "\n---\n" }
+         /(^|\n)kind: (Namespace|CustomResourceDefinition|MutatingWebhookConfiguration|ValidatingWebhookConfiguration|Secret)\n/' |
+    sed '/^ *name: kueue-webhook-service$/{n;s/^\( *\)namespace: kueue-system$/&\n\1port: @WEBHOOK_PORT@/}'
+}
+
 peer=${1:-}
 case "$peer" in
   mpi-operator) module=github.com/kubeflow/mpi-operator package=$module/cmd/mpi-operator ;;
   azcopy) module=github.com/Azure/azure-storage-azcopy/v10 package=$module ;;
-  *) echo "usage: $0 mpi-operator|azcopy" >&2; exit 2 ;;
+  kueue) module=sigs.k8s.io/kueue package=$module/cmd/kueue ;;
+  *) echo "usage: $0 mpi-operator|azcopy|kueue" >&2; exit 2 ;;
 esac
 version=$(sed -n "s|^require $module \(v[^ ]*\)$|\1|p" "$here/$peer/go.mod")
 [ -n "$version" ] || { log "no version of $module in $here/$peer/go.mod"; exit 1; }
@@ -40,6 +59,11 @@ if [ ! -x "$out" ]; then
     # Its CRD travels with the binary: bench-operator installs it.
     mkdir -p "$(dirname "$out")"
     cp "$work/src/manifests/base/kubeflow.org_mpijobs.yaml" "$out.crd.yaml"
+  fi
+  if [ "$peer" = kueue ]; then
+    source_dir=$(cd "$work" && go mod download -json "$module@$version" | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')
+    mkdir -p "$(dirname "$out")"
+    kueue_manifests "$source_dir" > "$out.manifests.yaml.tmp" && mv "$out.manifests.yaml.tmp" "$out.manifests.yaml"
   fi
   mkdir -p "$(dirname "$out")"
   (cd "$work" && go build -trimpath -ldflags "-s -w" -o "$out" "$package" >&2)

@@ -624,6 +624,9 @@ pub enum TrainingJobPhase {
     Pending,
     /// Waiting for the DataStage in dataStageRef to be Ready.
     WaitingForData,
+    /// Waiting in a Kueue queue (label kueue.x-k8s.io/queue-name) for its Workload to be
+    /// admitted: no pods. The Admitted condition says what Kueue says.
+    Queued,
     /// Waiting for the node pool and its nodes.
     ProvisioningNodes,
     /// Workers are starting; the launcher starts once all are ready.
@@ -632,7 +635,8 @@ pub enum TrainingJobPhase {
     Running,
     /// A retryable failure happened; the gang is being replaced.
     Restarting,
-    /// Suspended by runPolicy.suspend: no pods.
+    /// Suspended by runPolicy.suspend, or evicted by Kueue (preempted, deactivated, its
+    /// queue stopped) until it is admitted again: no pods. The Suspended condition says why.
     Suspended,
     /// The launcher exited 0.
     Succeeded,

@@ -31,6 +31,7 @@ use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{DataStage, TrainingJob, condition_reasons, condition_types};
+use crate::kueue::{ResourceFlavor, Workload};
 use crate::metrics::Metrics;
 use crate::validation::FieldErrors;
 use conditions::DesiredCondition;
@@ -128,6 +129,9 @@ pub struct OperatorConfig {
     pub arm: Option<crate::aks::ArmClient>,
     /// Reconciles of one kind at once (each makes up to a gang's pods concurrently).
     pub max_concurrent_reconciles: u16,
+    /// Queue TrainingJobs labelled `kueue.x-k8s.io/queue-name` in Kueue (its CRDs must be
+    /// installed): Workloads and ResourceFlavors are watched.
+    pub kueue: bool,
 }
 
 /// The operator image of this version, which also runs the stager.
@@ -143,6 +147,7 @@ impl Default for OperatorConfig {
             stager_image: DEFAULT_STAGER_IMAGE.to_string(),
             arm: None,
             max_concurrent_reconciles: 16,
+            kueue: false,
         }
     }
 }
@@ -166,6 +171,15 @@ pub struct Context {
     pub data_stages: Store<DataStage>,
     /// The writer of `data_stages`, taken by [`run`].
     data_stages_writer: Mutex<Option<Writer<DataStage>>>,
+    /// The Kueue Workloads of queued TrainingJobs (label ringmaster.dev/job-name), cached;
+    /// empty without the Kueue integration.
+    pub workloads: Store<Workload>,
+    /// The writer of `workloads`, taken by [`run`].
+    workloads_writer: Mutex<Option<Writer<Workload>>>,
+    /// Kueue's ResourceFlavors (their node labels and tolerations place admitted pods).
+    pub flavors: Store<ResourceFlavor>,
+    /// The writer of `flavors`, taken by [`run`].
+    flavors_writer: Mutex<Option<Writer<ResourceFlavor>>>,
     /// Consecutive failures per object, for exponential backoff.
     failures: Mutex<HashMap<String, u32>>,
     /// Status progress held back per object.
@@ -191,6 +205,8 @@ impl Context {
         };
         let (pods, pods_writer) = reflector::store();
         let (data_stages, data_stages_writer) = reflector::store();
+        let (workloads, workloads_writer) = reflector::store();
+        let (flavors, flavors_writer) = reflector::store();
         Self {
             recorder: Recorder::new(client.clone(), reporter),
             client,
@@ -200,6 +216,10 @@ impl Context {
             pods_writer: Mutex::new(Some(pods_writer)),
             data_stages,
             data_stages_writer: Mutex::new(Some(data_stages_writer)),
+            workloads,
+            workloads_writer: Mutex::new(Some(workloads_writer)),
+            flavors,
+            flavors_writer: Mutex::new(Some(flavors_writer)),
             failures: Mutex::new(HashMap::new()),
             progress: progress::ProgressGate::default(),
             caches_synced: AtomicBool::new(false),
@@ -531,6 +551,42 @@ pub async fn run(
     );
     let job_store = jobs.store();
     let jobs_by_stage = job_store.clone();
+    let workloads_writer = ctx
+        .workloads_writer
+        .lock()
+        .expect("workloads writer lock")
+        .take()
+        .expect("controller::run is called once per Context");
+    let flavors_writer = ctx
+        .flavors_writer
+        .lock()
+        .expect("flavors writer lock")
+        .take()
+        .expect("controller::run is called once per Context");
+    let jobs = if ctx.config.kueue {
+        // A Workload's change (admitted, evicted, readmitted) wakes the job that owns it.
+        let workload_events = watcher(
+            scope.api::<Workload>(&ctx.client),
+            watcher::Config::default()
+                .labels(training_job::names::JOB_NAME_LABEL)
+                .any_semantic(),
+        )
+        .default_backoff()
+        .reflect(workloads_writer)
+        .touched_objects();
+        // ResourceFlavors are only read (at admission), so they wake no job.
+        let flavor_events = watcher(
+            Api::<ResourceFlavor>::all(ctx.client.clone()),
+            watch.clone(),
+        )
+        .default_backoff()
+        .reflect(flavors_writer)
+        .touched_objects();
+        jobs.owns_stream(workload_events)
+            .watches_stream(flavor_events, |_| std::iter::empty())
+    } else {
+        jobs
+    };
     let jobs = jobs
         .owns_stream(pod_events)
         .watches_stream(stage_events, move |stage: DataStage| {
@@ -577,12 +633,15 @@ pub async fn run(
     let stage_store = stages.store();
     let (pod_store, gauge_jobs) = (ctx.pods.clone(), job_store.clone());
     let staged = ctx.data_stages.clone();
+    let (workloads, flavors) = (ctx.workloads.clone(), ctx.flavors.clone());
+    let kueue = ctx.config.kueue;
     let synced = ctx.clone();
     tokio::spawn(async move {
         if wait_until_ready(&job_store).await
             && wait_until_ready(&stage_store).await
             && wait_until_ready(&pod_store).await
             && wait_until_ready(&staged).await
+            && (!kueue || (wait_until_ready(&workloads).await && wait_until_ready(&flavors).await))
         {
             synced.caches_synced.store(true, Ordering::Release);
             ready.store(true, Ordering::Release);

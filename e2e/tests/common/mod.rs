@@ -443,3 +443,19 @@ pub async fn restarting_event_note(client: &kube::Client, namespace: &str, job: 
     assert_eq!(restarting.type_.as_deref(), Some("Warning"));
     restarting.note.unwrap_or_default()
 }
+
+/// A client that acts as `system:serviceaccount:{ns}:{name}`.
+pub async fn impersonating(ns: &str, name: &str) -> Client {
+    let kubeconfig =
+        kube::config::Kubeconfig::read_from(ringmaster_e2e::cluster::kubeconfig_path()).unwrap();
+    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .unwrap();
+    config.auth_info.impersonate = Some(format!("system:serviceaccount:{ns}:{name}"));
+    config.auth_info.impersonate_groups = Some(vec![
+        "system:serviceaccounts".into(),
+        format!("system:serviceaccounts:{ns}"),
+        "system:authenticated".into(),
+    ]);
+    Client::try_from(config).unwrap()
+}

@@ -11,6 +11,7 @@ use super::names::{
     self, LAUNCHER_ROLE, RENDEZVOUS_PORT, SSH_MOUNT, SSH_SECRET_MOUNT, WORKER_ROLE,
 };
 use super::pool;
+use super::queue::{Placement, PodPlacement};
 use super::validate::{Program, TrainerSettings, ValidatedTrainingJob};
 use crate::api::{MpiImplementation, OutputSpec, PodOverrides};
 
@@ -73,13 +74,16 @@ impl SshKeys {
     }
 }
 
-/// What the build needs beyond the spec: the gang attempt and the resolved DataStage claim.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// What the build needs beyond the spec: the gang attempt, the resolved DataStage claim and
+/// what a Kueue admission adds to the pods.
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct BuildInputs {
     /// The gang attempt (the job's restart count).
     pub attempt: i32,
     /// The claim of the referenced DataStage, once it is Ready.
     pub data_claim: Option<String>,
+    /// The admitted flavors' node selectors and tolerations (empty unless queued in Kueue).
+    pub placement: Placement,
 }
 
 fn owner(job: &ValidatedTrainingJob) -> Value {
@@ -304,6 +308,19 @@ fn merge_overrides(pod: &mut Value, overrides: &PodOverrides) {
     }
 }
 
+/// Puts a pod where its Kueue admission says: the flavors' node labels win over the spec's
+/// (the quota was given for those nodes), their tolerations are added.
+fn place(pod: &mut Value, placement: &PodPlacement) {
+    let spec = &mut pod["spec"];
+    for (k, v) in &placement.node_selector {
+        spec["nodeSelector"][k] = json!(v);
+    }
+    extend(
+        &mut spec["tolerations"],
+        placement.tolerations.iter().map(as_value),
+    );
+}
+
 fn as_value<T: serde::Serialize>(v: &T) -> Value {
     serde_json::to_value(v).expect("Kubernetes types serialize")
 }
@@ -406,6 +423,7 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
         },
     });
     merge_overrides(&mut pod, &job.worker);
+    place(&mut pod, &inputs.placement.workers);
     typed(pod)
 }
 
@@ -517,6 +535,7 @@ pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
     });
     pod["metadata"]["annotations"] = json!(annotations);
     merge_overrides(&mut pod, &job.launcher);
+    place(&mut pod, &inputs.placement.launcher);
     typed(pod)
 }
 

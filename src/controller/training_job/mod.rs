@@ -1,12 +1,14 @@
 //! The TrainingJob controller: validate → (dereference the DataStage) → plan → build/apply →
 //! status. Pods are read from a shared cache, so a reconcile costs no reads of the API.
 
+pub mod admission;
 pub mod apply;
 pub mod build;
 pub mod names;
 pub mod observe;
 pub mod plan;
 pub mod pool;
+pub mod queue;
 pub mod recent;
 pub mod status;
 pub mod validate;
@@ -169,6 +171,33 @@ async fn run(
     let key = object_key(object);
     let now = now();
     let data = data_state(ctx, validated);
+    let data_claim = match &data {
+        DataState::Ready { claim } => Some(claim.clone()),
+        _ => None,
+    };
+    let finished = matches!(
+        old.phase,
+        TrainingJobPhase::Succeeded | TrainingJobPhase::Failed
+    );
+    let (queue, workload) = match admission::look(
+        ctx,
+        job,
+        validated,
+        &data,
+        &BuildInputs {
+            attempt: old.restarts,
+            data_claim: data_claim.clone(),
+            ..BuildInputs::default()
+        },
+        finished,
+    )
+    .await
+    {
+        Ok(looked) => looked,
+        Err(source) => {
+            return Err(rejected(ctx, object, (&old, &old), "", validated, source).await);
+        }
+    };
     let (pods, names_in_use) = pods_of(ctx, job);
     let pod_refs: Vec<&Pod> = pods.iter().map(AsRef::as_ref).collect();
     let observed = Observed::sort(&pod_refs, validated.workers, old.restarts);
@@ -191,6 +220,7 @@ async fn run(
         observed: &observed,
         data: &data,
         pool: &pool.state,
+        queue: &queue,
         now: &now,
         restart_backoff: ctx.config.restart_backoff,
     });
@@ -216,9 +246,10 @@ async fn run(
     }
     let inputs = BuildInputs {
         attempt: plan.restarts,
-        data_claim: match &data {
-            DataState::Ready { claim } => Some(claim.clone()),
-            _ => None,
+        data_claim,
+        placement: match &queue {
+            queue::QueueState::Admitted { placement, .. } => placement.clone(),
+            _ => queue::Placement::default(),
         },
     };
     // A restart is recorded before its pods are deleted, so a crash in between cannot lose
@@ -259,24 +290,20 @@ async fn run(
         ctx.recent
             .children_applied(&uid, generation, plan.restarts, clock);
     }
+    let made_pods = !written.pods.is_empty();
     ctx.recent
         .pods_made(&uid, plan.restarts, written.pods, clock);
     if let Err(source) = applied {
-        if let Some(message) = source.rejection() {
-            // Visible on the job, not only in the log; retried with backoff (a missing
-            // PriorityClass or an exhausted quota can be fixed meanwhile).
-            let written = if restarting { &new } else { &old };
-            let stalled = status::child_rejected(&new, generation, &message, &now);
-            write_status(ctx, object, written, &stalled, &plan.message).await?;
-            if conditions::rejected_child(&old.conditions) != Some(message.as_str()) {
-                ctx.warn(object, condition_reasons::CHILD_REJECTED, &message)
-                    .await;
-            }
-        }
-        return Err(Error::Apply {
-            name: format!("{}/{}", validated.namespace, validated.name),
+        let written = if restarting { &new } else { &old };
+        return Err(rejected(
+            ctx,
+            object,
+            (written, &new),
+            &plan.message,
+            validated,
             source,
-        });
+        )
+        .await);
     }
     // Progress alone (worker counts, messages) is held back a little and goes out with the
     // next write: one write per pod event would cost the API server most of a job's requests.
@@ -288,6 +315,22 @@ async fn run(
     if !restarting && progress_wait.is_none() {
         write_status(ctx, object, &old, &new, &plan.message).await?;
         ctx.status_written(&key);
+    }
+    // Kueue is told what it waits for: the quota of an evicted job whose pods are all gone
+    // (also those terminating, or made moments ago and not in the cache yet), and the end of
+    // a finished job.
+    let pods_exist = !pods.is_empty() || !unseen.is_empty() || made_pods;
+    if let Err(source) = admission::settle(
+        ctx,
+        workload.as_deref(),
+        plan.phase,
+        &plan.message,
+        pods_exist,
+        &now,
+    )
+    .await
+    {
+        return Err(rejected(ctx, object, (&new, &new), &plan.message, validated, source).await);
     }
     // Time to Running, for first runs only (not restarts or resumes).
     if new.phase == TrainingJobPhase::Running
@@ -328,6 +371,35 @@ async fn run(
             None => Action::await_change(),
         },
     )
+}
+
+/// The error of a write the job needed; when the API server refused it (a missing
+/// PriorityClass, an exhausted ResourceQuota, Kueue's webhook refusing the Workload), the
+/// refusal is put on the job's status (`written` is what it says now) and a Warning Event,
+/// and the write is retried with backoff: it can be fixed meanwhile.
+async fn rejected(
+    ctx: &Context,
+    object: &DeserializeGuard<TrainingJob>,
+    (written, planned): (&TrainingJobStatus, &TrainingJobStatus),
+    phase_message: &str,
+    validated: &validate::ValidatedTrainingJob,
+    source: apply::ApplyError,
+) -> Error {
+    if let Some(message) = source.rejection() {
+        let generation = object.meta().generation;
+        let stalled = status::child_rejected(planned, generation, &message, &now());
+        if let Err(error) = write_status(ctx, object, written, &stalled, phase_message).await {
+            return error;
+        }
+        if conditions::rejected_child(&written.conditions) != Some(message.as_str()) {
+            ctx.warn(object, condition_reasons::CHILD_REJECTED, &message)
+                .await;
+        }
+    }
+    Error::Apply {
+        name: format!("{}/{}", validated.namespace, validated.name),
+        source,
+    }
 }
 
 /// Writes the status when it changed, with an Event when the phase changed (and only then:

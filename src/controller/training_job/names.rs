@@ -84,3 +84,16 @@ pub fn pod_labels(job: &str, role: &str, attempt: i32) -> BTreeMap<String, Strin
     labels.insert(ATTEMPT_LABEL.into(), attempt.to_string());
     labels
 }
+
+/// The Kueue Workload of a queued job: its name and 5 hex digits of its UID, so a job made
+/// again under the same name gets a Workload of its own, and a restarted operator finds the
+/// one it made.
+pub fn workload(job: &str, uid: &str) -> String {
+    let tag: String = uid
+        .chars()
+        .filter(char::is_ascii_hexdigit)
+        .map(|c| c.to_ascii_lowercase())
+        .take(5)
+        .collect();
+    format!("trainingjob-{job}-{tag}")
+}

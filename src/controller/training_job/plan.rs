@@ -7,6 +7,7 @@ use std::time::Duration;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use super::observe::{Exit, Observed, PodLife, PodState};
+use super::queue::QueueState;
 use super::validate::ValidatedTrainingJob;
 use crate::api::{CleanPodPolicy, TrainingJobPhase, TrainingJobStatus, TrainingResult};
 use crate::controller::conditions::DesiredCondition;
@@ -24,6 +25,8 @@ pub mod condition_types {
     pub const RESTARTING: &str = "Restarting";
     /// The job is suspended.
     pub const SUSPENDED: &str = "Suspended";
+    /// Kueue admitted the job's Workload (queued jobs only).
+    pub const ADMITTED: &str = "Admitted";
     /// The launcher exited 0.
     pub const SUCCEEDED: &str = "Succeeded";
     /// The job failed for good.
@@ -54,6 +57,12 @@ pub mod reasons {
     pub const SUSPENDED: &str = "Suspended";
     /// Not suspended.
     pub const NOT_SUSPENDED: &str = "NotSuspended";
+    /// Waiting in a Kueue queue.
+    pub const QUEUED: &str = "Queued";
+    /// Kueue admitted the job's Workload.
+    pub const ADMITTED: &str = "Admitted";
+    /// Labelled for a Kueue queue, but the operator runs without `--kueue`.
+    pub const KUEUE_INTEGRATION_OFF: &str = "KueueIntegrationOff";
     /// The launcher exited 0.
     pub const SUCCEEDED: &str = "Succeeded";
     /// Restarts were used up.
@@ -110,6 +119,8 @@ pub struct PlanInputs<'a> {
     pub data: &'a DataState,
     /// The node pool.
     pub pool: &'a PoolState,
+    /// Where the job stands with Kueue.
+    pub queue: &'a QueueState,
     /// Now.
     pub now: &'a Time,
     /// Wait before the first restart; doubles each restart.
@@ -289,6 +300,7 @@ fn phase_conditions(plan: &mut Plan, detail: &str) {
     let reason: &'static str = match phase {
         P::Pending => "Pending",
         P::WaitingForData => reasons::WAITING_FOR_DATA,
+        P::Queued => reasons::QUEUED,
         P::ProvisioningNodes => reasons::PROVISIONING,
         P::Starting => reasons::STARTING,
         P::Running => reasons::RUNNING,
@@ -305,26 +317,34 @@ fn phase_conditions(plan: &mut Plan, detail: &str) {
     let ready = matches!(phase, P::Running | P::Succeeded);
     let reconciling = matches!(
         phase,
-        P::Pending | P::WaitingForData | P::ProvisioningNodes | P::Starting | P::Restarting
+        P::Pending
+            | P::WaitingForData
+            | P::Queued
+            | P::ProvisioningNodes
+            | P::Starting
+            | P::Restarting
     );
     let stalled = phase == P::Failed;
     plan.say(READY, ready, failed_reason.unwrap_or(reason), detail);
     plan.say(RECONCILING, reconciling, reason, detail);
     plan.say(STALLED, stalled, failed_reason.unwrap_or(reason), detail);
-    plan.say(
-        SUSPENDED,
-        phase == P::Suspended,
-        if phase == P::Suspended {
-            reasons::SUSPENDED
-        } else {
-            reasons::NOT_SUSPENDED
-        },
-        if phase == P::Suspended {
-            "runPolicy.suspend is true: no pods run"
-        } else {
-            ""
-        },
-    );
+    // A Kueue eviction says Suspended itself, with Kueue's reason.
+    if !plan.conditions.iter().any(|c| c.type_ == SUSPENDED) {
+        plan.say(
+            SUSPENDED,
+            phase == P::Suspended,
+            if phase == P::Suspended {
+                reasons::SUSPENDED
+            } else {
+                reasons::NOT_SUSPENDED
+            },
+            if phase == P::Suspended {
+                "runPolicy.suspend is true: no pods run"
+            } else {
+                ""
+            },
+        );
+    }
     if !plan.conditions.iter().any(|c| c.type_ == FAILED) {
         plan.say(FAILED, false, reasons::NOT_FINISHED, "");
     }
@@ -467,6 +487,63 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
             "the DataStage is Ready",
         ),
         _ => {}
+    }
+
+    // A queued job runs only while Kueue admits it: no pod of it exists otherwise.
+    match inputs.queue {
+        QueueState::NotQueued => {}
+        QueueState::Admitted { message, .. } => plan.say(
+            condition_types::ADMITTED,
+            true,
+            reasons::ADMITTED,
+            message.clone(),
+        ),
+        // Not started, so it cannot jump the queue; a gang that runs already (the operator
+        // restarted without the integration) is not killed for it.
+        QueueState::IntegrationOff { queue } => {
+            let detail = format!(
+                "labelled for Kueue queue {queue}, but this operator runs without its Kueue integration (--kueue, Helm kueue.enabled): {}",
+                if gang_exists {
+                    "its running gang is left alone"
+                } else {
+                    "not started, so it cannot jump the queue"
+                }
+            );
+            plan.say(
+                condition_types::ADMITTED,
+                false,
+                reasons::KUEUE_INTEGRATION_OFF,
+                detail.clone(),
+            );
+            if !gang_exists {
+                plan.phase = P::Pending;
+                phase_conditions(&mut plan, &detail);
+                return plan;
+            }
+        }
+        QueueState::Waiting { message } => {
+            plan.phase = P::Queued;
+            plan.delete_pods = every_pod(observed);
+            plan.say(
+                condition_types::ADMITTED,
+                false,
+                reasons::QUEUED,
+                message.clone(),
+            );
+            phase_conditions(&mut plan, message);
+            return plan;
+        }
+        QueueState::Evicted { reason, message } => {
+            plan.phase = P::Suspended;
+            plan.delete_pods = every_pod(observed);
+            let detail = format!(
+                "evicted by Kueue ({reason}): {message}; its pods are deleted and it starts again when admitted again"
+            );
+            plan.say(condition_types::ADMITTED, false, reason, detail.clone());
+            plan.say(condition_types::SUSPENDED, true, reason, detail.clone());
+            phase_conditions(&mut plan, &detail);
+            return plan;
+        }
     }
 
     match inputs.pool {

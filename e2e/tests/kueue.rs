@@ -1,0 +1,886 @@
+//! Queued TrainingJobs with the real Kueue (v0.19.2, built from its module and run by
+//! e2e/kueue.sh with its own webhooks and certificates) on the local control plane, KWOK
+//! playing the GPU nodes: quota admits all of a gang or none of it, pods land on the admitted
+//! flavor's nodes, a higher priority preempts and the victim resumes, and an operator killed
+//! in the middle of admission or preemption converges to the same result.
+//!
+//! "No pod exists while its job is not admitted" is checked on every change the API server
+//! made, not by polling: pods and Workloads are watched for the whole test, and the changes
+//! are replayed in the order of their resourceVersions (etcd's revision, one sequence for
+//! every kind of one etcd), so each moment a pod of a job existed is checked against its
+//! Workload's admission at that same moment.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{
+    Operator, TestNamespace, apply, client, condition, ensure_crds, eventually, job_status,
+    phase_is, pods, wait_phase,
+};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Pod, Taint};
+use kube::api::{ListParams, Patch, PatchParams};
+use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
+use kube::runtime::watcher;
+use kube::{Api, Client, ResourceExt};
+use ringmaster::api::TrainingJobPhase;
+use ringmaster::controller::OperatorConfig;
+use ringmaster::kueue::Workload;
+use ringmaster_e2e::nodes::{self, PoolMode, PoolShape};
+use serde_json::{Value, json};
+use tokio::sync::OnceCell;
+
+/// The taint of the node pools these tests make: only pods an admission tolerates land there.
+const POOL_TAINT: &str = "e2e.ringmaster.dev/kueue-pool";
+
+/// Kueue, once per test binary (e2e/kueue.sh is a no-op when it runs; cluster.sh down stops
+/// it), and two tainted KWOK pools of ND96asr_v4 nodes, `kqa` and `kqb`.
+async fn kueue(client: &Client) {
+    static UP: OnceCell<()> = OnceCell::const_new();
+    UP.get_or_init(|| async {
+        let script = common::repo_root().join("e2e/kueue.sh");
+        let out = tokio::process::Command::new(&script)
+            .arg("up")
+            .output()
+            .await
+            .expect("running e2e/kueue.sh");
+        assert!(
+            out.status.success(),
+            "e2e/kueue.sh up failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for pool in ["kqa", "kqb"] {
+            let mut shape = PoolShape::new(pool, "Standard_ND96asr_v4", PoolMode::User).unwrap();
+            shape.taints.push(
+                serde_json::from_value::<Taint>(
+                    json!({"key": POOL_TAINT, "value": pool, "effect": "NoSchedule"}),
+                )
+                .unwrap(),
+            );
+            nodes::add(client, &shape, 2).await.unwrap();
+        }
+    })
+    .await;
+}
+
+fn kueue_api(
+    client: &Client,
+    kind: &str,
+    plural: &str,
+    namespace: Option<&str>,
+) -> Api<DynamicObject> {
+    let resource = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("kueue.x-k8s.io", "v1beta2", kind),
+        plural,
+    );
+    match namespace {
+        Some(ns) => Api::namespaced_with(client.clone(), ns, &resource),
+        None => Api::all_with(client.clone(), &resource),
+    }
+}
+
+/// Server-side applies a Kueue object (through Kueue's webhooks).
+async fn kueue_apply(client: &Client, object: Value, namespace: Option<&str>) {
+    let kind = object["kind"].as_str().unwrap().to_string();
+    let plural = match kind.as_str() {
+        "ResourceFlavor" => "resourceflavors",
+        "ClusterQueue" => "clusterqueues",
+        "LocalQueue" => "localqueues",
+        "WorkloadPriorityClass" => "workloadpriorityclasses",
+        other => panic!("no plural for {other}"),
+    };
+    let name = object["metadata"]["name"].as_str().unwrap().to_string();
+    kueue_api(client, &kind, plural, namespace)
+        .patch(
+            &name,
+            &PatchParams::apply("e2e").force(),
+            &Patch::Apply(&object),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{kind} {name}: {e}"));
+}
+
+/// A flavor for KWOK pool `pool`: its agent-pool label and a toleration of its taint.
+fn flavor(name: &str, pool: &str) -> Value {
+    json!({
+        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor",
+        "metadata": {"name": name},
+        "spec": {
+            "nodeLabels": {"kubernetes.azure.com/agentpool": pool},
+            "tolerations": [{"key": POOL_TAINT, "operator": "Equal", "value": pool, "effect": "NoSchedule"}],
+        },
+    })
+}
+
+/// A ClusterQueue for namespace `ns` with GPU quota per flavor, preempting lower priorities.
+fn cluster_queue(name: &str, ns: &str, flavors: &[(&str, u32)]) -> Value {
+    let flavors: Vec<Value> = flavors
+        .iter()
+        .map(|(f, gpus)| json!({"name": f, "resources": [{"name": "nvidia.com/gpu", "nominalQuota": gpus}]}))
+        .collect();
+    json!({
+        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue",
+        "metadata": {"name": name},
+        "spec": {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
+            "queueingStrategy": "StrictFIFO",
+            "preemption": {"withinClusterQueue": "LowerPriority"},
+            "resourceGroups": [{"coveredResources": ["nvidia.com/gpu"], "flavors": flavors}],
+        },
+    })
+}
+
+fn local_queue(name: &str, cluster_queue: &str) -> Value {
+    json!({
+        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
+        "metadata": {"name": name},
+        "spec": {"clusterQueue": cluster_queue},
+    })
+}
+
+/// A job of 2 workers × 1 GPU in queue `queue`. Its launcher exits 0 `after` its start, or
+/// runs until [`end`] says.
+fn queued_job(name: &str, queue: &str, after: Option<&str>, priority: Option<&str>) -> Value {
+    let mut labels = json!({"kueue.x-k8s.io/queue-name": queue});
+    if let Some(class) = priority {
+        labels["kueue.x-k8s.io/priority-class"] = json!(class);
+    }
+    let mut job = json!({
+        "apiVersion": "ringmaster.dev/v1alpha1", "kind": "TrainingJob",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "workers": 2, "gpusPerWorker": 1,
+            "image": "ringmaster-trainer:e2e",
+            "command": common::own_gpu_program(),
+        },
+    });
+    if let Some(after) = after {
+        job["spec"]["launcher"] = json!({"annotations": launcher_exits(after)});
+    }
+    job
+}
+
+fn launcher_exits(after: &str) -> Value {
+    json!({
+        "kwok.ringmaster.dev/exit-code": "0",
+        "kwok.ringmaster.dev/exit-after": after,
+        "kwok.ringmaster.dev/termination-message": common::trainer_summary(100.0, 10, 1.5),
+    })
+}
+
+/// Ends a running job: its launcher exits 0 now.
+async fn end(client: &Client, ns: &str, job: &str) {
+    Api::<Pod>::namespaced(client.clone(), ns)
+        .patch(
+            &format!("{job}-launcher"),
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"metadata": {"annotations": launcher_exits("0s")}})),
+        )
+        .await
+        .unwrap();
+}
+
+/// The namespace of the operator's ServiceAccount in these tests (kept for the cluster's life).
+const OPERATOR_NAMESPACE: &str = "e2e-kueue-operator";
+
+/// A client acting as the chart's ServiceAccount, bound to the ClusterRole the chart renders
+/// with `kueue.enabled=true`: the Kueue integration runs with exactly the chart's rights.
+async fn chart_rbac(admin: &Client) -> Client {
+    static RBAC: OnceCell<()> = OnceCell::const_new();
+    RBAC.get_or_init(|| async {
+        let namespace = json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}});
+        Api::<k8s_openapi::api::core::v1::Namespace>::all(admin.clone())
+            .patch(OPERATOR_NAMESPACE, &PatchParams::apply("e2e").force(), &Patch::Apply(&namespace))
+            .await
+            .ok();
+        let chart = common::repo_root().join("charts/ringmaster");
+        let out = tokio::process::Command::new(common::tool("helm"))
+            .args([
+                "template", "kq", chart.to_str().unwrap(),
+                "--namespace", OPERATOR_NAMESPACE,
+                "--set", "kueue.enabled=true",
+                "--kube-version", "1.36.0",
+                "--show-only", "templates/clusterrole.yaml",
+                "--show-only", "templates/serviceaccount.yaml",
+            ])
+            .output()
+            .await
+            .expect("helm template");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(text.contains("kueue.x-k8s.io"), "the chart grants Kueue rights with kueue.enabled");
+        for object in serde_saphyr::from_multiple::<Value>(&text).unwrap() {
+            if !object.is_object() {
+                continue;
+            }
+            let (group, version) = object["apiVersion"]
+                .as_str()
+                .unwrap()
+                .rsplit_once('/')
+                .unwrap_or(("", object["apiVersion"].as_str().unwrap()));
+            let kind = object["kind"].as_str().unwrap();
+            let plural = format!("{}s", kind.to_lowercase());
+            let resource = ApiResource::from_gvk_with_plural(
+                &GroupVersionKind::gvk(group, version, kind),
+                &plural,
+            );
+            let api: Api<DynamicObject> = if kind == "ServiceAccount" {
+                Api::namespaced_with(admin.clone(), OPERATOR_NAMESPACE, &resource)
+            } else {
+                Api::all_with(admin.clone(), &resource)
+            };
+            api.patch(
+                object["metadata"]["name"].as_str().unwrap(),
+                &PatchParams::apply("e2e").force(),
+                &Patch::Apply(&object),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{kind}: {e}"));
+        }
+    })
+    .await;
+    common::impersonating(OPERATOR_NAMESPACE, "kq-ringmaster").await
+}
+
+/// The operator with its Kueue integration and the chart's rights, watching `ns`.
+async fn operator(admin: &Client, ns: &str) -> Operator {
+    Operator::start_with(
+        &chart_rbac(admin).await,
+        ns,
+        OperatorConfig {
+            restart_backoff: Duration::from_millis(500),
+            kueue: true,
+            ..OperatorConfig::default()
+        },
+    )
+    .await
+}
+
+/// A short suffix for the cluster-scoped objects of a test (from its namespace's).
+fn tag(ns: &TestNamespace) -> String {
+    ns.name.rsplit('-').next().unwrap().to_string()
+}
+
+async fn workloads(client: &Client, ns: &str) -> Vec<Workload> {
+    Api::<Workload>::namespaced(client.clone(), ns)
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+}
+
+async fn workload_of(client: &Client, ns: &str, job: &str) -> Option<Workload> {
+    workloads(client, ns).await.into_iter().find(|w| {
+        w.owner_references()
+            .iter()
+            .any(|o| o.kind == "TrainingJob" && o.name == job)
+    })
+}
+
+/// One change the API server made, as a watch told it.
+#[derive(Clone, Debug)]
+enum Change {
+    /// A pod of `job` exists after this change (`false`: it was deleted).
+    Pod {
+        job: String,
+        pod: String,
+        exists: bool,
+    },
+    /// The Workload of `job` has quota reserved (an admission) after this change.
+    Workload { job: String, reserved: bool },
+}
+
+fn as_values<K: k8s_openapi::serde::Serialize>(event: watcher::Event<K>) -> watcher::Event<Value> {
+    use watcher::Event as E;
+    let value = |k: K| serde_json::to_value(k).expect("objects serialize");
+    match event {
+        E::Apply(k) => E::Apply(value(k)),
+        E::Delete(k) => E::Delete(value(k)),
+        E::InitApply(k) => E::InitApply(value(k)),
+        E::Init => E::Init,
+        E::InitDone => E::InitDone,
+    }
+}
+
+/// Watches pods and Workloads of a namespace for the whole test, recording every change with
+/// its resourceVersion.
+struct AdmissionWatch {
+    changes: Arc<Mutex<Vec<(u64, Change)>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl AdmissionWatch {
+    async fn start(client: &Client, ns: &str) -> Self {
+        let changes = Arc::new(Mutex::new(Vec::new()));
+        let pods = watcher(
+            Api::<Pod>::namespaced(client.clone(), ns),
+            watcher::Config::default().labels("ringmaster.dev/job-name"),
+        )
+        .map(|event| event.map(|e| ("pod", as_values(e))));
+        let workloads = watcher(
+            Api::<Workload>::namespaced(client.clone(), ns),
+            watcher::Config::default(),
+        )
+        .map(|event| event.map(|e| ("workload", as_values(e))));
+        let record = changes.clone();
+        let task = tokio::spawn(async move {
+            let mut both = futures::stream::select(pods.boxed(), workloads.boxed());
+            while let Some(event) = both.next().await {
+                let Ok((kind, event)) = event else { continue };
+                let (object, gone) = match event {
+                    watcher::Event::Apply(o) | watcher::Event::InitApply(o) => (o, false),
+                    watcher::Event::Delete(o) => (o, true),
+                    watcher::Event::Init | watcher::Event::InitDone => continue,
+                };
+                let rv: u64 = object["metadata"]["resourceVersion"]
+                    .as_str()
+                    .and_then(|v| v.parse().ok())
+                    .expect("a resourceVersion etcd gave");
+                let change = if kind == "pod" {
+                    Change::Pod {
+                        job: object["metadata"]["labels"]["ringmaster.dev/job-name"]
+                            .as_str()
+                            .unwrap()
+                            .to_string(),
+                        pod: object["metadata"]["name"].as_str().unwrap().to_string(),
+                        exists: !gone,
+                    }
+                } else {
+                    Change::Workload {
+                        job: object["metadata"]["ownerReferences"][0]["name"]
+                            .as_str()
+                            .unwrap_or_default()
+                            .to_string(),
+                        reserved: !gone && !object["status"]["admission"].is_null(),
+                    }
+                };
+                record.lock().unwrap().push((rv, change));
+            }
+        });
+        // The watches have started before the test makes anything.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        Self { changes, task }
+    }
+
+    /// Replays the changes in etcd's order; returns every moment a pod existed while its
+    /// job's Workload had no admission, and how many pod changes were checked.
+    fn violations(&self) -> (Vec<String>, usize) {
+        let mut changes = self.changes.lock().unwrap().clone();
+        changes.sort_by_key(|(rv, _)| *rv);
+        let mut reserved: BTreeMap<String, bool> = BTreeMap::new();
+        let mut live: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        let mut found = Vec::new();
+        let mut checked = 0;
+        for (rv, change) in changes {
+            match change {
+                Change::Workload { job, reserved: r } => {
+                    reserved.insert(job.clone(), r);
+                    if !r && live.get(&job).is_some_and(|p| !p.is_empty()) {
+                        found.push(format!(
+                            "rv {rv}: {job}'s admission went while its pods {:?} existed",
+                            live[&job]
+                        ));
+                    }
+                }
+                Change::Pod { job, pod, exists } => {
+                    checked += 1;
+                    if exists {
+                        live.entry(job.clone()).or_default().insert(pod.clone());
+                        if !reserved.get(&job).copied().unwrap_or(false) {
+                            found.push(format!(
+                                "rv {rv}: pod {pod} existed while {job} was not admitted"
+                            ));
+                        }
+                    } else if let Some(p) = live.get_mut(&job) {
+                        p.remove(&pod);
+                    }
+                }
+            }
+        }
+        (found, checked)
+    }
+}
+
+impl Drop for AdmissionWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn assert_no_pod_ran_unadmitted(watch: &AdmissionWatch) {
+    let (violations, checked) = watch.violations();
+    assert!(checked > 0, "the watch saw no pod");
+    assert!(violations.is_empty(), "{violations:#?}");
+}
+
+/// One Workload per job, each owned by its job; no pod without its job.
+async fn assert_one_workload_per_job_and_no_orphans(client: &Client, ns: &str, jobs: &[&str]) {
+    let all = workloads(client, ns).await;
+    let mut owners: Vec<String> = all
+        .iter()
+        .map(|w| {
+            let owners = w.owner_references();
+            assert_eq!(owners.len(), 1, "{}", w.name_any());
+            owners[0].name.clone()
+        })
+        .collect();
+    owners.sort();
+    let mut expected: Vec<String> = jobs.iter().map(|j| j.to_string()).collect();
+    expected.sort();
+    assert_eq!(owners, expected, "one Workload per job");
+    let pods = Api::<Pod>::namespaced(client.clone(), ns)
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    for pod in pods {
+        let job = &pod.labels()["ringmaster.dev/job-name"];
+        assert!(
+            jobs.contains(&job.as_str()),
+            "pod {} of no job",
+            pod.name_any()
+        );
+    }
+}
+
+async fn job_has_no_pod(client: &Client, ns: &str, job: &str) -> bool {
+    pods(client, ns, job).await.is_empty()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quota_for_two_jobs_admits_two_gangs_whole_and_the_third_runs_when_one_ends() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    kueue(&client).await;
+    let ns = TestNamespace::new(&client, "kq-quota").await;
+    let t = tag(&ns);
+    let (fl, cq) = (format!("kq-quota-{t}"), format!("kq-quota-{t}"));
+    kueue_apply(&client, flavor(&fl, "kqa"), None).await;
+    // Two jobs of 2 workers × 1 GPU.
+    kueue_apply(&client, cluster_queue(&cq, &ns.name, &[(&fl, 4)]), None).await;
+    kueue_apply(&client, local_queue("team", &cq), Some(&ns.name)).await;
+    let watch = AdmissionWatch::start(&client, &ns.name).await;
+    let mut first = Some(operator(&client, &ns.name).await);
+
+    // In order (Kueue's StrictFIFO goes by creation time, which counts whole seconds).
+    for name in ["one", "two", "three"] {
+        apply(
+            &client,
+            &queued_job(name, "team", None, None),
+            &ns.name,
+            false,
+        )
+        .await
+        .unwrap();
+        if name == "one" {
+            // Killed in the middle of admission: its first Workload made, nothing admitted
+            // yet; a new operator takes over.
+            eventually(Duration::from_secs(30), "the first Workload", || async {
+                !workloads(&client, &ns.name).await.is_empty()
+            })
+            .await;
+            first.take().unwrap().kill();
+        }
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+    }
+    let _operator = operator(&client, &ns.name).await;
+
+    // Exactly two run, whole; which two is Kueue's choice (it orders by its Workloads, and
+    // those of the jobs made while no operator ran were made together on its restart).
+    let jobs = ["one", "two", "three"];
+    let mut running = Vec::new();
+    eventually(
+        Duration::from_secs(60),
+        "two jobs Running and one Queued",
+        || async {
+            let mut phases = Vec::new();
+            for job in jobs {
+                phases.push(job_status(&client, &ns.name, job).await["phase"].clone());
+            }
+            phases.iter().filter(|p| **p == "Running").count() == 2
+                && phases.iter().filter(|p| **p == "Queued").count() == 1
+        },
+    )
+    .await;
+    let mut queued = "";
+    for job in jobs {
+        let status = job_status(&client, &ns.name, job).await;
+        if phase_is(&status, TrainingJobPhase::Running) {
+            assert_eq!(
+                pods(&client, &ns.name, job).await.len(),
+                3,
+                "{job}: 2 workers and the launcher"
+            );
+            running.push(job);
+        } else {
+            queued = job;
+        }
+    }
+    // The third has no pod and says it is queued, with what Kueue says (a new message alone
+    // is progress, written within 30 s).
+    eventually(
+        Duration::from_secs(45),
+        "the queued job saying what Kueue says",
+        || async {
+            let status = job_status(&client, &ns.name, queued).await;
+            let admitted = condition(&status, "Admitted");
+            let message = admitted["message"].as_str().unwrap_or_default();
+            admitted["status"] == "False"
+                && admitted["reason"] == "Queued"
+                && message.contains("LocalQueue team")
+                && message.contains("insufficient unused quota")
+        },
+    )
+    .await;
+    assert!(job_has_no_pod(&client, &ns.name, queued).await);
+
+    // One ends: its Workload is Finished, its quota goes to the third.
+    end(&client, &ns.name, running[0]).await;
+    wait_phase(
+        &client,
+        &ns.name,
+        running[0],
+        TrainingJobPhase::Succeeded,
+        60,
+    )
+    .await;
+    eventually(
+        Duration::from_secs(30),
+        "the ended job's Workload Finished",
+        || async {
+            workload_of(&client, &ns.name, running[0])
+                .await
+                .is_some_and(|w| w.is("Finished"))
+        },
+    )
+    .await;
+    let status = wait_phase(&client, &ns.name, queued, TrainingJobPhase::Running, 90).await;
+    assert_eq!(condition(&status, "Admitted")["status"], "True");
+    end(&client, &ns.name, queued).await;
+    wait_phase(&client, &ns.name, queued, TrainingJobPhase::Succeeded, 60).await;
+    assert!(phase_is(
+        &job_status(&client, &ns.name, running[1]).await,
+        TrainingJobPhase::Running
+    ));
+
+    assert_one_workload_per_job_and_no_orphans(&client, &ns.name, &["one", "two", "three"]).await;
+    assert_no_pod_ran_unadmitted(&watch);
+    kueue_api(&client, "ClusterQueue", "clusterqueues", None)
+        .delete(&cq, &Default::default())
+        .await
+        .ok();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_land_on_the_nodes_of_the_flavor_they_were_admitted_to() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    kueue(&client).await;
+    let ns = TestNamespace::new(&client, "kq-flavors").await;
+    let t = tag(&ns);
+    let (fa, fb, cq) = (
+        format!("kq-a-{t}"),
+        format!("kq-b-{t}"),
+        format!("kq-flavors-{t}"),
+    );
+    kueue_apply(&client, flavor(&fa, "kqa"), None).await;
+    kueue_apply(&client, flavor(&fb, "kqb"), None).await;
+    // Room for one job in each flavor: the first fills kqa, the second goes to kqb.
+    kueue_apply(
+        &client,
+        cluster_queue(&cq, &ns.name, &[(&fa, 2), (&fb, 2)]),
+        None,
+    )
+    .await;
+    kueue_apply(&client, local_queue("team", &cq), Some(&ns.name)).await;
+    let watch = AdmissionWatch::start(&client, &ns.name).await;
+    let _operator = operator(&client, &ns.name).await;
+
+    for name in ["first", "second"] {
+        apply(
+            &client,
+            &queued_job(name, "team", None, None),
+            &ns.name,
+            false,
+        )
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+    }
+    for (job, pool, flavor) in [("first", "kqa", &fa), ("second", "kqb", &fb)] {
+        let status = wait_phase(&client, &ns.name, job, TrainingJobPhase::Running, 60).await;
+        let message = condition(&status, "Admitted")["message"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(message.contains(flavor.as_str()), "{job}: {message}");
+        let workers: Vec<Pod> = pods(&client, &ns.name, job)
+            .await
+            .into_iter()
+            .filter(|p| p.labels()["ringmaster.dev/role"] == "worker")
+            .collect();
+        assert_eq!(workers.len(), 2);
+        for worker in workers {
+            let node = worker.spec.as_ref().unwrap().node_name.clone().unwrap();
+            assert!(
+                node.starts_with(&format!("aks-{pool}-")),
+                "{job}: {} on {node}",
+                worker.name_any()
+            );
+            let selector = worker.spec.unwrap().node_selector.unwrap();
+            assert_eq!(selector["kubernetes.azure.com/agentpool"], pool);
+        }
+    }
+    assert_no_pod_ran_unadmitted(&watch);
+    kueue_api(&client, "ClusterQueue", "clusterqueues", None)
+        .delete(&cq, &Default::default())
+        .await
+        .ok();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_higher_priority_job_preempts_and_the_victim_resumes_and_succeeds() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    kueue(&client).await;
+    let ns = TestNamespace::new(&client, "kq-preempt").await;
+    let t = tag(&ns);
+    let (fl, cq) = (format!("kq-preempt-{t}"), format!("kq-preempt-{t}"));
+    let (low, high) = (format!("kq-low-{t}"), format!("kq-high-{t}"));
+    kueue_apply(&client, flavor(&fl, "kqa"), None).await;
+    for (class, value) in [(&low, 100), (&high, 1000)] {
+        kueue_apply(
+            &client,
+            json!({"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass",
+                   "metadata": {"name": class}, "value": value}),
+            None,
+        )
+        .await;
+    }
+    // Room for one job.
+    kueue_apply(&client, cluster_queue(&cq, &ns.name, &[(&fl, 2)]), None).await;
+    kueue_apply(&client, local_queue("team", &cq), Some(&ns.name)).await;
+    let watch = AdmissionWatch::start(&client, &ns.name).await;
+    let first = operator(&client, &ns.name).await;
+
+    apply(
+        &client,
+        &queued_job("victim", "team", None, Some(&low)),
+        &ns.name,
+        false,
+    )
+    .await
+    .unwrap();
+    wait_phase(&client, &ns.name, "victim", TrainingJobPhase::Running, 60).await;
+    apply(
+        &client,
+        &queued_job("urgent", "team", Some("3s"), Some(&high)),
+        &ns.name,
+        false,
+    )
+    .await
+    .unwrap();
+
+    // Killed in the middle of the preemption: the victim's Workload evicted, its pods (and
+    // its quota) not yet given up; a new operator takes over.
+    eventually(
+        Duration::from_secs(30),
+        "the victim's Workload Evicted",
+        || async {
+            workload_of(&client, &ns.name, "victim")
+                .await
+                .is_some_and(|w| w.is("Evicted"))
+        },
+    )
+    .await;
+    first.kill();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let _operator = operator(&client, &ns.name).await;
+
+    // The victim's pods go and it says why; the urgent job runs and succeeds.
+    eventually(
+        Duration::from_secs(60),
+        "the victim Suspended by preemption, without pods",
+        || async {
+            let status = job_status(&client, &ns.name, "victim").await;
+            phase_is(&status, TrainingJobPhase::Suspended)
+                && condition(&status, "Suspended")["reason"] == "Preempted"
+                && job_has_no_pod(&client, &ns.name, "victim").await
+        },
+    )
+    .await;
+    let status = job_status(&client, &ns.name, "victim").await;
+    assert_eq!(
+        status["restarts"], 0,
+        "a preemption is not a failure: {status}"
+    );
+    wait_phase(&client, &ns.name, "urgent", TrainingJobPhase::Succeeded, 90).await;
+    // Readmitted, the victim starts afresh and succeeds.
+    wait_phase(&client, &ns.name, "victim", TrainingJobPhase::Running, 90).await;
+    end(&client, &ns.name, "victim").await;
+    let status = wait_phase(&client, &ns.name, "victim", TrainingJobPhase::Succeeded, 60).await;
+    assert_eq!(condition(&status, "Suspended")["status"], "False");
+    let workload = workload_of(&client, &ns.name, "victim").await.unwrap();
+    assert!(workload.is("Finished"));
+
+    assert_one_workload_per_job_and_no_orphans(&client, &ns.name, &["victim", "urgent"]).await;
+    assert_no_pod_ran_unadmitted(&watch);
+    // The victim ran twice: its pods were made, deleted and made again.
+    let victim_pod_changes = watch
+        .changes
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, c)| matches!(c, Change::Pod { job, exists: false, .. } if job == "victim"))
+        .count();
+    assert!(
+        victim_pod_changes >= 3,
+        "the victim's pods were deleted once at least"
+    );
+    kueue_api(&client, "ClusterQueue", "clusterqueues", None)
+        .delete(&cq, &Default::default())
+        .await
+        .ok();
+}
+
+/// The Kueue samples (config/samples/kueue) pass Kueue's own webhooks and Ringmaster's schema.
+#[tokio::test]
+async fn the_kueue_samples_are_accepted() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    kueue(&client).await;
+    let ns = TestNamespace::new(&client, "kq-samples").await;
+    let mut applied = 0;
+    for path in common::yaml_files("config/samples/kueue") {
+        for object in common::documents(&path) {
+            let result = if object["apiVersion"] == "kueue.x-k8s.io/v1beta2" {
+                let kind = object["kind"].as_str().unwrap();
+                let (plural, namespaced) = match kind {
+                    "ResourceFlavor" => ("resourceflavors", false),
+                    "ClusterQueue" => ("clusterqueues", false),
+                    "LocalQueue" => ("localqueues", true),
+                    "WorkloadPriorityClass" => ("workloadpriorityclasses", false),
+                    other => panic!("no plural for {other}"),
+                };
+                let mut params = PatchParams::apply("e2e").force();
+                params.dry_run = true;
+                kueue_api(
+                    &client,
+                    kind,
+                    plural,
+                    namespaced.then_some(ns.name.as_str()),
+                )
+                .patch(
+                    object["metadata"]["name"].as_str().unwrap(),
+                    &params,
+                    &Patch::Apply(&object),
+                )
+                .await
+                .map(|_| ())
+            } else {
+                apply(&client, &object, &ns.name, true).await.map(|_| ())
+            };
+            result
+                .unwrap_or_else(|e| panic!("{} ({}) refused: {e}", path.display(), object["kind"]));
+            applied += 1;
+        }
+    }
+    assert_eq!(applied, 6);
+}
+
+/// `runPolicy.suspend` on a queued job takes its Workload out of admission (its quota goes
+/// to the next job) and back in when it is cleared; Kueue is never fought.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_policy_suspend_gives_the_quota_back_and_queues_again() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    kueue(&client).await;
+    let ns = TestNamespace::new(&client, "kq-suspend").await;
+    let t = tag(&ns);
+    let (fl, cq) = (format!("kq-suspend-{t}"), format!("kq-suspend-{t}"));
+    kueue_apply(&client, flavor(&fl, "kqb"), None).await;
+    kueue_apply(&client, cluster_queue(&cq, &ns.name, &[(&fl, 2)]), None).await;
+    kueue_apply(&client, local_queue("team", &cq), Some(&ns.name)).await;
+    let watch = AdmissionWatch::start(&client, &ns.name).await;
+    let _operator = operator(&client, &ns.name).await;
+
+    apply(
+        &client,
+        &queued_job("first", "team", None, None),
+        &ns.name,
+        false,
+    )
+    .await
+    .unwrap();
+    wait_phase(&client, &ns.name, "first", TrainingJobPhase::Running, 60).await;
+    apply(
+        &client,
+        &queued_job("next", "team", None, None),
+        &ns.name,
+        false,
+    )
+    .await
+    .unwrap();
+    wait_phase(&client, &ns.name, "next", TrainingJobPhase::Queued, 30).await;
+
+    let suspend = |on: bool| {
+        let mut job = queued_job("first", "team", None, None);
+        job["spec"]["runPolicy"] = json!({"suspend": on});
+        job
+    };
+    apply(&client, &suspend(true), &ns.name, false)
+        .await
+        .unwrap();
+    let status = wait_phase(&client, &ns.name, "first", TrainingJobPhase::Suspended, 30).await;
+    assert_eq!(condition(&status, "Suspended")["reason"], "Suspended");
+    // Its quota went to the next job.
+    wait_phase(&client, &ns.name, "next", TrainingJobPhase::Running, 60).await;
+    assert!(job_has_no_pod(&client, &ns.name, "first").await);
+    let workload = workload_of(&client, &ns.name, "first").await.unwrap();
+    assert_eq!(workload.spec.active, Some(false));
+
+    // Cleared: queued again behind the running job, and run when it ends.
+    apply(&client, &suspend(false), &ns.name, false)
+        .await
+        .unwrap();
+    wait_phase(&client, &ns.name, "first", TrainingJobPhase::Queued, 30).await;
+    end(&client, &ns.name, "next").await;
+    wait_phase(&client, &ns.name, "first", TrainingJobPhase::Running, 60).await;
+
+    assert_one_workload_per_job_and_no_orphans(&client, &ns.name, &["first", "next"]).await;
+    assert_no_pod_ran_unadmitted(&watch);
+    kueue_api(&client, "ClusterQueue", "clusterqueues", None)
+        .delete(&cq, &Default::default())
+        .await
+        .ok();
+}
+
+/// Without its Kueue integration the operator starts no job labelled for a queue (it would
+/// jump the queue) and says why on the job; unlabelled jobs run as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_integration_a_queued_job_is_held_and_says_why() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "kq-off").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    apply(
+        &client,
+        &queued_job("held", "team", None, None),
+        &ns.name,
+        false,
+    )
+    .await
+    .unwrap();
+    let mut free = queued_job("free", "team", None, None);
+    free["metadata"]["labels"] = json!({});
+    apply(&client, &free, &ns.name, false).await.unwrap();
+    wait_phase(&client, &ns.name, "free", TrainingJobPhase::Running, 60).await;
+    let status = job_status(&client, &ns.name, "held").await;
+    assert!(phase_is(&status, TrainingJobPhase::Pending), "{status}");
+    let admitted = condition(&status, "Admitted");
+    assert_eq!(admitted["reason"], "KueueIntegrationOff");
+    assert!(admitted["message"].as_str().unwrap().contains("--kueue"));
+    assert!(job_has_no_pod(&client, &ns.name, "held").await);
+}

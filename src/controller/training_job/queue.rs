@@ -1,0 +1,387 @@
+//! Queueing in Kueue, pure: a TrainingJob labelled `kueue.x-k8s.io/queue-name` has a
+//! Workload of Ringmaster's making (one pod set for the workers, one for the launcher) and
+//! runs only while Kueue admits it. This module builds that Workload, reads where the job
+//! stands from it, and writes the few things the job's controller owes Kueue: the Workload's
+//! `active` when `runPolicy.suspend` changes, its quota given back once an evicted job's pods
+//! are gone, and Finished when the job ends.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Pod, PodTemplateSpec, Toleration};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
+use kube::ResourceExt;
+use serde_json::{Value, json};
+
+use super::build::{self, BuildInputs};
+use super::names;
+use super::validate::ValidatedTrainingJob;
+use crate::api::TrainingJob;
+use crate::controller::conditions::{self, DesiredCondition};
+use crate::kueue::{
+    PodSet, PriorityClassRef, QUEUE_NAME_LABEL, ResourceFlavorSpec, Workload, WorkloadSpec,
+    conditions as wl,
+};
+
+/// The Workload's pod set of the workers.
+pub const WORKERS_POD_SET: &str = "workers";
+/// The Workload's pod set of the launcher.
+pub const LAUNCHER_POD_SET: &str = "launcher";
+/// On the Workload: the `runPolicy.suspend` last carried onto its `spec.active`. Only a
+/// change of it is carried again, so Ringmaster never undoes a deactivation of Kueue's own.
+pub const SUSPEND_ANNOTATION: &str = "ringmaster.dev/run-policy-suspend";
+
+/// The LocalQueue a job asks for, when it asks for one.
+pub fn queue_name(job: &TrainingJob) -> Option<&str> {
+    job.labels()
+        .get(QUEUE_NAME_LABEL)
+        .map(String::as_str)
+        .filter(|q| !q.is_empty())
+}
+
+/// A job's WorkloadPriorityClass, resolved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Priority {
+    /// The class's name.
+    pub class: String,
+    /// Its value.
+    pub value: i32,
+}
+
+/// Where a job stands with Kueue.
+#[derive(Clone, Debug, PartialEq)]
+pub enum QueueState {
+    /// Not queued (no queue-name label): the job runs as soon as it is ready.
+    NotQueued,
+    /// Queued, but this operator runs without its Kueue integration.
+    IntegrationOff { queue: String },
+    /// Waiting for admission; what Kueue says (or why there is no Workload yet).
+    Waiting { message: String },
+    /// Admitted: the gang may run, placed as the admission says.
+    Admitted {
+        placement: Placement,
+        message: String,
+    },
+    /// Evicted (preempted, deactivated, its queue stopped, ...): the pods go; Kueue's
+    /// reason and message.
+    Evicted {
+        reason: &'static str,
+        message: String,
+    },
+}
+
+/// What an admission adds to the pods: its flavors' node labels and tolerations, and the
+/// admission checks' additions.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Placement {
+    /// For the workers.
+    pub workers: PodPlacement,
+    /// For the launcher.
+    pub launcher: PodPlacement,
+}
+
+/// A node selector and tolerations for one pod set.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PodPlacement {
+    /// Labels the pods' nodes must have.
+    pub node_selector: BTreeMap<String, String>,
+    /// Tolerations the pods get.
+    pub tolerations: Vec<Toleration>,
+}
+
+impl PodPlacement {
+    fn add(&mut self, node_selector: &BTreeMap<String, String>, tolerations: &[Toleration]) {
+        self.node_selector.extend(node_selector.clone());
+        for toleration in tolerations {
+            if !self.tolerations.contains(toleration) {
+                self.tolerations.push(toleration.clone());
+            }
+        }
+    }
+}
+
+/// The Workload of a queued job: the workers and the launcher as Kueue will count them
+/// (each container's limits stand in for requests it does not set, as the API server does for
+/// pods), owned by the job, active unless `runPolicy.suspend` says otherwise.
+pub fn workload(
+    job: &ValidatedTrainingJob,
+    queue: &str,
+    inputs: &BuildInputs,
+    priority: Option<&Priority>,
+) -> Workload {
+    let unplaced = BuildInputs {
+        placement: Placement::default(),
+        ..inputs.clone()
+    };
+    let mut labels = names::job_labels(&job.name);
+    labels.insert(QUEUE_NAME_LABEL.into(), queue.into());
+    let mut annotations = BTreeMap::new();
+    annotations.insert(
+        SUSPEND_ANNOTATION.to_string(),
+        job.run_policy.suspend.to_string(),
+    );
+    Workload {
+        metadata: ObjectMeta {
+            name: Some(names::workload(&job.name, &job.uid)),
+            namespace: Some(job.namespace.clone()),
+            labels: Some(labels),
+            annotations: Some(annotations),
+            owner_references: Some(vec![OwnerReference {
+                api_version: format!("{}/{}", crate::api::GROUP, crate::api::VERSION),
+                kind: "TrainingJob".into(),
+                name: job.name.clone(),
+                uid: job.uid.clone(),
+                controller: Some(true),
+                block_owner_deletion: Some(true),
+            }]),
+            ..ObjectMeta::default()
+        },
+        spec: WorkloadSpec {
+            pod_sets: vec![
+                PodSet {
+                    name: WORKERS_POD_SET.into(),
+                    count: i32::try_from(job.workers).unwrap_or(i32::MAX),
+                    template: template(build::worker_pod(job, 0, &unplaced)),
+                },
+                PodSet {
+                    name: LAUNCHER_POD_SET.into(),
+                    count: 1,
+                    template: template(build::launcher_pod(job, &unplaced)),
+                },
+            ],
+            queue_name: Some(queue.into()),
+            active: Some(!job.run_policy.suspend),
+            priority_class_ref: priority.map(|p| PriorityClassRef {
+                group: "kueue.x-k8s.io".into(),
+                kind: "WorkloadPriorityClass".into(),
+                name: p.class.clone(),
+            }),
+            priority: priority.map(|p| p.value),
+        },
+        status: None,
+    }
+}
+
+/// A pod as a pod set's template: its labels and spec, with requests defaulted from limits.
+fn template(pod: Pod) -> PodTemplateSpec {
+    let mut spec = pod.spec.unwrap_or_default();
+    for container in &mut spec.containers {
+        let resources = container.resources.get_or_insert_with(Default::default);
+        if let Some(limits) = resources.limits.clone() {
+            let requests: &mut BTreeMap<String, Quantity> =
+                resources.requests.get_or_insert_with(Default::default);
+            for (name, quantity) in limits {
+                requests.entry(name).or_insert(quantity);
+            }
+        }
+    }
+    PodTemplateSpec {
+        metadata: Some(ObjectMeta {
+            labels: pod.metadata.labels,
+            ..ObjectMeta::default()
+        }),
+        spec: Some(spec),
+    }
+}
+
+/// Where the job stands, from its Workload (`None`: not made yet) and the ResourceFlavors
+/// (`flavor` looks one up by name).
+pub fn state(
+    queue: &str,
+    workload: Option<&Workload>,
+    flavor: impl Fn(&str) -> Option<ResourceFlavorSpec>,
+) -> QueueState {
+    let Some(workload) = workload else {
+        return QueueState::Waiting {
+            message: format!("queued in LocalQueue {queue}: its Workload is being made"),
+        };
+    };
+    if let Some(evicted) = workload
+        .condition(wl::EVICTED)
+        .filter(|c| c.status == "True")
+    {
+        // Kueue keeps Evicted until the next admission. One deactivated and active again,
+        // its quota given back, is simply queued again.
+        let reactivated = matches!(evicted.reason.as_str(), "Deactivated" | "InactiveWorkload")
+            && workload.spec.active != Some(false)
+            && !workload.has_quota_reservation();
+        if reactivated {
+            return QueueState::Waiting {
+                message: format!("queued in LocalQueue {queue} again after it was deactivated"),
+            };
+        }
+        return QueueState::Evicted {
+            reason: eviction_reason(&evicted.reason),
+            message: evicted.message.clone(),
+        };
+    }
+    let status = workload.status.clone().unwrap_or_default();
+    if workload.is(wl::ADMITTED)
+        && let Some(admission) = &status.admission
+    {
+        let mut placement = Placement::default();
+        for assignment in &admission.pod_set_assignments {
+            let Some(target) = pod_set_placement(&mut placement, &assignment.name) else {
+                continue;
+            };
+            let flavors: std::collections::BTreeSet<&String> =
+                assignment.flavors.values().collect();
+            for name in flavors {
+                let Some(spec) = flavor(name) else {
+                    return QueueState::Waiting {
+                        message: format!(
+                            "admitted by ClusterQueue {}, but ResourceFlavor {name} is not known yet",
+                            admission.cluster_queue
+                        ),
+                    };
+                };
+                target.add(&spec.node_labels, &spec.tolerations);
+            }
+        }
+        for check in &status.admission_checks {
+            for update in &check.pod_set_updates {
+                if let Some(target) = pod_set_placement(&mut placement, &update.name) {
+                    target.add(&update.node_selector, &update.tolerations);
+                }
+            }
+        }
+        let flavors: std::collections::BTreeSet<&String> = admission
+            .pod_set_assignments
+            .iter()
+            .flat_map(|a| a.flavors.values())
+            .collect();
+        let flavors: Vec<&str> = flavors.into_iter().map(String::as_str).collect();
+        return QueueState::Admitted {
+            placement,
+            message: format!(
+                "admitted by ClusterQueue {} (flavors: {})",
+                admission.cluster_queue,
+                if flavors.is_empty() {
+                    "none".to_string()
+                } else {
+                    flavors.join(", ")
+                }
+            ),
+        };
+    }
+    let said = workload
+        .condition(wl::QUOTA_RESERVED)
+        .map(|c| c.message.trim().to_string())
+        .filter(|m| !m.is_empty());
+    QueueState::Waiting {
+        message: match said {
+            Some(said) => format!("queued in LocalQueue {queue}: {said}"),
+            None => format!("queued in LocalQueue {queue}: waiting for quota"),
+        },
+    }
+}
+
+fn pod_set_placement<'a>(placement: &'a mut Placement, name: &str) -> Option<&'a mut PodPlacement> {
+    match name {
+        WORKERS_POD_SET => Some(&mut placement.workers),
+        LAUNCHER_POD_SET => Some(&mut placement.launcher),
+        _ => None,
+    }
+}
+
+/// Kueue's eviction reasons, as the job's condition reason (conditions take fixed reasons).
+fn eviction_reason(reason: &str) -> &'static str {
+    match reason {
+        "Preempted" => "Preempted",
+        "PodsReadyTimeout" => "PodsReadyTimeout",
+        "AdmissionCheck" => "AdmissionCheck",
+        "ClusterQueueStopped" => "ClusterQueueStopped",
+        "LocalQueueStopped" => "LocalQueueStopped",
+        "NodeFailures" => "NodeFailures",
+        "Deactivated" => "Deactivated",
+        "InactiveWorkload" => "InactiveWorkload",
+        "MaximumExecutionTimeExceeded" => "MaximumExecutionTimeExceeded",
+        _ => "Evicted",
+    }
+}
+
+/// The merge patch that carries a changed `runPolicy.suspend` onto the Workload's
+/// `spec.active`; `None` when the Workload already carries this value of it. A Workload that
+/// Kueue itself deactivated stays so until the user's suspend changes.
+pub fn activation_patch(workload: &Workload, suspend: bool) -> Option<Value> {
+    let carried = workload.annotations().get(SUSPEND_ANNOTATION);
+    if carried.map(String::as_str) == Some(if suspend { "true" } else { "false" }) {
+        return None;
+    }
+    Some(json!({
+        "metadata": {"annotations": {SUSPEND_ANNOTATION: suspend.to_string()}},
+        "spec": {"active": !suspend},
+    }))
+}
+
+/// Once an evicted job's pods are all gone: the JSON Patch that gives its quota back (no
+/// admission, QuotaReserved and Admitted False, Requeued as Kueue's own job controllers set
+/// it), valid only against the Workload as read (`resourceVersion` is tested). `None` when
+/// there is nothing to give back.
+pub fn release_patch(workload: &Workload, now: &Time) -> Option<json_patch::Patch> {
+    let evicted = workload
+        .condition(wl::EVICTED)
+        .filter(|c| c.status == "True")?;
+    if !workload.has_quota_reservation() {
+        return None;
+    }
+    let message = evicted.message.clone();
+    let requeued = matches!(evicted.reason.as_str(), "Preempted" | "NodeFailures");
+    let reason = eviction_reason(&evicted.reason);
+    let desired = [
+        DesiredCondition::new(wl::QUOTA_RESERVED, false, wl::PENDING, message.clone()),
+        DesiredCondition::new(wl::ADMITTED, false, wl::PENDING, message.clone()),
+        DesiredCondition::new(wl::REQUEUED, requeued, reason, message),
+    ];
+    let mut ops = vec![json!({"op": "test", "path": "/metadata/resourceVersion",
+                              "value": workload.resource_version()})];
+    if workload
+        .status
+        .as_ref()
+        .is_some_and(|s| s.admission.is_some())
+    {
+        ops.push(json!({"op": "remove", "path": "/status/admission"}));
+    }
+    ops.push(conditions_op(workload, desired, now));
+    Some(serde_json::from_value(Value::Array(ops)).expect("a JSON Patch"))
+}
+
+/// When the job ended: the JSON Patch that marks its Workload Finished, valid only against
+/// the Workload as read. `None` when it is Finished already.
+pub fn finish_patch(
+    workload: &Workload,
+    succeeded: bool,
+    message: &str,
+    now: &Time,
+) -> Option<json_patch::Patch> {
+    if workload.is(wl::FINISHED) {
+        return None;
+    }
+    let reason = if succeeded { wl::SUCCEEDED } else { wl::FAILED };
+    let desired = [DesiredCondition::new(wl::FINISHED, true, reason, message)];
+    let ops = vec![
+        json!({"op": "test", "path": "/metadata/resourceVersion", "value": workload.resource_version()}),
+        conditions_op(workload, desired, now),
+    ];
+    Some(serde_json::from_value(Value::Array(ops)).expect("a JSON Patch"))
+}
+
+fn conditions_op(
+    workload: &Workload,
+    desired: impl IntoIterator<Item = DesiredCondition>,
+    now: &Time,
+) -> Value {
+    let mut list = workload
+        .status
+        .as_ref()
+        .map(|s| s.conditions.clone())
+        .unwrap_or_default();
+    for condition in desired {
+        conditions::set(&mut list, condition, workload.metadata.generation, now);
+    }
+    if workload.status.is_none() {
+        json!({"op": "add", "path": "/status", "value": {"conditions": list}})
+    } else {
+        json!({"op": "add", "path": "/status/conditions", "value": list})
+    }
+}
