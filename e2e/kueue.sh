@@ -4,7 +4,8 @@
 # an external framework.
 #
 #   e2e/kueue.sh up       install and start it (a no-op when it runs); the cluster must be up
-#   e2e/kueue.sh down     stop it (cluster.sh down does too) and remove its install
+#   e2e/kueue.sh down     stop it (cluster.sh down does too) and remove its webhook
+#                         configurations (its CRDs stay: they hold no running parts)
 #   e2e/kueue.sh status   say whether it runs
 #
 # Kueue's webhooks and certificates are as Kueue ships them: its CRDs and webhook
@@ -63,6 +64,8 @@ up() {
     log "already running (pid $(cat "$dir/pid"))"
     return 0
   fi
+  # One that runs but does not answer holds the ports: it goes first.
+  stop
   [ -f "$kubeconfig" ] || { log "the cluster is not up: e2e/cluster.sh up"; exit 1; }
   local bin start=$SECONDS
   bin=$("$here/tools/peers.sh" kueue)
@@ -100,6 +103,10 @@ internalCertManagement:
 integrations:
   frameworks: ["batch/job"]
   externalFrameworks: ["$external_framework"]
+# Kueue evicts an admitted Workload whose PodsReady is not True within this (30 minutes by
+# default): short here, so a job that forgot to report its pods ready would be caught.
+waitForPodsReady:
+  timeout: 20s
 EOF
   # The on-demand visibility API would listen on every interface; nothing here uses it.
   KUBECONFIG="$kubeconfig" setsid "$bin" --config "$dir/config.yaml" \
@@ -119,7 +126,7 @@ EOF
   exit 1
 }
 
-down() {
+stop() {
   if running; then
     local pid
     pid=$(cat "$dir/pid")
@@ -127,6 +134,10 @@ down() {
     for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
     kill -9 "$pid" 2>/dev/null || true
   fi
+}
+
+down() {
+  stop
   # Its webhooks would refuse every request they guard once nobody answers them.
   if [ -f "$kubeconfig" ] && [ -f "$dir/manifests.yaml" ]; then
     kubectl delete --ignore-not-found --wait=false \

@@ -39,6 +39,16 @@ pub mod conditions {
     pub const SUCCEEDED: &str = "Succeeded";
     /// Reason of Finished for a job that failed.
     pub const FAILED: &str = "Failed";
+    /// Every pod of the admitted workload is ready (set by the job's controller).
+    pub const PODS_READY: &str = "PodsReady";
+    /// PodsReady=False: the pods are starting.
+    pub const WAIT_FOR_START: &str = "WaitForStart";
+    /// PodsReady=False: a pod failed after all were ready once.
+    pub const WAIT_FOR_RECOVERY: &str = "WaitForRecovery";
+    /// PodsReady=True the first time.
+    pub const STARTED: &str = "Started";
+    /// PodsReady=True again after a recovery.
+    pub const RECOVERED: &str = "Recovered";
 }
 
 /// What a Workload asks for: its pod sets, queue, priority and whether it may be admitted.
@@ -148,6 +158,12 @@ pub struct AdmissionCheckState {
 pub struct PodSetUpdate {
     /// The pod set.
     pub name: String,
+    /// Labels the pods get.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Annotations the pods get.
+    #[serde(default)]
+    pub annotations: BTreeMap<String, String>,
     /// Node labels the pods must select.
     #[serde(default)]
     pub node_selector: BTreeMap<String, String>,

@@ -804,3 +804,26 @@ fn run_policy_suspend_wins_over_an_admission() {
         reasons::SUSPENDED
     );
 }
+
+#[test]
+fn the_deadline_does_not_count_while_kueue_holds_the_job_back() {
+    let mut s = Scenario::new(job(|j| {
+        j["spec"]["runPolicy"]["activeDeadlineSeconds"] = json!(60)
+    }));
+    s.status.start_time = Some(at(0));
+    s.now = at(3600);
+    s.queue = QueueState::Evicted {
+        reason: "Preempted",
+        message: "preempted".into(),
+    };
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Suspended);
+    assert_eq!(
+        s.status.start_time, None,
+        "counted again from the next start"
+    );
+    s.queue = QueueState::Waiting {
+        message: "queued".into(),
+    };
+    assert_eq!(s.step().phase, Phase::Queued);
+}

@@ -83,6 +83,7 @@ fn the_workload_counts_the_workers_and_the_launcher_and_belongs_to_the_job() {
     let priority = Priority {
         class: "urgent".into(),
         value: 1000,
+        workload_class: true,
     };
     let workload = queue::workload(&job, "gpus", &BuildInputs::default(), Some(&priority));
     let value = serde_json::to_value(&workload).unwrap();
@@ -335,4 +336,89 @@ conditions:
             ..
         }
     ));
+}
+
+#[test]
+fn pods_ready_is_kept_as_kueues_job_controllers_keep_it() {
+    let reason = |patch: Option<json_patch::Patch>| {
+        let patch = serde_json::to_value(patch?).unwrap();
+        let conditions = patch[1]["value"].as_array().unwrap().clone();
+        let c = conditions
+            .iter()
+            .find(|c| c["type"] == "PodsReady")
+            .unwrap();
+        Some((
+            c["status"].as_str().unwrap().to_string(),
+            c["reason"].as_str().unwrap().to_string(),
+        ))
+    };
+    let admitted = workload_with(ADMITTED);
+    assert_eq!(
+        reason(queue::pods_ready_patch(&admitted, false, &now())),
+        Some(("False".into(), "WaitForStart".into()))
+    );
+    assert_eq!(
+        reason(queue::pods_ready_patch(&admitted, true, &now())),
+        Some(("True".into(), "Started".into()))
+    );
+    let with = |status: &str, why: &str| {
+        let mut w = serde_json::to_value(workload_with(ADMITTED)).unwrap();
+        w["status"]["conditions"].as_array_mut().unwrap().push(json!(
+            {"type": "PodsReady", "status": status, "reason": why, "message": "m", "lastTransitionTime": "2027-01-15T08:00:00Z"}));
+        serde_json::from_value::<Workload>(w).unwrap()
+    };
+    // Said already: nothing to write.
+    assert_eq!(
+        reason(queue::pods_ready_patch(
+            &with("True", "Started"),
+            true,
+            &now()
+        )),
+        None
+    );
+    assert_eq!(
+        reason(queue::pods_ready_patch(
+            &with("False", "WaitForStart"),
+            false,
+            &now()
+        )),
+        None
+    );
+    // A gang that ran and lost a pod recovers.
+    assert_eq!(
+        reason(queue::pods_ready_patch(
+            &with("True", "Started"),
+            false,
+            &now()
+        )),
+        Some(("False".into(), "WaitForRecovery".into()))
+    );
+    assert_eq!(
+        reason(queue::pods_ready_patch(
+            &with("False", "WaitForRecovery"),
+            true,
+            &now()
+        )),
+        Some(("True".into(), "Recovered".into()))
+    );
+    // Not admitted: nothing, unless a True is left over.
+    assert_eq!(
+        reason(queue::pods_ready_patch(
+            &workload_with(PREEMPTED),
+            false,
+            &now()
+        )),
+        None
+    );
+}
+
+#[test]
+fn a_workload_is_outdated_when_the_pods_would_ask_for_something_else() {
+    let job = validated(&sample());
+    let existing = queue::workload(&job, "gpus", &BuildInputs::default(), None);
+    assert!(!queue::outdated(&existing, &existing.clone()));
+    let mut bigger = sample();
+    bigger["spec"]["worker"] = json!({"resources": {"requests": {"cpu": "90"}}});
+    let desired = queue::workload(&validated(&bigger), "gpus", &BuildInputs::default(), None);
+    assert!(queue::outdated(&existing, &desired));
 }

@@ -632,6 +632,17 @@ async fn pods_land_on_the_nodes_of_the_flavor_they_were_admitted_to() {
             let selector = worker.spec.unwrap().node_selector.unwrap();
             assert_eq!(selector["kubernetes.azure.com/agentpool"], pool);
         }
+        // Kueue is told the gang runs (it evicts what stays unready past its timeout).
+        eventually(
+            Duration::from_secs(30),
+            "PodsReady on the Workload",
+            || async {
+                workload_of(&client, &ns.name, job)
+                    .await
+                    .is_some_and(|w| w.is("PodsReady"))
+            },
+        )
+        .await;
     }
     assert_no_pod_ran_unadmitted(&watch);
     kueue_api(&client, "ClusterQueue", "clusterqueues", None)
@@ -722,8 +733,16 @@ async fn a_higher_priority_job_preempts_and_the_victim_resumes_and_succeeds() {
     end(&client, &ns.name, "victim").await;
     let status = wait_phase(&client, &ns.name, "victim", TrainingJobPhase::Succeeded, 60).await;
     assert_eq!(condition(&status, "Suspended")["status"], "False");
-    let workload = workload_of(&client, &ns.name, "victim").await.unwrap();
-    assert!(workload.is("Finished"));
+    eventually(
+        Duration::from_secs(30),
+        "the victim's Workload Finished",
+        || async {
+            workload_of(&client, &ns.name, "victim")
+                .await
+                .is_some_and(|w| w.is("Finished"))
+        },
+    )
+    .await;
 
     assert_one_workload_per_job_and_no_orphans(&client, &ns.name, &["victim", "urgent"]).await;
     assert_no_pod_ran_unadmitted(&watch);

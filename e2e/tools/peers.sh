@@ -43,7 +43,11 @@ esac
 version=$(sed -n "s|^require $module \(v[^ ]*\)$|\1|p" "$here/$peer/go.mod")
 [ -n "$version" ] || { log "no version of $module in $here/$peer/go.mod"; exit 1; }
 out="$cache/bin/peers/$peer-$version"
-if [ ! -x "$out" ]; then
+complete() {
+  [ -x "$out" ] || return 1
+  [ "$peer" != kueue ] || [ -s "$out.manifests.yaml" ]
+}
+if ! complete; then
   started=$SECONDS
   log "building $peer $version from $module (first time: a few minutes on 2 cores)"
   work=$(mktemp -d)
@@ -63,7 +67,8 @@ if [ ! -x "$out" ]; then
   if [ "$peer" = kueue ]; then
     source_dir=$(cd "$work" && go mod download -json "$module@$version" | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')
     mkdir -p "$(dirname "$out")"
-    kueue_manifests "$source_dir" > "$out.manifests.yaml.tmp" && mv "$out.manifests.yaml.tmp" "$out.manifests.yaml"
+    kueue_manifests "$source_dir" > "$out.manifests.yaml.tmp" || { log "rendering Kueue's manifests failed"; exit 1; }
+    mv "$out.manifests.yaml.tmp" "$out.manifests.yaml"
   fi
   mkdir -p "$(dirname "$out")"
   (cd "$work" && go build -trimpath -ldflags "-s -w" -o "$out" "$package" >&2)

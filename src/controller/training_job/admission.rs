@@ -1,14 +1,18 @@
 //! The Kueue step of the TrainingJob controller: for a job labelled
-//! `kueue.x-k8s.io/queue-name`, makes its Workload (once its data is there), carries
-//! `runPolicy.suspend` onto it, and says where the job stands (see [`queue`]); after the
-//! plan is carried out, gives an evicted job's quota back once its pods are gone and marks
-//! the Workload Finished when the job ends. Workloads and ResourceFlavors are read from the
-//! operator's caches.
+//! `kueue.x-k8s.io/queue-name`, makes its Workload (once its data is there), keeps it true to
+//! the job (its queue, `runPolicy.suspend`, a re-made Workload when the pods' shape changed
+//! before they run) and says where the job stands (see [`queue`]); after the plan is carried
+//! out, tells Kueue what it waits for: PodsReady, an evicted job's quota given back once its
+//! pods are gone, Finished when the job ends. Workloads and ResourceFlavors are read from
+//! the operator's caches.
 
 use std::sync::Arc;
+use std::time::Duration;
 
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::scheduling::v1::PriorityClass;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, ResourceExt};
@@ -21,7 +25,10 @@ use super::queue::{self, Priority, QueueState};
 use super::validate::ValidatedTrainingJob;
 use crate::api::{TrainingJob, TrainingJobPhase};
 use crate::controller::{Context, FIELD_MANAGER, is_conflict, is_not_found};
-use crate::kueue::{PRIORITY_CLASS_LABEL, ResourceFlavor, Workload};
+use crate::kueue::{PRIORITY_CLASS_LABEL, ResourceFlavor, Workload, conditions as wl};
+
+/// How soon a job waiting for its priority class looks again (classes are not watched).
+const PRIORITY_CLASS_RETRY: Duration = Duration::from_secs(30);
 
 fn kube_error(
     action: &'static str,
@@ -37,15 +44,27 @@ fn kube_error(
     }
 }
 
-/// The job's Workload from the cache.
-fn cached_workload(ctx: &Context, job: &ValidatedTrainingJob) -> Option<Arc<Workload>> {
-    let name = names::workload(&job.name, &job.uid);
-    ctx.workloads
-        .get(&ObjectRef::new(&name).within(&job.namespace))
+fn patch_params() -> PatchParams {
+    PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..PatchParams::default()
+    }
 }
 
-/// Where the job stands with Kueue, making its Workload or carrying a changed
-/// `runPolicy.suspend` onto it first when needed. Also returns the Workload as cached.
+/// What the Kueue step found, and what it could not do.
+pub struct Looked {
+    /// Where the job stands, from the cached Workload.
+    pub state: QueueState,
+    /// The job's Workload as cached.
+    pub workload: Option<Arc<Workload>>,
+    /// Look again after this long even if nothing changes.
+    pub requeue: Option<Duration>,
+    /// A write that failed: reported after the plan, which still runs from the cache (a
+    /// suspended or evicted job's pods go even while Kueue's webhook does not answer).
+    pub error: Option<ApplyError>,
+}
+
+/// Where the job stands with Kueue, after making or mending its Workload when needed.
 pub async fn look(
     ctx: &Context,
     job: &TrainingJob,
@@ -53,101 +72,200 @@ pub async fn look(
     data: &DataState,
     inputs: &BuildInputs,
     finished: bool,
-) -> Result<(QueueState, Option<Arc<Workload>>), ApplyError> {
-    let Some(queue) = queue::queue_name(job) else {
-        return Ok((QueueState::NotQueued, None));
+    gang_exists: bool,
+) -> Looked {
+    let name = names::workload(&validated.name, &validated.uid);
+    let workload = ctx
+        .workloads
+        .get(&ObjectRef::new(&name).within(&validated.namespace));
+    let mut looked = Looked {
+        state: QueueState::NotQueued,
+        workload: None,
+        requeue: None,
+        error: None,
+    };
+    let Some(queue_name) = queue::queue_name(job) else {
+        // The label was taken off: the job leaves Kueue, and so does its quota.
+        if let Some(workload) = workload.filter(|w| !w.is(wl::FINISHED)) {
+            looked.error = delete_workload(ctx, &workload).await.err();
+        }
+        return looked;
     };
     if !ctx.config.kueue {
-        return Ok((
-            QueueState::IntegrationOff {
-                queue: queue.to_string(),
-            },
-            None,
-        ));
+        looked.state = QueueState::IntegrationOff {
+            queue: queue_name.to_string(),
+        };
+        return looked;
     }
-    let workload = cached_workload(ctx, validated);
-    match &workload {
+    if let Some(other) = workload
+        .as_ref()
+        .filter(|w| !w.owner_references().iter().any(|o| o.uid == validated.uid))
+    {
+        looked.state = QueueState::Waiting {
+            message: format!(
+                "Workload {} belongs to an earlier job of this name: waiting for it to go",
+                other.name_any()
+            ),
+        };
+        looked.requeue = Some(PRIORITY_CLASS_RETRY);
+        return looked;
+    }
+    let written = match &workload {
         // Made once the data is there: a job waiting for its data holds no quota.
         None if !finished && !matches!(data, DataState::Waiting { .. }) => {
-            let priority = match job.labels().get(PRIORITY_CLASS_LABEL) {
-                Some(class) => match priority(ctx, class).await? {
-                    Some(priority) => Some(priority),
-                    None => {
-                        return Ok((
-                            QueueState::Waiting {
-                                message: format!(
-                                    "WorkloadPriorityClass {class} (label {PRIORITY_CLASS_LABEL}) does not exist: the job is not queued until it does"
-                                ),
-                            },
-                            None,
-                        ));
-                    }
-                },
-                None => None,
-            };
-            let object = queue::workload(validated, queue, inputs, priority.as_ref());
-            let api: Api<Workload> = Api::namespaced(ctx.client.clone(), &validated.namespace);
-            match api.create(&PostParams::default(), &object).await {
-                Ok(_) => {}
-                // Made by an earlier reconcile that the cache does not show yet.
-                Err(e) if is_conflict(&e) => {}
-                Err(e) => return Err(kube_error("creating", "Workload", &object.name_any())(e)),
-            }
+            make_workload(ctx, job, validated, queue_name, inputs, &mut looked).await
         }
         Some(workload) if !finished => {
-            if let Some(patch) = queue::activation_patch(workload, validated.run_policy.suspend) {
-                let api: Api<Workload> = Api::namespaced(ctx.client.clone(), &validated.namespace);
-                api.patch(
-                    &workload.name_any(),
-                    &PatchParams {
-                        field_manager: Some(FIELD_MANAGER.into()),
-                        ..PatchParams::default()
-                    },
-                    &Patch::Merge(&patch),
-                )
-                .await
-                .map_err(kube_error(
-                    "patching",
-                    "Workload",
-                    &workload.name_any(),
-                ))?;
-            }
+            mend_workload(ctx, validated, queue_name, inputs, workload, gang_exists).await
         }
-        _ => {}
+        _ => Ok(()),
+    };
+    looked.error = written.err();
+    if looked.requeue.is_none() {
+        looked.state = queue::state(queue_name, workload.as_deref(), |name| {
+            ctx.flavors
+                .get(&ObjectRef::<ResourceFlavor>::new(name))
+                .map(|f| f.spec.clone())
+        });
     }
-    let state = queue::state(queue, workload.as_deref(), |name| {
-        ctx.flavors
-            .get(&ObjectRef::<ResourceFlavor>::new(name))
-            .map(|f| f.spec.clone())
-    });
-    Ok((state, workload))
+    looked.workload = workload;
+    looked
 }
 
-/// The value of WorkloadPriorityClass `class`; `None` when it does not exist.
-async fn priority(ctx: &Context, class: &str) -> Result<Option<Priority>, ApplyError> {
-    let resource = ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("kueue.x-k8s.io", "v1beta2", "WorkloadPriorityClass"),
-        "workloadpriorityclasses",
+async fn make_workload(
+    ctx: &Context,
+    job: &TrainingJob,
+    validated: &ValidatedTrainingJob,
+    queue_name: &str,
+    inputs: &BuildInputs,
+    looked: &mut Looked,
+) -> Result<(), ApplyError> {
+    let priority = match priority(ctx, job, validated).await? {
+        Ok(priority) => priority,
+        Err(missing) => {
+            looked.state = QueueState::Waiting {
+                message: format!("{missing} does not exist: the job is not queued until it does"),
+            };
+            looked.requeue = Some(PRIORITY_CLASS_RETRY);
+            return Ok(());
+        }
+    };
+    let object = queue::workload(validated, queue_name, inputs, priority.as_ref());
+    let api: Api<Workload> = Api::namespaced(ctx.client.clone(), &validated.namespace);
+    match api.create(&PostParams::default(), &object).await {
+        Ok(_) => Ok(()),
+        // Made by an earlier reconcile that the cache does not show yet.
+        Err(e) if is_conflict(&e) => Ok(()),
+        Err(e) => Err(kube_error("creating", "Workload", &object.name_any())(e)),
+    }
+}
+
+/// Keeps a Workload true to its job: `runPolicy.suspend` on `spec.active`, the queue while
+/// it waits, and a new Workload when the pods' shape changed before any of them ran.
+async fn mend_workload(
+    ctx: &Context,
+    validated: &ValidatedTrainingJob,
+    queue_name: &str,
+    inputs: &BuildInputs,
+    workload: &Workload,
+    gang_exists: bool,
+) -> Result<(), ApplyError> {
+    let api: Api<Workload> = Api::namespaced(ctx.client.clone(), &validated.namespace);
+    let name = workload.name_any();
+    if !gang_exists {
+        // The priority is not compared: a class's value may change on its own.
+        let desired = queue::workload(validated, queue_name, inputs, None);
+        if queue::outdated(workload, &desired) {
+            tracing::info!(job = %validated.name, workload = %name, "the pods' shape changed: the Workload is made again");
+            return delete_workload(ctx, workload).await;
+        }
+    }
+    let mut patch = queue::activation_patch(workload, validated.run_policy.suspend);
+    if workload.spec.queue_name.as_deref() != Some(queue_name) && !workload.has_quota_reservation()
+    {
+        let patch = patch.get_or_insert_with(|| serde_json::json!({}));
+        patch["spec"]["queueName"] = queue_name.into();
+        patch["metadata"]["labels"][crate::kueue::QUEUE_NAME_LABEL] = queue_name.into();
+    }
+    if let Some(patch) = patch {
+        api.patch(&name, &patch_params(), &Patch::Merge(&patch))
+            .await
+            .map_err(kube_error("patching", "Workload", &name))?;
+    }
+    Ok(())
+}
+
+async fn delete_workload(ctx: &Context, workload: &Workload) -> Result<(), ApplyError> {
+    let api: Api<Workload> = Api::namespaced(
+        ctx.client.clone(),
+        &workload.namespace().unwrap_or_default(),
     );
-    let api: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &resource);
-    match api.get(class).await {
-        Ok(object) => Ok(Some(Priority {
-            class: class.to_string(),
-            value: object.data["value"]
-                .as_i64()
-                .and_then(|v| i32::try_from(v).ok())
-                .unwrap_or_default(),
-        })),
-        Err(e) if is_not_found(&e) => Ok(None),
-        Err(e) => Err(kube_error("reading", "WorkloadPriorityClass", class)(e)),
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: workload.uid(),
+            resource_version: None,
+        }),
+        ..DeleteParams::background()
+    };
+    match api.delete(&workload.name_any(), &params).await {
+        Ok(_) => Ok(()),
+        Err(e) if is_not_found(&e) || is_conflict(&e) => Ok(()),
+        Err(e) => Err(kube_error("deleting", "Workload", &workload.name_any())(e)),
     }
 }
 
-/// After the plan: an evicted job whose pods are all gone (`pods_exist` counts those still
-/// terminating and those made moments ago that the cache does not show) gives its quota
-/// back; a finished job's Workload is marked Finished.
+/// The job's priority class: its WorkloadPriorityClass label, else the workers'
+/// PriorityClass, else none. `Err(what)` names a class that does not exist.
+async fn priority(
+    ctx: &Context,
+    job: &TrainingJob,
+    validated: &ValidatedTrainingJob,
+) -> Result<Result<Option<Priority>, String>, ApplyError> {
+    if let Some(class) = job.labels().get(PRIORITY_CLASS_LABEL) {
+        let resource = ApiResource::from_gvk_with_plural(
+            &GroupVersionKind::gvk("kueue.x-k8s.io", "v1beta2", "WorkloadPriorityClass"),
+            "workloadpriorityclasses",
+        );
+        let api: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &resource);
+        return match api.get(class).await {
+            Ok(object) => Ok(Ok(Some(Priority {
+                class: class.clone(),
+                value: object.data["value"]
+                    .as_i64()
+                    .and_then(|v| i32::try_from(v).ok())
+                    .unwrap_or_default(),
+                workload_class: true,
+            }))),
+            Err(e) if is_not_found(&e) => Ok(Err(format!(
+                "WorkloadPriorityClass {class} (label {PRIORITY_CLASS_LABEL})"
+            ))),
+            Err(e) => Err(kube_error("reading", "WorkloadPriorityClass", class)(e)),
+        };
+    }
+    let Some(class) = &validated.worker.priority_class_name else {
+        return Ok(Ok(None));
+    };
+    let api: Api<PriorityClass> = Api::all(ctx.client.clone());
+    match api.get(class).await {
+        Ok(object) => Ok(Ok(Some(Priority {
+            class: class.clone(),
+            value: object.value.unwrap_or_default(),
+            workload_class: false,
+        }))),
+        Err(e) if is_not_found(&e) => Ok(Err(format!(
+            "PriorityClass {class} (worker.priorityClassName)"
+        ))),
+        Err(e) => Err(kube_error("reading", "PriorityClass", class)(e)),
+    }
+}
+
+/// After the plan, what Kueue waits for: Finished when the job ended; once an evicted job's
+/// pods are all gone (`pods_exist` counts those terminating and those made moments ago that
+/// the cache does not show; the API server is asked once more, since an operator that just
+/// restarted remembers nothing), its quota given back; else PodsReady.
 pub async fn settle(
     ctx: &Context,
+    validated: &ValidatedTrainingJob,
     workload: Option<&Workload>,
     phase: TrainingJobPhase,
     message: &str,
@@ -161,8 +279,11 @@ pub async fn settle(
         TrainingJobPhase::Succeeded | TrainingJobPhase::Failed => {
             queue::finish_patch(workload, phase == TrainingJobPhase::Succeeded, message, now)
         }
-        _ if !pods_exist => queue::release_patch(workload, now),
-        _ => None,
+        _ => match queue::release_patch(workload, now) {
+            Some(_) if pods_exist || any_pod(ctx, validated).await? => None,
+            Some(release) => Some(release),
+            None => queue::pods_ready_patch(workload, phase == TrainingJobPhase::Running, now),
+        },
     };
     let Some(patch) = patch else {
         return Ok(());
@@ -171,19 +292,21 @@ pub async fn settle(
         ctx.client.clone(),
         &workload.namespace().unwrap_or_default(),
     );
-    let params = PatchParams {
-        field_manager: Some(FIELD_MANAGER.into()),
-        ..PatchParams::default()
-    };
     match api
-        .patch_status(&workload.name_any(), &params, &Patch::<()>::Json(patch))
+        .patch_status(
+            &workload.name_any(),
+            &patch_params(),
+            &Patch::<()>::Json(patch),
+        )
         .await
     {
         Ok(_) => Ok(()),
-        // The cache was behind (the patch tests the resourceVersion): the Workload's newer
-        // version wakes the job again.
-        Err(kube::Error::Api(s)) if s.code == 422 || s.code == 409 => {
-            tracing::debug!(workload = %workload.name_any(), message = %s.message, "Workload changed meanwhile; looked at again");
+        // The Workload changed since the cache saw it (the patch tests its resourceVersion):
+        // its newer version wakes the job again.
+        Err(kube::Error::Api(s))
+            if s.code == 422 && s.message.contains("/metadata/resourceVersion") =>
+        {
+            tracing::debug!(workload = %workload.name_any(), "Workload changed meanwhile; looked at again");
             Ok(())
         }
         Err(e) => Err(kube_error(
@@ -192,4 +315,21 @@ pub async fn settle(
             &workload.name_any(),
         )(e)),
     }
+}
+
+/// Whether the API server (not the cache) knows a pod of the job.
+async fn any_pod(ctx: &Context, job: &ValidatedTrainingJob) -> Result<bool, ApplyError> {
+    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), &job.namespace);
+    let pods = api
+        .list_metadata(&ListParams::default().labels(&format!(
+            "{}={}",
+            names::JOB_NAME_LABEL,
+            job.name
+        )))
+        .await
+        .map_err(kube_error("listing", "Pod", &job.name))?;
+    Ok(pods
+        .items
+        .iter()
+        .any(|p| p.owner_references().iter().any(|o| o.uid == job.uid)))
 }

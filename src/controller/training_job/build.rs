@@ -309,8 +309,17 @@ fn merge_overrides(pod: &mut Value, overrides: &PodOverrides) {
 }
 
 /// Puts a pod where its Kueue admission says: the flavors' node labels win over the spec's
-/// (the quota was given for those nodes), their tolerations are added.
+/// (the quota was given for those nodes), their tolerations are added, and so are the
+/// admission checks' labels and annotations.
 fn place(pod: &mut Value, placement: &PodPlacement) {
+    for (key, map) in [
+        ("labels", &placement.labels),
+        ("annotations", &placement.annotations),
+    ] {
+        for (k, v) in map {
+            pod["metadata"][key][k] = json!(v);
+        }
+    }
     let spec = &mut pod["spec"];
     for (k, v) in &placement.node_selector {
         spec["nodeSelector"][k] = json!(v);

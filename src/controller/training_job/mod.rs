@@ -179,7 +179,8 @@ async fn run(
         old.phase,
         TrainingJobPhase::Succeeded | TrainingJobPhase::Failed
     );
-    let (queue, workload) = match admission::look(
+    let (pods, names_in_use) = pods_of(ctx, job);
+    let looked = admission::look(
         ctx,
         job,
         validated,
@@ -190,15 +191,10 @@ async fn run(
             ..BuildInputs::default()
         },
         finished,
+        !pods.is_empty(),
     )
-    .await
-    {
-        Ok(looked) => looked,
-        Err(source) => {
-            return Err(rejected(ctx, object, (&old, &old), "", validated, source).await);
-        }
-    };
-    let (pods, names_in_use) = pods_of(ctx, job);
+    .await;
+    let (queue, workload) = (looked.state, looked.workload);
     let pod_refs: Vec<&Pod> = pods.iter().map(AsRef::as_ref).collect();
     let observed = Observed::sort(&pod_refs, validated.workers, old.restarts);
     let pool = pool::look(
@@ -320,8 +316,12 @@ async fn run(
     // (also those terminating, or made moments ago and not in the cache yet), and the end of
     // a finished job.
     let pods_exist = !pods.is_empty() || !unseen.is_empty() || made_pods;
+    if let Some(source) = looked.error {
+        return Err(rejected(ctx, object, (&new, &new), &plan.message, validated, source).await);
+    }
     if let Err(source) = admission::settle(
         ctx,
+        validated,
         workload.as_deref(),
         plan.phase,
         &plan.message,
@@ -362,10 +362,15 @@ async fn run(
         return Ok(Action::await_change());
     }
     Ok(
-        match [plan.requeue_after, pool.requeue, progress_wait]
-            .into_iter()
-            .flatten()
-            .min()
+        match [
+            plan.requeue_after,
+            pool.requeue,
+            progress_wait,
+            looked.requeue,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
         {
             Some(after) => Action::requeue(after),
             None => Action::await_change(),

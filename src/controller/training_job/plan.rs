@@ -447,9 +447,16 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
         return plan;
     }
 
-    if let (Some(deadline), Some(start)) =
-        (job.run_policy.active_deadline_seconds, &status.start_time)
-    {
+    // The deadline counts while the job may run: not while Kueue holds it back.
+    let held_by_kueue = matches!(
+        inputs.queue,
+        QueueState::Waiting { .. } | QueueState::Evicted { .. }
+    );
+    if let (Some(deadline), Some(start), false) = (
+        job.run_policy.active_deadline_seconds,
+        &status.start_time,
+        held_by_kueue,
+    ) {
         let left = deadline as f64 - seconds_between(start, inputs.now);
         if left <= 0.0 {
             let detail =
@@ -536,6 +543,8 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
         QueueState::Evicted { reason, message } => {
             plan.phase = P::Suspended;
             plan.delete_pods = every_pod(observed);
+            // As for runPolicy.suspend: the deadline counts from the next start.
+            plan.start_time = None;
             let detail = format!(
                 "evicted by Kueue ({reason}): {message}; its pods are deleted and it starts again when admitted again"
             );

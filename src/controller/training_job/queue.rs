@@ -39,13 +39,16 @@ pub fn queue_name(job: &TrainingJob) -> Option<&str> {
         .filter(|q| !q.is_empty())
 }
 
-/// A job's WorkloadPriorityClass, resolved.
+/// A job's priority class, resolved: a Kueue WorkloadPriorityClass (label
+/// `kueue.x-k8s.io/priority-class`), else the workers' PriorityClass.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Priority {
     /// The class's name.
     pub class: String,
     /// Its value.
     pub value: i32,
+    /// A WorkloadPriorityClass (`true`) or a PriorityClass of the pods.
+    pub workload_class: bool,
 }
 
 /// Where a job stands with Kueue.
@@ -80,13 +83,17 @@ pub struct Placement {
     pub launcher: PodPlacement,
 }
 
-/// A node selector and tolerations for one pod set.
+/// A node selector, tolerations, labels and annotations for one pod set.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct PodPlacement {
     /// Labels the pods' nodes must have.
     pub node_selector: BTreeMap<String, String>,
     /// Tolerations the pods get.
     pub tolerations: Vec<Toleration>,
+    /// Labels the pods get (from admission checks).
+    pub labels: BTreeMap<String, String>,
+    /// Annotations the pods get (from admission checks: a ProvisioningRequest's, say).
+    pub annotations: BTreeMap<String, String>,
 }
 
 impl PodPlacement {
@@ -152,8 +159,18 @@ pub fn workload(
             queue_name: Some(queue.into()),
             active: Some(!job.run_policy.suspend),
             priority_class_ref: priority.map(|p| PriorityClassRef {
-                group: "kueue.x-k8s.io".into(),
-                kind: "WorkloadPriorityClass".into(),
+                group: if p.workload_class {
+                    "kueue.x-k8s.io"
+                } else {
+                    "scheduling.k8s.io"
+                }
+                .into(),
+                kind: if p.workload_class {
+                    "WorkloadPriorityClass"
+                } else {
+                    "PriorityClass"
+                }
+                .into(),
                 name: p.class.clone(),
             }),
             priority: priority.map(|p| p.value),
@@ -202,8 +219,10 @@ pub fn state(
     {
         // Kueue keeps Evicted until the next admission. One deactivated and active again,
         // its quota given back, is simply queued again.
-        let reactivated = matches!(evicted.reason.as_str(), "Deactivated" | "InactiveWorkload")
-            && workload.spec.active != Some(false)
+        let reactivated = matches!(
+            eviction_reason(&evicted.reason),
+            "Deactivated" | "InactiveWorkload"
+        ) && workload.spec.active != Some(false)
             && !workload.has_quota_reservation();
         if reactivated {
             return QueueState::Waiting {
@@ -242,6 +261,8 @@ pub fn state(
             for update in &check.pod_set_updates {
                 if let Some(target) = pod_set_placement(&mut placement, &update.name) {
                     target.add(&update.node_selector, &update.tolerations);
+                    target.labels.extend(update.labels.clone());
+                    target.annotations.extend(update.annotations.clone());
                 }
             }
         }
@@ -293,7 +314,8 @@ fn eviction_reason(reason: &str) -> &'static str {
         "ClusterQueueStopped" => "ClusterQueueStopped",
         "LocalQueueStopped" => "LocalQueueStopped",
         "NodeFailures" => "NodeFailures",
-        "Deactivated" => "Deactivated",
+        // Kueue's own deactivations say why: DeactivatedDueTo<cause>.
+        r if r.starts_with("Deactivated") => "Deactivated",
         "InactiveWorkload" => "InactiveWorkload",
         "MaximumExecutionTimeExceeded" => "MaximumExecutionTimeExceeded",
         _ => "Evicted",
@@ -366,6 +388,88 @@ pub fn finish_patch(
     Some(serde_json::from_value(Value::Array(ops)).expect("a JSON Patch"))
 }
 
+/// Whether `existing` no longer counts what the job's pods would be: `desired` (the Workload
+/// built from the job now) differs in a pod set's count, requests, node selector,
+/// tolerations or priority class (the launcher and worker overrides can change).
+pub fn outdated(existing: &Workload, desired: &Workload) -> bool {
+    fn shape(workload: &Workload) -> Vec<Value> {
+        workload
+            .spec
+            .pod_sets
+            .iter()
+            .map(|set| {
+                let spec = set.template.spec.clone().unwrap_or_default();
+                let requests: Vec<Value> = spec
+                    .containers
+                    .iter()
+                    .map(|c| json!(c.resources.as_ref().map(|r| r.requests.clone())))
+                    .collect();
+                json!([
+                    set.name,
+                    set.count,
+                    requests,
+                    spec.node_selector,
+                    spec.tolerations,
+                    spec.priority_class_name
+                ])
+            })
+            .collect()
+    }
+    shape(existing) != shape(desired)
+}
+
+/// PodsReady as Kueue's own job controllers keep it (Kueue evicts a Workload admitted for
+/// longer than its `waitForPodsReady` timeout, 30 minutes by default, without it): True once
+/// the gang runs (`ready`), False while it starts or recovers. `None` when it says so already.
+pub fn pods_ready_patch(workload: &Workload, ready: bool, now: &Time) -> Option<json_patch::Patch> {
+    const NOT_READY: &str = "Not all pods are ready or succeeded";
+    let current = workload.condition(wl::PODS_READY);
+    let current_reason = current.map(|c| c.reason.as_str());
+    let desired = if !workload.is(wl::ADMITTED) || workload.is(wl::EVICTED) {
+        // Evicted or waiting: only a True left from the last admission is taken back.
+        if current.is_some_and(|c| c.status == "True") {
+            DesiredCondition::new(wl::PODS_READY, false, wl::WAIT_FOR_START, NOT_READY)
+        } else {
+            return None;
+        }
+    } else if ready {
+        let reason = match current_reason {
+            Some(wl::WAIT_FOR_RECOVERY | wl::RECOVERED) => wl::RECOVERED,
+            _ => wl::STARTED,
+        };
+        DesiredCondition::new(
+            wl::PODS_READY,
+            true,
+            reason,
+            "All pods reached readiness and the workload is running",
+        )
+    } else {
+        match current {
+            None => DesiredCondition::new(wl::PODS_READY, false, wl::WAIT_FOR_START, NOT_READY),
+            Some(c) if c.status == "True" => DesiredCondition::new(
+                wl::PODS_READY,
+                false,
+                wl::WAIT_FOR_RECOVERY,
+                "At least one pod has failed, waiting for recovery",
+            ),
+            Some(_) => return None,
+        }
+    };
+    if current.is_some_and(|c| {
+        c.status == if desired.status { "True" } else { "False" } && c.reason == desired.reason
+    }) {
+        return None;
+    }
+    let ops = vec![
+        json!({"op": "test", "path": "/metadata/resourceVersion", "value": workload.resource_version()}),
+        conditions_op(workload, [desired], now),
+    ];
+    Some(serde_json::from_value(Value::Array(ops)).expect("a JSON Patch"))
+}
+
+/// Condition messages are cut to what Kueue's CRD allows.
+const MAX_MESSAGE: usize = 32_768;
+
 fn conditions_op(
     workload: &Workload,
     desired: impl IntoIterator<Item = DesiredCondition>,
@@ -376,7 +480,14 @@ fn conditions_op(
         .as_ref()
         .map(|s| s.conditions.clone())
         .unwrap_or_default();
-    for condition in desired {
+    for mut condition in desired {
+        if condition.message.len() > MAX_MESSAGE {
+            let mut end = MAX_MESSAGE;
+            while !condition.message.is_char_boundary(end) {
+                end -= 1;
+            }
+            condition.message.truncate(end);
+        }
         conditions::set(&mut list, condition, workload.metadata.generation, now);
     }
     if workload.status.is_none() {
