@@ -27,7 +27,8 @@ use crate::api::{TrainingJob, TrainingJobPhase};
 use crate::controller::{Context, FIELD_MANAGER, is_conflict, is_not_found};
 use crate::kueue::{PRIORITY_CLASS_LABEL, ResourceFlavor, Workload, conditions as wl};
 
-/// How soon a job waiting for its priority class looks again (classes are not watched).
+/// How soon a job waiting for its priority class, or for an earlier job's Workload to go,
+/// looks again (neither is watched).
 const PRIORITY_CLASS_RETRY: Duration = Duration::from_secs(30);
 
 fn kube_error(
@@ -113,49 +114,56 @@ pub async fn look(
     let written = match &workload {
         // Made once the data is there: a job waiting for its data holds no quota.
         None if !finished && !matches!(data, DataState::Waiting { .. }) => {
-            make_workload(ctx, job, validated, queue_name, inputs, &mut looked).await
+            make_workload(ctx, job, validated, queue_name, inputs).await
         }
         Some(workload) if !finished => {
-            mend_workload(ctx, validated, queue_name, inputs, workload, gang_exists).await
+            mend_workload(ctx, validated, queue_name, inputs, workload, gang_exists)
+                .await
+                .map(|()| None)
         }
-        _ => Ok(()),
+        _ => Ok(None),
     };
-    looked.error = written.err();
-    if looked.requeue.is_none() {
-        looked.state = queue::state(queue_name, workload.as_deref(), |name| {
-            ctx.flavors
-                .get(&ObjectRef::<ResourceFlavor>::new(name))
-                .map(|f| f.spec.clone())
-        });
+    match written {
+        Ok(Some(missing_class)) => {
+            looked.state = QueueState::Waiting {
+                message: format!(
+                    "{missing_class} does not exist: the job is not queued until it does"
+                ),
+            };
+            looked.requeue = Some(PRIORITY_CLASS_RETRY);
+        }
+        written => {
+            looked.error = written.err();
+            looked.state = queue::state(queue_name, workload.as_deref(), |name| {
+                ctx.flavors
+                    .get(&ObjectRef::<ResourceFlavor>::new(name))
+                    .map(|f| f.spec.clone())
+            });
+        }
     }
     looked.workload = workload;
     looked
 }
 
+/// Makes the job's Workload; `Ok(Some(class))` names its priority class when that does not
+/// exist (no Workload is made without it).
 async fn make_workload(
     ctx: &Context,
     job: &TrainingJob,
     validated: &ValidatedTrainingJob,
     queue_name: &str,
     inputs: &BuildInputs,
-    looked: &mut Looked,
-) -> Result<(), ApplyError> {
+) -> Result<Option<String>, ApplyError> {
     let priority = match priority(ctx, job, validated).await? {
         Ok(priority) => priority,
-        Err(missing) => {
-            looked.state = QueueState::Waiting {
-                message: format!("{missing} does not exist: the job is not queued until it does"),
-            };
-            looked.requeue = Some(PRIORITY_CLASS_RETRY);
-            return Ok(());
-        }
+        Err(missing) => return Ok(Some(missing)),
     };
     let object = queue::workload(validated, queue_name, inputs, priority.as_ref());
     let api: Api<Workload> = Api::namespaced(ctx.client.clone(), &validated.namespace);
     match api.create(&PostParams::default(), &object).await {
-        Ok(_) => Ok(()),
+        Ok(_) => Ok(None),
         // Made by an earlier reconcile that the cache does not show yet.
-        Err(e) if is_conflict(&e) => Ok(()),
+        Err(e) if is_conflict(&e) => Ok(None),
         Err(e) => Err(kube_error("creating", "Workload", &object.name_any())(e)),
     }
 }

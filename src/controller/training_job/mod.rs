@@ -312,9 +312,9 @@ async fn run(
         write_status(ctx, object, &old, &new, &plan.message).await?;
         ctx.status_written(&key);
     }
-    // Kueue is told what it waits for: the quota of an evicted job whose pods are all gone
-    // (also those terminating, or made moments ago and not in the cache yet), and the end of
-    // a finished job.
+    // Kueue is told what it waits for: PodsReady, the quota of an evicted job whose pods are
+    // all gone (also those terminating, or made moments ago and not in the cache yet), and
+    // the end of a finished job. A Kueue write that failed before the plan is reported now.
     let pods_exist = !pods.is_empty() || !unseen.is_empty() || made_pods;
     if let Some(source) = looked.error {
         return Err(rejected(ctx, object, (&new, &new), &plan.message, validated, source).await);
