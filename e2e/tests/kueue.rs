@@ -82,25 +82,74 @@ fn kueue_api(
     }
 }
 
-/// Server-side applies a Kueue object (through Kueue's webhooks).
-async fn kueue_apply(client: &Client, object: Value, namespace: Option<&str>) {
-    let kind = object["kind"].as_str().unwrap().to_string();
-    let plural = match kind.as_str() {
-        "ResourceFlavor" => "resourceflavors",
-        "ClusterQueue" => "clusterqueues",
-        "LocalQueue" => "localqueues",
-        "WorkloadPriorityClass" => "workloadpriorityclasses",
+/// The plural of a Kueue kind, and whether it is namespaced.
+fn kueue_resource(kind: &str) -> (&'static str, bool) {
+    match kind {
+        "ResourceFlavor" => ("resourceflavors", false),
+        "ClusterQueue" => ("clusterqueues", false),
+        "LocalQueue" => ("localqueues", true),
+        "WorkloadPriorityClass" => ("workloadpriorityclasses", false),
         other => panic!("no plural for {other}"),
-    };
-    let name = object["metadata"]["name"].as_str().unwrap().to_string();
-    kueue_api(client, &kind, plural, namespace)
+    }
+}
+
+/// Server-side applies a Kueue object (through Kueue's webhooks), namespaced ones into
+/// `namespace`; `dry_run` stores nothing.
+async fn kueue_apply_as(
+    client: &Client,
+    object: &Value,
+    namespace: &str,
+    dry_run: bool,
+) -> Result<(), kube::Error> {
+    let kind = object["kind"].as_str().unwrap();
+    let (plural, namespaced) = kueue_resource(kind);
+    let mut params = PatchParams::apply("e2e").force();
+    params.dry_run = dry_run;
+    kueue_api(client, kind, plural, namespaced.then_some(namespace))
         .patch(
-            &name,
-            &PatchParams::apply("e2e").force(),
-            &Patch::Apply(&object),
+            object["metadata"]["name"].as_str().unwrap(),
+            &params,
+            &Patch::Apply(object),
         )
         .await
-        .unwrap_or_else(|e| panic!("{kind} {name}: {e}"));
+        .map(|_| ())
+}
+
+async fn kueue_apply(client: &Client, object: Value, namespace: &str) {
+    kueue_apply_as(client, &object, namespace, false)
+        .await
+        .unwrap_or_else(|e| panic!("{} {}: {e}", object["kind"], object["metadata"]["name"]));
+}
+
+/// The flavors (name, KWOK pool, GPUs of quota) and a ClusterQueue over them for namespace
+/// `ns`, with its LocalQueue `team`; returns the ClusterQueue's name (see
+/// [`remove_cluster_queue`]).
+async fn team_queue(
+    client: &Client,
+    ns: &TestNamespace,
+    name: &str,
+    flavors: &[(&str, &str, u32)],
+) -> String {
+    let t = tag(ns);
+    let mut quotas = Vec::new();
+    for (flavor_name, pool, gpus) in flavors {
+        let flavor_name = format!("{flavor_name}-{t}");
+        kueue_apply(client, flavor(&flavor_name, pool), &ns.name).await;
+        quotas.push((flavor_name, *gpus));
+    }
+    let cq = format!("{name}-{t}");
+    let quotas: Vec<(&str, u32)> = quotas.iter().map(|(f, g)| (f.as_str(), *g)).collect();
+    kueue_apply(client, cluster_queue(&cq, &ns.name, &quotas), &ns.name).await;
+    kueue_apply(client, local_queue("team", &cq), &ns.name).await;
+    cq
+}
+
+/// ClusterQueues are cluster-wide: each test removes its own.
+async fn remove_cluster_queue(client: &Client, cq: &str) {
+    kueue_api(client, "ClusterQueue", "clusterqueues", None)
+        .delete(cq, &Default::default())
+        .await
+        .ok();
 }
 
 /// A flavor for KWOK pool `pool`: its agent-pool label and a toleration of its taint.
@@ -455,12 +504,8 @@ async fn quota_for_two_jobs_admits_two_gangs_whole_and_the_third_runs_when_one_e
     ensure_crds(&client).await;
     kueue(&client).await;
     let ns = TestNamespace::new(&client, "kq-quota").await;
-    let t = tag(&ns);
-    let (fl, cq) = (format!("kq-quota-{t}"), format!("kq-quota-{t}"));
-    kueue_apply(&client, flavor(&fl, "kqa"), None).await;
     // Two jobs of 2 workers × 1 GPU.
-    kueue_apply(&client, cluster_queue(&cq, &ns.name, &[(&fl, 4)]), None).await;
-    kueue_apply(&client, local_queue("team", &cq), Some(&ns.name)).await;
+    let cq = team_queue(&client, &ns, "kq-quota", &[("kq-quota", "kqa", 4)]).await;
     let watch = AdmissionWatch::start(&client, &ns.name).await;
     let mut first = Some(operator(&client, &ns.name).await);
 
@@ -567,10 +612,7 @@ async fn quota_for_two_jobs_admits_two_gangs_whole_and_the_third_runs_when_one_e
 
     assert_one_workload_per_job_and_no_orphans(&client, &ns.name, &["one", "two", "three"]).await;
     assert_no_pod_ran_unadmitted(&watch);
-    kueue_api(&client, "ClusterQueue", "clusterqueues", None)
-        .delete(&cq, &Default::default())
-        .await
-        .ok();
+    remove_cluster_queue(&client, &cq).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -579,22 +621,15 @@ async fn pods_land_on_the_nodes_of_the_flavor_they_were_admitted_to() {
     ensure_crds(&client).await;
     kueue(&client).await;
     let ns = TestNamespace::new(&client, "kq-flavors").await;
-    let t = tag(&ns);
-    let (fa, fb, cq) = (
-        format!("kq-a-{t}"),
-        format!("kq-b-{t}"),
-        format!("kq-flavors-{t}"),
-    );
-    kueue_apply(&client, flavor(&fa, "kqa"), None).await;
-    kueue_apply(&client, flavor(&fb, "kqb"), None).await;
     // Room for one job in each flavor: the first fills kqa, the second goes to kqb.
-    kueue_apply(
+    let cq = team_queue(
         &client,
-        cluster_queue(&cq, &ns.name, &[(&fa, 2), (&fb, 2)]),
-        None,
+        &ns,
+        "kq-flavors",
+        &[("kq-a", "kqa", 2), ("kq-b", "kqb", 2)],
     )
     .await;
-    kueue_apply(&client, local_queue("team", &cq), Some(&ns.name)).await;
+    let (fa, fb) = (format!("kq-a-{}", tag(&ns)), format!("kq-b-{}", tag(&ns)));
     let watch = AdmissionWatch::start(&client, &ns.name).await;
     let _operator = operator(&client, &ns.name).await;
 
@@ -645,10 +680,7 @@ async fn pods_land_on_the_nodes_of_the_flavor_they_were_admitted_to() {
         .await;
     }
     assert_no_pod_ran_unadmitted(&watch);
-    kueue_api(&client, "ClusterQueue", "clusterqueues", None)
-        .delete(&cq, &Default::default())
-        .await
-        .ok();
+    remove_cluster_queue(&client, &cq).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -658,21 +690,18 @@ async fn a_higher_priority_job_preempts_and_the_victim_resumes_and_succeeds() {
     kueue(&client).await;
     let ns = TestNamespace::new(&client, "kq-preempt").await;
     let t = tag(&ns);
-    let (fl, cq) = (format!("kq-preempt-{t}"), format!("kq-preempt-{t}"));
     let (low, high) = (format!("kq-low-{t}"), format!("kq-high-{t}"));
-    kueue_apply(&client, flavor(&fl, "kqa"), None).await;
     for (class, value) in [(&low, 100), (&high, 1000)] {
         kueue_apply(
             &client,
             json!({"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass",
                    "metadata": {"name": class}, "value": value}),
-            None,
+            &ns.name,
         )
         .await;
     }
     // Room for one job.
-    kueue_apply(&client, cluster_queue(&cq, &ns.name, &[(&fl, 2)]), None).await;
-    kueue_apply(&client, local_queue("team", &cq), Some(&ns.name)).await;
+    let cq = team_queue(&client, &ns, "kq-preempt", &[("kq-preempt", "kqa", 2)]).await;
     let watch = AdmissionWatch::start(&client, &ns.name).await;
     let first = operator(&client, &ns.name).await;
 
@@ -758,10 +787,7 @@ async fn a_higher_priority_job_preempts_and_the_victim_resumes_and_succeeds() {
         victim_pod_changes >= 3,
         "the victim's pods were deleted once at least"
     );
-    kueue_api(&client, "ClusterQueue", "clusterqueues", None)
-        .delete(&cq, &Default::default())
-        .await
-        .ok();
+    remove_cluster_queue(&client, &cq).await;
 }
 
 /// The Kueue samples (config/samples/kueue) pass Kueue's own webhooks and Ringmaster's schema.
@@ -775,29 +801,7 @@ async fn the_kueue_samples_are_accepted() {
     for path in common::yaml_files("config/samples/kueue") {
         for object in common::documents(&path) {
             let result = if object["apiVersion"] == "kueue.x-k8s.io/v1beta2" {
-                let kind = object["kind"].as_str().unwrap();
-                let (plural, namespaced) = match kind {
-                    "ResourceFlavor" => ("resourceflavors", false),
-                    "ClusterQueue" => ("clusterqueues", false),
-                    "LocalQueue" => ("localqueues", true),
-                    "WorkloadPriorityClass" => ("workloadpriorityclasses", false),
-                    other => panic!("no plural for {other}"),
-                };
-                let mut params = PatchParams::apply("e2e").force();
-                params.dry_run = true;
-                kueue_api(
-                    &client,
-                    kind,
-                    plural,
-                    namespaced.then_some(ns.name.as_str()),
-                )
-                .patch(
-                    object["metadata"]["name"].as_str().unwrap(),
-                    &params,
-                    &Patch::Apply(&object),
-                )
-                .await
-                .map(|_| ())
+                kueue_apply_as(&client, &object, &ns.name, true).await
             } else {
                 apply(&client, &object, &ns.name, true).await.map(|_| ())
             };
@@ -817,11 +821,7 @@ async fn run_policy_suspend_gives_the_quota_back_and_queues_again() {
     ensure_crds(&client).await;
     kueue(&client).await;
     let ns = TestNamespace::new(&client, "kq-suspend").await;
-    let t = tag(&ns);
-    let (fl, cq) = (format!("kq-suspend-{t}"), format!("kq-suspend-{t}"));
-    kueue_apply(&client, flavor(&fl, "kqb"), None).await;
-    kueue_apply(&client, cluster_queue(&cq, &ns.name, &[(&fl, 2)]), None).await;
-    kueue_apply(&client, local_queue("team", &cq), Some(&ns.name)).await;
+    let cq = team_queue(&client, &ns, "kq-suspend", &[("kq-suspend", "kqb", 2)]).await;
     let watch = AdmissionWatch::start(&client, &ns.name).await;
     let _operator = operator(&client, &ns.name).await;
 
@@ -870,10 +870,7 @@ async fn run_policy_suspend_gives_the_quota_back_and_queues_again() {
 
     assert_one_workload_per_job_and_no_orphans(&client, &ns.name, &["first", "next"]).await;
     assert_no_pod_ran_unadmitted(&watch);
-    kueue_api(&client, "ClusterQueue", "clusterqueues", None)
-        .delete(&cq, &Default::default())
-        .await
-        .ok();
+    remove_cluster_queue(&client, &cq).await;
 }
 
 /// Without its Kueue integration the operator starts no job labelled for a queue (it would

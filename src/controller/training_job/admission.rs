@@ -17,7 +17,7 @@ use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, ResourceExt};
 
-use super::apply::ApplyError;
+use super::apply::{ApplyError, kube_error};
 use super::build::BuildInputs;
 use super::names;
 use super::plan::DataState;
@@ -30,20 +30,6 @@ use crate::kueue::{PRIORITY_CLASS_LABEL, ResourceFlavor, Workload, conditions as
 /// How soon a job waiting for its priority class, or for an earlier job's Workload to go,
 /// looks again (neither is watched).
 const PRIORITY_CLASS_RETRY: Duration = Duration::from_secs(30);
-
-fn kube_error(
-    action: &'static str,
-    kind: &'static str,
-    name: &str,
-) -> impl FnOnce(kube::Error) -> ApplyError {
-    let name = name.to_string();
-    move |source| ApplyError::Kube {
-        action,
-        kind,
-        name,
-        source,
-    }
-}
 
 fn patch_params() -> PatchParams {
     PatchParams {

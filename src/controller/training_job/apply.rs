@@ -46,7 +46,8 @@ impl ApplyError {
     }
 }
 
-fn kube_error(
+/// Wraps a refused write with what was written, for the job's status.
+pub(crate) fn kube_error(
     action: &'static str,
     kind: &'static str,
     name: &str,

@@ -86,16 +86,20 @@ pub struct BuildInputs {
     pub placement: Placement,
 }
 
-fn owner(job: &ValidatedTrainingJob) -> Value {
-    serde_json::to_value(OwnerReference {
+/// The job as the controlling owner of its children (pods, Secret, Service, Workload).
+pub fn owner_reference(job: &ValidatedTrainingJob) -> OwnerReference {
+    OwnerReference {
         api_version: format!("{}/{}", crate::api::GROUP, crate::api::VERSION),
         kind: "TrainingJob".into(),
         name: job.name.clone(),
         uid: job.uid.clone(),
         controller: Some(true),
         block_owner_deletion: Some(true),
-    })
-    .expect("owner reference serializes")
+    }
+}
+
+fn owner(job: &ValidatedTrainingJob) -> Value {
+    serde_json::to_value(owner_reference(job)).expect("owner reference serializes")
 }
 
 fn metadata(job: &ValidatedTrainingJob, name: &str, labels: BTreeMap<String, String>) -> Value {

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Pod, PodTemplateSpec, Toleration};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use kube::ResourceExt;
 use serde_json::{Value, json};
 
@@ -133,14 +133,7 @@ pub fn workload(
             namespace: Some(job.namespace.clone()),
             labels: Some(labels),
             annotations: Some(annotations),
-            owner_references: Some(vec![OwnerReference {
-                api_version: format!("{}/{}", crate::api::GROUP, crate::api::VERSION),
-                kind: "TrainingJob".into(),
-                name: job.name.clone(),
-                uid: job.uid.clone(),
-                controller: Some(true),
-                block_owner_deletion: Some(true),
-            }]),
+            owner_references: Some(vec![build::owner_reference(job)]),
             ..ObjectMeta::default()
         },
         spec: WorkloadSpec {
