@@ -24,10 +24,25 @@ lint: ## cargo fmt --check and clippy with warnings denied
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
 .PHONY: unit
-unit: mpi azurite ## Unit tests, validate-step fixture tests, CRD freshness, the trainer (with mpirun)
+unit: mpi azurite nvrtc ## Unit tests, validate-step fixture tests, CRD freshness, the trainer (with mpirun), the CUDA kernels compiled by NVRTC
 	$(CARGO) test --locked -p ringmaster -- --test-threads=$(TEST_THREADS)
 	$(CARGO) test --locked -p ringmaster-e2e --lib --bins
 	$(CARGO) test --locked -p ringmaster-trainer -- --test-threads=$(TEST_THREADS)
+	LD_LIBRARY_PATH=$(NVRTC_DIR)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH} \
+	  $(CARGO) test --locked -p ringmaster-trainer --features nvrtc-tests --test cuda_kernels
+
+.PHONY: nvrtc
+# The NVRTC the lent GPU machines' PyTorch (cu130) ships; the kernels are compiled for
+# each GPU generation by it, which needs no GPU.
+NVRTC_VERSION ?= 13.0.88
+NVRTC_DIR := $(RINGMASTER_CACHE)/nvrtc-$(NVRTC_VERSION)
+nvrtc: ## Install NVIDIA's NVRTC (the CUDA runtime compiler, PyPI wheel nvidia-cuda-nvrtc) into the cache for the kernels' compile check
+	@test -f $(NVRTC_DIR)/libnvrtc.so.13 || { \
+	  echo "installing nvidia-cuda-nvrtc==$(NVRTC_VERSION) (PyPI, 90 MB) for the CUDA kernels' compile check"; \
+	  tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	  python3 -m pip download -q --no-deps --only-binary=:all: --dest "$$tmp" nvidia-cuda-nvrtc==$(NVRTC_VERSION) && \
+	  python3 -c 'import glob, os, sys, zipfile; wheel, out = glob.glob(sys.argv[1] + "/*.whl")[0], sys.argv[1] + "/lib"; os.makedirs(out); z = zipfile.ZipFile(wheel); [open(os.path.join(out, os.path.basename(n)), "wb").write(z.read(n)) for n in z.namelist() if "/lib/" in n and ".alt." not in n]' "$$tmp" && \
+	  mkdir -p $(RINGMASTER_CACHE) && rm -rf $(NVRTC_DIR) && mv "$$tmp/lib" $(NVRTC_DIR); }
 
 .PHONY: mpi
 mpi: ## Install Debian's Open MPI when mpirun is missing (the trainer's multi-rank tests use it)

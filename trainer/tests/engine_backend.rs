@@ -6,7 +6,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use ringmaster_trainer::engine::backend::{
-    BatchNormConfig, BatchNormSaved, ConvShape, Matrix, PoolShape,
+    BatchNormConfig, BatchNormSaved, BnEpilogue, BnEpilogueGrad, ConvShape, Matrix, PoolShape,
 };
 use ringmaster_trainer::engine::data::SyntheticData;
 use ringmaster_trainer::engine::tensor::DType;
@@ -118,10 +118,16 @@ impl Backend for Counting {
         beta: &[f32],
         rm: &mut [f32],
         rv: &mut [f32],
+        epilogue: BnEpilogue<&[f32]>,
         y: &mut [f32],
     ) -> BatchNormSaved {
         self.hit("batch_norm_forward_training");
-        CpuBackend.batch_norm_forward_training(dims, config, x, gamma, beta, rm, rv, y)
+        self.hit(match epilogue {
+            BnEpilogue::Identity => "batch_norm_forward_training+identity",
+            BnEpilogue::Relu => "batch_norm_forward_training+relu",
+            BnEpilogue::AddRelu(_) => "batch_norm_forward_training+add_relu",
+        });
+        CpuBackend.batch_norm_forward_training(dims, config, x, gamma, beta, rm, rv, epilogue, y)
     }
     fn batch_norm_forward_inference(
         &self,
@@ -143,13 +149,22 @@ impl Backend for Counting {
         config: BatchNormConfig,
         saved: &BatchNormSaved,
         gamma: &[f32],
+        beta: &[f32],
+        epilogue: BnEpilogueGrad<&[f32], &mut [f32]>,
         dy: &[f32],
         dx: &mut [f32],
         dgamma: &mut [f32],
         dbeta: &mut [f32],
     ) {
         self.hit("batch_norm_backward");
-        CpuBackend.batch_norm_backward(dims, config, saved, gamma, dy, dx, dgamma, dbeta)
+        self.hit(match epilogue {
+            BnEpilogueGrad::Identity => "batch_norm_backward+identity",
+            BnEpilogueGrad::Relu { .. } => "batch_norm_backward+relu",
+            BnEpilogueGrad::AddRelu { .. } => "batch_norm_backward+add_relu",
+        });
+        CpuBackend.batch_norm_backward(
+            dims, config, saved, gamma, beta, epilogue, dy, dx, dgamma, dbeta,
+        )
     }
     fn relu_forward(&self, x: &[f32], y: &mut [f32]) {
         self.hit("relu_forward");
@@ -216,15 +231,24 @@ fn a_resnet18_step_runs_every_kernel_through_the_backend() {
     assert_eq!(counted.params().buffers, reference.params().buffers);
 
     // ResNet-18: stem conv + 8 blocks × 2 convs + 3 projection shortcuts = 20 convs, each
-    // followed by batch norm; ReLUs: stem + 8 × (1 inner + 1 after the add) = 17; 8 adds.
+    // followed by batch norm. Every ReLU is fused into the batch norm before it: the stem's
+    // and each block's inner one (9), and each block's add-then-ReLU (8); the projections'
+    // batch norms (3) have none. The only adds left are backward's, one per block, where
+    // the two paths' input gradients meet.
     let expected = [
         ("conv2d_forward", 20),
         ("conv2d_backward", 20),
         ("batch_norm_forward_training", 20),
+        ("batch_norm_forward_training+identity", 3),
+        ("batch_norm_forward_training+relu", 9),
+        ("batch_norm_forward_training+add_relu", 8),
         ("batch_norm_backward", 20),
-        ("relu_forward", 17),
-        ("relu_backward", 17),
-        ("add_assign", 16),
+        ("batch_norm_backward+identity", 3),
+        ("batch_norm_backward+relu", 9),
+        ("batch_norm_backward+add_relu", 8),
+        ("relu_forward", 0),
+        ("relu_backward", 0),
+        ("add_assign", 8),
         ("max_pool_forward", 1),
         ("max_pool_backward", 1),
         ("global_avg_pool_forward", 1),
@@ -250,7 +274,112 @@ fn a_resnet18_step_runs_every_kernel_through_the_backend() {
     assert_eq!(counting.count("sgd_update"), counted.params().entries.len());
     assert_eq!(counted.params().values, reference.params().values);
 
-    let before = counting.count("batch_norm_forward_inference");
+    // Evaluation: cuDNN fuses nothing into inference, so the ReLUs and adds run on their own.
+    let before =
+        ["batch_norm_forward_inference", "relu_forward", "add_assign"].map(|op| counting.count(op));
     counted.evaluate(&images, &labels);
-    assert_eq!(counting.count("batch_norm_forward_inference"), before + 20);
+    let after =
+        ["batch_norm_forward_inference", "relu_forward", "add_assign"].map(|op| counting.count(op));
+    assert_eq!(after, [before[0] + 20, before[1] + 17, before[2] + 8]);
+}
+
+/// Batch norm's fused epilogues on the CPU are the separate operations in one pass, to the
+/// bit: `relu(bn(x) + z)` forward, and backward the ReLU's mask, the residual's gradient
+/// and the batch norm's own gradients. (The GPU tests hold cuDNN's fused calls to this.)
+#[test]
+fn a_fused_batch_norm_epilogue_equals_the_separate_operations() {
+    use rand::SeedableRng;
+    use ringmaster_trainer::engine::Tensor;
+    let be = CpuBackend;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+    let (n, c, hw) = (3, 4, 10);
+    let len = n * c * hw;
+    let config = BatchNormConfig {
+        momentum: 0.1,
+        eps: 1e-5,
+    };
+    let x = Tensor::randn(&[len], 2.0, &mut rng).data;
+    let z = Tensor::randn(&[len], 1.0, &mut rng).data;
+    let dy = Tensor::randn(&[len], 1.0, &mut rng).data;
+    let gamma = Tensor::randn(&[c], 1.0, &mut rng).data;
+    let beta = Tensor::randn(&[c], 1.0, &mut rng).data;
+    let stats = || (vec![0.0; c], vec![1.0; c]);
+
+    // Fused: one call each way.
+    let (mut rm, mut rv) = stats();
+    let mut fused_y = vec![0.0; len];
+    let saved = be.batch_norm_forward_training(
+        (n, c, hw),
+        config,
+        &x,
+        &gamma,
+        &beta,
+        &mut rm,
+        &mut rv,
+        BnEpilogue::AddRelu(&z),
+        &mut fused_y,
+    );
+    let (mut fused_dx, mut fused_dz) = (vec![0.0; len], vec![0.0; len]);
+    let (mut fused_dgamma, mut fused_dbeta) = (vec![0.0; c], vec![0.0; c]);
+    be.batch_norm_backward(
+        (n, c, hw),
+        config,
+        &saved,
+        &gamma,
+        &beta,
+        BnEpilogueGrad::AddRelu {
+            y: &fused_y,
+            dz: &mut fused_dz,
+        },
+        &dy,
+        &mut fused_dx,
+        &mut fused_dgamma,
+        &mut fused_dbeta,
+    );
+
+    // Separate: batch norm, add, ReLU; then the ReLU's backward and the batch norm's.
+    let (mut rm2, mut rv2) = stats();
+    let mut normalised = vec![0.0; len];
+    let saved = be.batch_norm_forward_training(
+        (n, c, hw),
+        config,
+        &x,
+        &gamma,
+        &beta,
+        &mut rm2,
+        &mut rv2,
+        BnEpilogue::Identity,
+        &mut normalised,
+    );
+    be.add_assign(&mut normalised, &z);
+    let mut y = vec![0.0; len];
+    be.relu_forward(&normalised, &mut y);
+    let mut dz = vec![0.0; len];
+    be.relu_backward(&y, &dy, &mut dz);
+    let mut dx = vec![0.0; len];
+    let (mut dgamma, mut dbeta) = (vec![0.0; c], vec![0.0; c]);
+    be.batch_norm_backward(
+        (n, c, hw),
+        config,
+        &saved,
+        &gamma,
+        &beta,
+        BnEpilogueGrad::Identity,
+        &dz,
+        &mut dx,
+        &mut dgamma,
+        &mut dbeta,
+    );
+
+    // The ReLU cut some values and kept others.
+    assert!(y.contains(&0.0) && y.iter().any(|&v| v > 0.0));
+    assert_eq!(fused_y, y, "forward");
+    assert_eq!((rm, rv), (rm2, rv2), "running statistics");
+    assert_eq!(fused_dz, dz, "the residual's gradient");
+    assert_eq!(fused_dx, dx, "the input's gradient");
+    assert_eq!(
+        (fused_dgamma, fused_dbeta),
+        (dgamma, dbeta),
+        "gamma and beta"
+    );
 }

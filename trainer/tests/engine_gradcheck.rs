@@ -225,6 +225,20 @@ fn batchnorm_train_mode() {
 }
 
 #[test]
+fn batchnorm_with_its_relu_fused() {
+    let mut rng = rng();
+    let mut store = ParamStore::new();
+    let mut bn = BatchNorm2d::new(&mut store, "bn", 3).with_relu();
+    jitter_vectors(&mut store, &mut rng);
+    let mut x = Tensor::randn(&[3, 3, 3, 3], 1.0, &mut rng);
+    x.data
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, v)| *v = *v * 2.0 + (i % 3) as f32);
+    gradcheck("batchnorm+relu", &mut bn, &mut store, &x, KINKED);
+}
+
+#[test]
 fn relu() {
     let mut rng = rng();
     let mut store = ParamStore::new();

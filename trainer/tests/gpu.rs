@@ -12,7 +12,7 @@ use ringmaster_trainer::collective::{
     self, Collective, CollectiveKind, NcclCollective, ReduceOp, RingConfig,
 };
 use ringmaster_trainer::engine::backend::{
-    BatchNormConfig, ConvShape, CudaBackend, Matrix, PoolShape,
+    BatchNormConfig, BnEpilogue, BnEpilogueGrad, ConvShape, CudaBackend, Matrix, PoolShape,
 };
 use ringmaster_trainer::engine::data::{LearnableData, SyntheticData};
 use ringmaster_trainer::engine::tensor::{DType, Tensor};
@@ -155,8 +155,22 @@ fn convolutions_match_the_cpu_forward_and_both_backward_halves() {
     }
 }
 
-/// Batch norm training forward, backward and the running statistics, then inference.
-fn batch_norm_on<B: Backend>(be: &B, dtype: DType, dims: (usize, usize, usize)) -> Vec<Vec<f32>> {
+/// What follows a batch norm in the test: nothing, a ReLU, or the residual add then a ReLU.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Then {
+    Nothing,
+    Relu,
+    AddRelu,
+}
+
+/// Batch norm training forward (with `then` fused), backward (with the residual's gradient
+/// for `AddRelu`) and the running statistics, then inference.
+fn batch_norm_on<B: Backend>(
+    be: &B,
+    dtype: DType,
+    dims: (usize, usize, usize),
+    then: Then,
+) -> Vec<Vec<f32>> {
     let (n, c, hw) = dims;
     let shape = [n, c, hw, 1];
     let len = n * c * hw;
@@ -171,13 +185,20 @@ fn batch_norm_on<B: Backend>(be: &B, dtype: DType, dims: (usize, usize, usize)) 
         .collect();
     let xt = Tensor::upload(be, &Tensor::from_vec(&shape, x), dtype);
     let dyt = Tensor::upload(be, &Tensor::from_vec(&shape, random(len, 4)), dtype);
+    let zt = Tensor::upload(be, &Tensor::from_vec(&shape, random(len, 9)), dtype);
     let gamma = be.upload(&random(c, 5), &[c], DType::F32);
     let beta = be.upload(&random(c, 6), &[c], DType::F32);
     let mut stats = be.upload(&[vec![0.0; c], vec![1.0; c]].concat(), &[2 * c], DType::F32);
     let mut grads = be.upload(&vec![0.5; 2 * c], &[2 * c], DType::F32);
     let mut y = Tensor::<B>::alloc(be, &shape, dtype);
     let mut dx = Tensor::<B>::alloc(be, &shape, dtype);
+    let mut dz = Tensor::<B>::alloc(be, &shape, dtype);
     let (mean, var) = be.view_mut_pair(&mut stats, 0..c, c..2 * c);
+    let epilogue = match then {
+        Then::Nothing => BnEpilogue::Identity,
+        Then::Relu => BnEpilogue::Relu,
+        Then::AddRelu => BnEpilogue::AddRelu(zt.view(be)),
+    };
     let saved = be.batch_norm_forward_training(
         dims,
         config,
@@ -186,14 +207,25 @@ fn batch_norm_on<B: Backend>(be: &B, dtype: DType, dims: (usize, usize, usize)) 
         be.view(&beta, 0..c),
         mean,
         var,
+        epilogue,
         y.view_mut(be),
     );
     let (dgamma, dbeta) = be.view_mut_pair(&mut grads, 0..c, c..2 * c);
+    let epilogue = match then {
+        Then::Nothing => BnEpilogueGrad::Identity,
+        Then::Relu => BnEpilogueGrad::Relu { y: y.view(be) },
+        Then::AddRelu => BnEpilogueGrad::AddRelu {
+            y: y.view(be),
+            dz: dz.view_mut(be),
+        },
+    };
     be.batch_norm_backward(
         dims,
         config,
         &saved,
         be.view(&gamma, 0..c),
+        be.view(&beta, 0..c),
+        epilogue,
         dyt.view(be),
         dx.view_mut(be),
         dgamma,
@@ -210,17 +242,21 @@ fn batch_norm_on<B: Backend>(be: &B, dtype: DType, dims: (usize, usize, usize)) 
         be.view(&stats, c..2 * c),
         inference.view_mut(be),
     );
-    vec![
+    let mut parts = vec![
         y.download(be).data,
         dx.download(be).data,
         be.download(&grads, &[2 * c]),
         be.download(&stats, &[2 * c]),
         inference.download(be).data,
-    ]
+    ];
+    if then == Then::AddRelu {
+        parts.push(dz.download(be).data);
+    }
+    parts
 }
 
 #[test]
-fn batch_norm_matches_the_cpu_in_training_backward_and_inference() {
+fn batch_norm_matches_the_cpu_in_training_backward_and_inference_fused_or_not() {
     let be = gpu();
     let parts = [
         "forward",
@@ -228,14 +264,35 @@ fn batch_norm_matches_the_cpu_in_training_backward_and_inference() {
         "gamma/beta gradients",
         "running statistics",
         "inference",
+        "residual gradient",
     ];
-    for dtype in [DType::F32, DType::Bf16] {
-        let dims = (4, 16, 25);
-        let want = batch_norm_on(&CpuBackend, DType::F32, dims);
-        let got = batch_norm_on(&be, dtype, dims);
-        for ((g, w), part) in got.iter().zip(&want).zip(parts) {
-            assert_close(&format!("{dtype:?} batch norm {part}"), g, w, tol(dtype));
+    // cuDNN's fused calls first (the default), then the plain calls with our own add and
+    // ReLU kernels, which are what runs wherever cuDNN does not fuse.
+    for fused in [true, false] {
+        be.set_fused_batch_norm(fused);
+        for dtype in [DType::F32, DType::Bf16] {
+            for then in [Then::Nothing, Then::Relu, Then::AddRelu] {
+                let dims = (4, 16, 25);
+                let want = batch_norm_on(&CpuBackend, DType::F32, dims, then);
+                let got = batch_norm_on(&be, dtype, dims, then);
+                assert_eq!(got.len(), want.len());
+                for ((g, w), part) in got.iter().zip(&want).zip(parts) {
+                    let what =
+                        format!("{dtype:?} batch norm then {then:?} (fused: {fused}) {part}");
+                    assert_close(&what, g, w, tol(dtype));
+                }
+            }
         }
+        let plans = be.batch_norm_plans();
+        eprintln!("batch-norm plans (fused calls allowed: {fused}): {plans:?}");
+        // PyTorch's channels-last training takes the same persistent NHWC call, in f32 and
+        // bf16 alike: if cuDNN refused it here, this engine would be on its slow path.
+        let plain_bn_fused = plans
+            .iter()
+            .filter(|p| p.epilogue == "identity")
+            .map(|p| p.fused)
+            .collect::<Vec<_>>();
+        assert_eq!(plain_bn_fused, vec![fused, fused], "{plans:?}");
     }
 }
 

@@ -5,8 +5,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::backend::{Backend, CpuBackend};
 use super::layers::{
-    BatchNorm2d, Conv2d, GlobalAvgPool, Linear, MaxPool2d, Relu, ResidualBlock,
-    softmax_cross_entropy,
+    BatchNorm2d, Conv2d, GlobalAvgPool, Linear, MaxPool2d, ResidualBlock, softmax_cross_entropy,
 };
 use super::params::ParamStore;
 use super::tensor::{DType, Tensor};
@@ -52,8 +51,8 @@ pub struct Model<B: Backend = CpuBackend> {
     num_classes: usize,
     params: ParamStore<B>,
     stem_conv: Conv2d<B>,
+    /// With the stem's ReLU fused in.
     stem_bn: BatchNorm2d<B>,
-    stem_relu: Relu<B>,
     maxpool: Option<MaxPool2d<B>>,
     blocks: Vec<ResidualBlock<B>>,
     pool: GlobalAvgPool<B>,
@@ -80,13 +79,13 @@ impl<B: Backend> Model<B> {
         let (stem_conv, stem_bn, maxpool, stem_out) = match arch {
             Arch::CifarResNet { width, .. } => (
                 Conv2d::new(&mut store, "conv1", 3, width, 3, 1, 1, &mut rng),
-                BatchNorm2d::new(&mut store, "bn1", width),
+                BatchNorm2d::new(&mut store, "bn1", width).with_relu(),
                 None,
                 width,
             ),
             _ => (
                 Conv2d::new(&mut store, "conv1", 3, 64, 7, 2, 3, &mut rng),
-                BatchNorm2d::new(&mut store, "bn1", 64),
+                BatchNorm2d::new(&mut store, "bn1", 64).with_relu(),
                 Some(MaxPool2d::new(3, 2, 1)),
                 64,
             ),
@@ -131,7 +130,6 @@ impl<B: Backend> Model<B> {
             params: store.to_backend(&backend),
             stem_conv,
             stem_bn,
-            stem_relu: Relu::new(),
             maxpool,
             blocks,
             pool: GlobalAvgPool::new(),
@@ -203,7 +201,6 @@ impl<B: Backend> Model<B> {
         let (be, p) = (&self.backend, &mut self.params);
         let mut h = self.stem_conv.forward(be, p, images, train);
         h = self.stem_bn.forward(be, p, &h, train);
-        h = self.stem_relu.forward(be, p, &h, train);
         if let Some(pool) = &mut self.maxpool {
             h = pool.forward(be, p, &h, train);
         }
@@ -224,7 +221,6 @@ impl<B: Backend> Model<B> {
         if let Some(pool) = &mut self.maxpool {
             g = pool.backward(be, p, &g);
         }
-        g = self.stem_relu.backward(be, p, &g);
         g = self.stem_bn.backward(be, p, &g);
         // The image gradient is not needed; computing it keeps the layer contract simple.
         self.stem_conv.backward(be, p, &g);

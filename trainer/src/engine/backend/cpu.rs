@@ -4,7 +4,10 @@ use rayon::prelude::*;
 
 use std::ops::Range;
 
-use super::{Backend, BatchNormConfig, BatchNormSaved, ConvShape, Matrix, PoolShape};
+use super::{
+    Backend, BatchNormConfig, BatchNormSaved, BnEpilogue, BnEpilogueGrad, ConvShape, Matrix,
+    PoolShape,
+};
 use crate::engine::tensor::DType;
 
 /// A row-major operand on the host.
@@ -179,6 +182,7 @@ impl Backend for CpuBackend {
         beta: &[f32],
         running_mean: &mut [f32],
         running_var: &mut [f32],
+        epilogue: BnEpilogue<&[f32]>,
         y: &mut [f32],
     ) -> BatchNormSaved {
         let count = n * hw;
@@ -213,6 +217,14 @@ impl Backend for CpuBackend {
             .map(|&(m, v)| (m as f32, (1.0 / (v + config.eps as f64).sqrt()) as f32))
             .unzip();
         let mut xhat = vec![0.0; x.len()];
+        let relu = epilogue.has_relu();
+        let residual = match epilogue {
+            BnEpilogue::AddRelu(z) => {
+                assert_eq!(z.len(), x.len(), "batch-norm residual shape");
+                Some(z)
+            }
+            BnEpilogue::Identity | BnEpilogue::Relu => None,
+        };
         y.par_chunks_mut(hw)
             .zip(xhat.par_chunks_mut(hw))
             .zip(x.par_chunks(hw))
@@ -220,9 +232,11 @@ impl Backend for CpuBackend {
             .for_each(|(p, ((y, xh), x))| {
                 let ch = p % c;
                 let (m, s, g, b) = (mean[ch], inv_std[ch], gamma[ch], beta[ch]);
-                for ((y, xh), &x) in y.iter_mut().zip(xh).zip(x) {
+                let z = residual.map(|z| &z[p * hw..][..hw]);
+                for (i, ((y, xh), &x)) in y.iter_mut().zip(xh).zip(x).enumerate() {
                     *xh = (x - m) * s;
-                    *y = g * *xh + b;
+                    let v = g * *xh + b + z.map_or(0.0, |z| z[i]);
+                    *y = if relu { v.max(0.0) } else { v };
                 }
             });
         BatchNormSaved { xhat, inv_std }
@@ -258,11 +272,31 @@ impl Backend for CpuBackend {
         _config: BatchNormConfig,
         saved: &BatchNormSaved,
         gamma: &[f32],
+        _beta: &[f32],
+        epilogue: BnEpilogueGrad<&[f32], &mut [f32]>,
         dy: &[f32],
         dx: &mut [f32],
         dgamma: &mut [f32],
         dbeta: &mut [f32],
     ) {
+        // Through the ReLU first: the gradient of its input is also the residual's.
+        let masked;
+        let dy = match epilogue {
+            BnEpilogueGrad::Identity => dy,
+            BnEpilogueGrad::Relu { y } => {
+                masked = {
+                    let mut m = vec![0.0; dy.len()];
+                    relu_grad(y, dy, &mut m);
+                    m
+                };
+                &masked
+            }
+            BnEpilogueGrad::AddRelu { y, dz } => {
+                relu_grad(y, dy, dz);
+                let dz: &[f32] = dz;
+                dz
+            }
+        };
         let count = (n * hw) as f64;
         let xhat = &saved.xhat;
         // Per channel: sum(dy) and sum(dy * xhat), i.e. dbeta and dgamma.
@@ -304,9 +338,7 @@ impl Backend for CpuBackend {
     }
 
     fn relu_backward(&self, y: &[f32], dy: &[f32], dx: &mut [f32]) {
-        for ((dx, &g), &y) in dx.iter_mut().zip(dy).zip(y) {
-            *dx = if y > 0.0 { g } else { 0.0 };
-        }
+        relu_grad(y, dy, dx);
     }
 
     fn max_pool_forward(&self, s: &PoolShape, x: &[f32], y: &mut [f32]) -> Vec<u32> {
@@ -534,4 +566,15 @@ impl Geometry {
     fn col2im(&self, cols: &[f32], dx: &mut [f32]) {
         self.for_each(|col, idx| dx[idx] += cols[col]);
     }
+}
+
+/// `dx = dy` where the ReLU's output `y` was positive, else 0.
+fn relu_grad(y: &[f32], dy: &[f32], dx: &mut [f32]) {
+    assert!(
+        y.len() == dy.len() && dy.len() == dx.len(),
+        "relu gradient shapes"
+    );
+    dx.par_iter_mut()
+        .zip(dy.par_iter().zip(y))
+        .for_each(|(dx, (&g, &y))| *dx = if y > 0.0 { g } else { 0.0 });
 }

@@ -32,14 +32,14 @@ use cudarc::cudnn::sys as cudnn;
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, result};
 
-use super::{Backend, BatchNormConfig, ConvShape, Matrix, PoolShape};
+use super::{Backend, BatchNormConfig, BnEpilogue, BnEpilogueGrad, ConvShape, Matrix, PoolShape};
 use crate::engine::tensor::DType;
 
 /// The kernels' source, compiled by NVRTC when the backend starts.
-const KERNELS: &str = include_str!("cuda_kernels.cu");
+pub const KERNELS: &str = include_str!("cuda_kernels.cu");
 
-/// Kernel names in [`KERNELS`].
-const KERNEL_NAMES: &[&str] = &[
+/// Kernel names in [`KERNELS`], each loaded when the backend starts.
+pub const KERNEL_NAMES: &[&str] = &[
     "convert",
     "nchw_to_nhwc",
     "nhwc_to_nchw",
@@ -114,16 +114,30 @@ pub enum CudaError {
     },
 }
 
-/// The kernels as machine code for this GPU (`sm_XY`): PTX would be compiled again by the
-/// driver, which refuses PTX from an NVRTC newer than itself.
-fn compile_kernels(major: i32, minor: i32) -> Result<Vec<u8>, CudaError> {
+/// NVRTC is missing: the one check before cudarc, which panics on a library it cannot load.
+fn nvrtc_missing() -> Option<CudaError> {
+    // SAFETY: a dlopen probe.
+    (!unsafe { cudarc::nvrtc::sys::is_culib_present() }).then_some(CudaError::Missing {
+        library: "libnvrtc.so",
+        hint: "add NVRTC's folder (with libnvrtc-builtins) to LD_LIBRARY_PATH",
+    })
+}
+
+/// CUDA `source` (such as [`KERNELS`]) as machine code for compute capability
+/// `major.minor` (`sm_XY` CUBIN): PTX would be compiled again by the driver, which refuses
+/// PTX from an NVRTC newer than itself. Needs NVRTC only, no GPU, so the kernels are
+/// checked on machines without one.
+pub fn compile_kernels(source: &str, major: i32, minor: i32) -> Result<Vec<u8>, CudaError> {
     use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+    if let Some(missing) = nvrtc_missing() {
+        return Err(missing);
+    }
     let arch = format!("{major}{minor}");
     let fail = |message: String| CudaError::Nvrtc {
         arch: arch.clone(),
         message,
     };
-    let source = std::ffi::CString::new(KERNELS).expect("the kernels hold no NUL");
+    let source = std::ffi::CString::new(source).map_err(|e| fail(e.to_string()))?;
     let name = std::ffi::CString::new("ringmaster_kernels.cu").expect("no NUL");
     let program = nvrtc::create_program(&source, Some(&name)).map_err(|e| fail(e.to_string()))?;
     let options = [
@@ -261,12 +275,15 @@ pub struct CudaConvSaved {
     weight: DevPtr,
 }
 
-/// What a training batch norm keeps: its input and the batch's mean and inverse deviation.
+/// What a training batch norm keeps: its input, the batch's mean and inverse deviation,
+/// and cuDNN's reserve space when the fused `…Ex` call ran.
 #[derive(Clone, Copy, Debug)]
 pub struct CudaBnSaved {
     x: DevPtr,
     mean: DevPtr,
     inv_var: DevPtr,
+    /// The reserve space (`len` in bytes) the fused forward pass filled for its backward.
+    reserve: Option<(CUdeviceptr, usize)>,
 }
 
 /// What a max pool keeps: the winners' indices.
@@ -357,9 +374,61 @@ impl Drop for ConvDesc {
     }
 }
 
-/// Batch norm over N, H and W per channel. The persistent variant is faster for NHWC
-/// but may overflow on some inputs; it is the first thing to try once this is measured.
+/// Batch norm over N, H and W per channel, in the plain calls (inference, and training
+/// where the fused calls are not supported).
 const BN_MODE: cudnn::cudnnBatchNormMode_t = cudnn::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL;
+
+/// The fused `…Ex` calls' mode: the NHWC kernels PyTorch also takes for channels-last
+/// training, and the only mode in which cuDNN fuses the ReLU and the residual add.
+const BN_EX_MODE: cudnn::cudnnBatchNormMode_t =
+    cudnn::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL_PERSISTENT;
+
+/// `RINGMASTER_CUDA_FUSED_BN=0` keeps training batch norm on the plain calls, with the add
+/// and ReLU as kernels of their own (to compare, or to step around a cuDNN problem).
+const FUSED_BN_ENV: &str = "RINGMASTER_CUDA_FUSED_BN";
+
+/// What a training batch norm fuses, as cuDNN names it.
+fn bn_ops<V>(epilogue: &BnEpilogue<V>) -> cudnn::cudnnBatchNormOps_t {
+    use cudnn::cudnnBatchNormOps_t::*;
+    match epilogue {
+        BnEpilogue::Identity => CUDNN_BATCHNORM_OPS_BN,
+        BnEpilogue::Relu => CUDNN_BATCHNORM_OPS_BN_ACTIVATION,
+        BnEpilogue::AddRelu(_) => CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION,
+    }
+}
+
+/// A ReLU activation descriptor (the fused batch norm's).
+struct ActivationDesc(cudnn::cudnnActivationDescriptor_t);
+
+impl ActivationDesc {
+    fn relu() -> Self {
+        let mut d = std::ptr::null_mut();
+        // SAFETY: out-pointer to a live local; destroyed in Drop.
+        unsafe {
+            check_cudnn(
+                cudnn::cudnnCreateActivationDescriptor(&mut d),
+                "cudnnCreateActivationDescriptor",
+            );
+            check_cudnn(
+                cudnn::cudnnSetActivationDescriptor(
+                    d,
+                    cudnn::cudnnActivationMode_t::CUDNN_ACTIVATION_RELU,
+                    cudnn::cudnnNanPropagation_t::CUDNN_PROPAGATE_NAN,
+                    0.0,
+                ),
+                "cudnnSetActivationDescriptor",
+            );
+        }
+        Self(d)
+    }
+}
+
+impl Drop for ActivationDesc {
+    fn drop(&mut self) {
+        // SAFETY: created by cudnnCreateActivationDescriptor, destroyed once.
+        unsafe { cudnn::cudnnDestroyActivationDescriptor(self.0) };
+    }
+}
 
 /// A cuDNN algorithm search result.
 trait AlgoPerf {
@@ -397,7 +466,7 @@ fn fastest<P: AlgoPerf>(results: &[P], direction: &str, s: &ConvShape) -> P::Alg
         .algo()
 }
 
-/// A convolution's descriptors and the algorithms found for it.
+/// A convolution's descriptors, the algorithms found for it and their workspace needs.
 struct ConvPlan {
     x: TensorDesc,
     y: TensorDesc,
@@ -406,15 +475,53 @@ struct ConvPlan {
     forward: cudnn::cudnnConvolutionFwdAlgo_t,
     backward_data: cudnn::cudnnConvolutionBwdDataAlgo_t,
     backward_filter: cudnn::cudnnConvolutionBwdFilterAlgo_t,
+    /// Workspace bytes of the forward, backward-data and backward-filter algorithms.
+    workspace: [usize; 3],
 }
 
-/// Batch norm's `(n, c, hw)` and activations' type.
-type BnKey = (usize, usize, usize, DType);
+/// Batch norm's `(n, c, hw)`, activations' type and fused operations.
+type BnKey = (usize, usize, usize, DType, cudnn::cudnnBatchNormOps_t);
 
-/// Batch norm's descriptors for one input shape.
+/// Batch norm's descriptors for one input shape and epilogue.
 struct BnPlan {
     x: TensorDesc,
     params: TensorDesc,
+    /// The fused `…Ex` calls, when cuDNN takes them for this shape, type and epilogue.
+    fused: Option<FusedBn>,
+}
+
+/// A batch-norm plan, as [`CudaBackend::batch_norm_plans`] reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BatchNormPlan {
+    /// `(n, c, hw)`.
+    pub dims: (usize, usize, usize),
+    /// The activations' type.
+    pub dtype: DType,
+    /// What follows the normalisation: `identity`, `relu` or `add+relu`.
+    pub epilogue: &'static str,
+    /// Whether cuDNN's fused `…Ex` calls run it (else the plain calls and our kernels).
+    pub fused: bool,
+}
+
+/// What the fused batch-norm calls need besides the plain ones.
+struct FusedBn {
+    ops: cudnn::cudnnBatchNormOps_t,
+    relu: ActivationDesc,
+    /// Workspace bytes of the forward and backward calls.
+    workspace: [usize; 2],
+    /// Reserve-space bytes the forward pass fills for the backward pass.
+    reserve: usize,
+}
+
+impl FusedBn {
+    /// The activation descriptor, or null when only batch norm runs (as cuDNN wants it).
+    fn activation(&self) -> cudnn::cudnnActivationDescriptor_t {
+        if self.ops == cudnn::cudnnBatchNormOps_t::CUDNN_BATCHNORM_OPS_BN {
+            std::ptr::null_mut()
+        } else {
+            self.relu.0
+        }
+    }
 }
 
 /// A bump allocator over one device allocation.
@@ -438,6 +545,8 @@ struct Inner {
     workspace: RefCell<Option<(CudaSlice<u8>, CUdeviceptr, usize)>>,
     conv_plans: RefCell<HashMap<(ConvShape, DType), Rc<ConvPlan>>>,
     bn_plans: RefCell<HashMap<BnKey, Rc<BnPlan>>>,
+    /// Whether training batch norm may take the fused calls ([`FUSED_BN_ENV`]).
+    fused_bn: std::cell::Cell<bool>,
 }
 
 impl Drop for Inner {
@@ -492,11 +601,8 @@ impl CudaBackend {
                 hint: "add cuBLAS's folder to LD_LIBRARY_PATH",
             });
         }
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            return Err(CudaError::Missing {
-                library: "libnvrtc.so",
-                hint: "add NVRTC's folder (with libnvrtc-builtins) to LD_LIBRARY_PATH",
-            });
+        if let Some(missing) = nvrtc_missing() {
+            return Err(missing);
         }
         let ctx = driver(
             || format!("opening GPU {ordinal}"),
@@ -507,7 +613,7 @@ impl CudaBackend {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
         let (major, minor) = driver(|| "compute capability".into(), ctx.compute_capability())?;
-        let cubin = compile_kernels(major, minor)?;
+        let cubin = compile_kernels(KERNELS, major, minor)?;
         let module = driver(
             || "loading the kernels".into(),
             ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)),
@@ -573,8 +679,42 @@ impl CudaBackend {
                 workspace: RefCell::new(None),
                 conv_plans: RefCell::new(HashMap::new()),
                 bn_plans: RefCell::new(HashMap::new()),
+                fused_bn: std::cell::Cell::new(
+                    std::env::var(FUSED_BN_ENV).map_or(true, |v| v != "0"),
+                ),
             }),
         })
+    }
+
+    /// Lets training batch norm take cuDNN's fused `…Ex` calls where cuDNN supports them
+    /// (the default, unless `RINGMASTER_CUDA_FUSED_BN=0`), or keeps it on the plain calls
+    /// with the add and ReLU as kernels of their own. Forgets the plans made so far.
+    pub fn set_fused_batch_norm(&self, on: bool) {
+        self.inner.fused_bn.set(on);
+        self.inner.bn_plans.borrow_mut().clear();
+    }
+
+    /// The batch-norm plans made so far, sorted, and which of them cuDNN's fused calls run.
+    pub fn batch_norm_plans(&self) -> Vec<BatchNormPlan> {
+        use cudnn::cudnnBatchNormOps_t::*;
+        let mut plans: Vec<_> = self
+            .inner
+            .bn_plans
+            .borrow()
+            .iter()
+            .map(|(&(n, c, hw, dtype, ops), plan)| BatchNormPlan {
+                dims: (n, c, hw),
+                dtype,
+                epilogue: match ops {
+                    CUDNN_BATCHNORM_OPS_BN => "identity",
+                    CUDNN_BATCHNORM_OPS_BN_ACTIVATION => "relu",
+                    CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION => "add+relu",
+                },
+                fused: plan.fused.is_some(),
+            })
+            .collect();
+        plans.sort_by_key(|p| (p.dims, p.dtype == DType::Bf16, p.epilogue));
+        plans
     }
 
     /// The most arena memory one step has used so far, in bytes.
@@ -657,6 +797,7 @@ impl CudaBackend {
 
     /// A device workspace of at least `bytes`, grown (never shrunk) as plans need it.
     fn workspace(&self, bytes: usize) -> (CUdeviceptr, usize) {
+        let bytes = bytes.max(1);
         let mut ws = self.inner.workspace.borrow_mut();
         if ws.as_ref().is_none_or(|w| w.2 < bytes) {
             // The old one is freed in stream order, after the calls that used it.
@@ -809,6 +950,47 @@ impl CudaBackend {
             let backward_filter = fastest(&bwf[..count as usize], "backward-filter", s);
             (forward, backward_data, backward_filter)
         };
+        // The chosen algorithms' workspace needs, asked once here rather than every call.
+        let mut workspace = [0usize; 3];
+        // SAFETY: live handle and descriptors; the out-pointers are live locals.
+        unsafe {
+            check_cudnn(
+                cudnn::cudnnGetConvolutionForwardWorkspaceSize(
+                    h,
+                    xd.0,
+                    wd.0,
+                    cd.0,
+                    yd.0,
+                    forward,
+                    &mut workspace[0],
+                ),
+                "cudnnGetConvolutionForwardWorkspaceSize",
+            );
+            check_cudnn(
+                cudnn::cudnnGetConvolutionBackwardDataWorkspaceSize(
+                    h,
+                    wd.0,
+                    yd.0,
+                    cd.0,
+                    xd.0,
+                    backward_data,
+                    &mut workspace[1],
+                ),
+                "cudnnGetConvolutionBackwardDataWorkspaceSize",
+            );
+            check_cudnn(
+                cudnn::cudnnGetConvolutionBackwardFilterWorkspaceSize(
+                    h,
+                    xd.0,
+                    yd.0,
+                    cd.0,
+                    wd.0,
+                    backward_filter,
+                    &mut workspace[2],
+                ),
+                "cudnnGetConvolutionBackwardFilterWorkspaceSize",
+            );
+        }
         let plan = Rc::new(ConvPlan {
             x: xd,
             y: yd,
@@ -817,6 +999,7 @@ impl CudaBackend {
             forward,
             backward_data,
             backward_filter,
+            workspace,
         });
         self.inner
             .conv_plans
@@ -825,28 +1008,87 @@ impl CudaBackend {
         plan
     }
 
-    fn bn_plan(&self, (n, c, hw): (usize, usize, usize), dtype: DType) -> Rc<BnPlan> {
-        let key = (n, c, hw, dtype);
+    /// Batch norm's plan for `dims` in `dtype` with the fused operations `ops` (inference
+    /// asks for `CUDNN_BATCHNORM_OPS_BN` and uses only the descriptors).
+    fn bn_plan(
+        &self,
+        (n, c, hw): (usize, usize, usize),
+        dtype: DType,
+        ops: cudnn::cudnnBatchNormOps_t,
+    ) -> Rc<BnPlan> {
+        let key = (n, c, hw, dtype, ops);
         if let Some(plan) = self.inner.bn_plans.borrow().get(&key) {
             return plan.clone();
         }
         // cuDNN sees [n, c, hw, 1]: batch norm does not care how the plane is shaped.
         let x = TensorDesc::nhwc(dtype, n, c, hw, 1);
         let params = TensorDesc::batch_norm_params(&x);
-        let plan = Rc::new(BnPlan { x, params });
+        let fused = self
+            .inner
+            .fused_bn
+            .get()
+            .then(|| self.fused_bn(&x, &params, ops))
+            .flatten();
+        let plan = Rc::new(BnPlan { x, params, fused });
         self.inner.bn_plans.borrow_mut().insert(key, plan.clone());
         plan
     }
 
-    /// Free space needed by a convolution call with algorithm `algo`.
-    fn conv_workspace_size(
+    /// The fused calls' sizes, or `None` when cuDNN does not take them for this
+    /// descriptor and `ops` (it says so through the size queries).
+    fn fused_bn(
         &self,
-        call: &str,
-        get: impl FnOnce(cudnn::cudnnHandle_t, *mut usize) -> cudnn::cudnnStatus_t,
-    ) -> (CUdeviceptr, usize) {
-        let mut bytes = 0usize;
-        check_cudnn(get(self.inner.cudnn, &mut bytes), call);
-        self.workspace(bytes.max(1))
+        x: &TensorDesc,
+        params: &TensorDesc,
+        ops: cudnn::cudnnBatchNormOps_t,
+    ) -> Option<FusedBn> {
+        let mut fused = FusedBn {
+            ops,
+            relu: ActivationDesc::relu(),
+            workspace: [0; 2],
+            reserve: 0,
+        };
+        let add = ops == cudnn::cudnnBatchNormOps_t::CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION;
+        let z = if add { x.0 } else { std::ptr::null_mut() };
+        let h = self.inner.cudnn;
+        let act = fused.activation();
+        let ok = |status| status == cudnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS;
+        // SAFETY: live handle and descriptors; the out-pointers are live fields.
+        let supported = unsafe {
+            ok(
+                cudnn::cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize(
+                    h,
+                    BN_EX_MODE,
+                    ops,
+                    x.0,
+                    z,
+                    x.0,
+                    params.0,
+                    act,
+                    &mut fused.workspace[0],
+                ),
+            ) && ok(cudnn::cudnnGetBatchNormalizationBackwardExWorkspaceSize(
+                h,
+                BN_EX_MODE,
+                ops,
+                x.0,
+                x.0,
+                x.0,
+                z,
+                x.0,
+                params.0,
+                act,
+                &mut fused.workspace[1],
+            )) && ok(cudnn::cudnnGetBatchNormalizationTrainingExReserveSpaceSize(
+                h,
+                BN_EX_MODE,
+                ops,
+                act,
+                x.0,
+                &mut fused.reserve,
+            ))
+        };
+        supported.then_some(fused)
     }
 }
 
@@ -1074,21 +1316,7 @@ impl Backend for CudaBackend {
         let working = self.arena_alloc(weight.len, dtype);
         self.weights_to_working(s, weight.ptr, working.ptr, dtype);
         let plan = self.conv_plan(s, dtype, x.ptr, working.ptr, y.ptr);
-        let (ws, ws_len) =
-            self.conv_workspace_size("cudnnGetConvolutionForwardWorkspaceSize", |h, out| {
-                // SAFETY: live handle and descriptors; `out` is a live local.
-                unsafe {
-                    cudnn::cudnnGetConvolutionForwardWorkspaceSize(
-                        h,
-                        plan.x.0,
-                        plan.w.0,
-                        plan.conv.0,
-                        plan.y.0,
-                        plan.forward,
-                        out,
-                    )
-                }
-            });
+        let (ws, ws_len) = self.workspace(plan.workspace[0]);
         let (one, zero) = (1.0f32, 0.0f32);
         // SAFETY: buffers match the plan's descriptors; alpha/beta are host f32s.
         let status = unsafe {
@@ -1132,21 +1360,7 @@ impl Backend for CudaBackend {
         assert_eq!(saved.weight.len, dweight.len, "conv backward weight shape");
         let plan = self.inner.conv_plans.borrow()[&(*s, dtype)].clone();
         let (one, zero) = (1.0f32, 0.0f32);
-        let (ws, ws_len) =
-            self.conv_workspace_size("cudnnGetConvolutionBackwardDataWorkspaceSize", |h, out| {
-                // SAFETY: live handle and descriptors; `out` is a live local.
-                unsafe {
-                    cudnn::cudnnGetConvolutionBackwardDataWorkspaceSize(
-                        h,
-                        plan.w.0,
-                        plan.y.0,
-                        plan.conv.0,
-                        plan.x.0,
-                        plan.backward_data,
-                        out,
-                    )
-                }
-            });
+        let (ws, ws_len) = self.workspace(plan.workspace[1]);
         // SAFETY: buffers match the plan's descriptors; alpha/beta are host f32s.
         let status = unsafe {
             cudnn::cudnnConvolutionBackwardData(
@@ -1167,23 +1381,7 @@ impl Backend for CudaBackend {
         };
         check_cudnn(status, "cudnnConvolutionBackwardData");
         let dw = self.arena_alloc(dweight.len, dtype);
-        let (ws, ws_len) = self.conv_workspace_size(
-            "cudnnGetConvolutionBackwardFilterWorkspaceSize",
-            |h, out| {
-                // SAFETY: live handle and descriptors; `out` is a live local.
-                unsafe {
-                    cudnn::cudnnGetConvolutionBackwardFilterWorkspaceSize(
-                        h,
-                        plan.x.0,
-                        plan.y.0,
-                        plan.conv.0,
-                        plan.w.0,
-                        plan.backward_filter,
-                        out,
-                    )
-                }
-            },
-        );
+        let (ws, ws_len) = self.workspace(plan.workspace[2]);
         // SAFETY: as above.
         let status = unsafe {
             cudnn::cudnnConvolutionBackwardFilter(
@@ -1215,36 +1413,91 @@ impl Backend for CudaBackend {
         beta: DevView<'_>,
         running_mean: DevViewMut<'_>,
         running_var: DevViewMut<'_>,
+        epilogue: BnEpilogue<DevView<'_>>,
         y: DevViewMut<'_>,
     ) -> CudaBnSaved {
-        let plan = self.bn_plan(dims, x.dtype);
+        let plan = self.bn_plan(dims, x.dtype, bn_ops(&epilogue));
         let mean = self.arena_alloc(dims.1, DType::F32);
         let inv_var = self.arena_alloc(dims.1, DType::F32);
         let (one, zero) = (1.0f32, 0.0f32);
-        // SAFETY: buffers match the plan's descriptors; the per-channel ones are f32 of
-        // `c` elements; alpha/beta are host f32s.
-        let status = unsafe {
-            cudnn::cudnnBatchNormalizationForwardTraining(
-                self.inner.cudnn,
-                BN_MODE,
-                &one as *const f32 as *const c_void,
-                &zero as *const f32 as *const c_void,
-                plan.x.0,
-                x.ptr as *const c_void,
-                plan.x.0,
-                y.ptr as *mut c_void,
-                plan.params.0,
-                gamma.ptr as *const c_void,
-                beta.ptr as *const c_void,
-                f64::from(config.momentum),
-                running_mean.ptr as *mut c_void,
-                running_var.ptr as *mut c_void,
-                f64::from(config.eps),
-                mean.ptr as *mut c_void,
-                inv_var.ptr as *mut c_void,
-            )
+        let residual = match epilogue {
+            BnEpilogue::AddRelu(z) => {
+                assert_eq!((z.len, z.dtype), (x.len, x.dtype), "batch-norm residual");
+                Some(z)
+            }
+            BnEpilogue::Identity | BnEpilogue::Relu => None,
         };
-        check_cudnn(status, "cudnnBatchNormalizationForwardTraining");
+        let reserve = if let Some(fused) = &plan.fused {
+            let reserve = self.arena_alloc(fused.reserve.div_ceil(4), DType::F32);
+            let (ws, ws_len) = self.workspace(fused.workspace[0]);
+            let (z_desc, z_ptr) = residual.map_or((std::ptr::null_mut(), 0), |z| (plan.x.0, z.ptr));
+            // SAFETY: buffers match the plan's descriptors (z is x's shape and type); the
+            // per-channel ones are f32 of `c` elements; the workspace and reserve space
+            // have the sizes cuDNN asked for; alpha/beta are host f32s.
+            let status = unsafe {
+                cudnn::cudnnBatchNormalizationForwardTrainingEx(
+                    self.inner.cudnn,
+                    BN_EX_MODE,
+                    fused.ops,
+                    &one as *const f32 as *const c_void,
+                    &zero as *const f32 as *const c_void,
+                    plan.x.0,
+                    x.ptr as *const c_void,
+                    z_desc,
+                    z_ptr as *const c_void,
+                    plan.x.0,
+                    y.ptr as *mut c_void,
+                    plan.params.0,
+                    gamma.ptr as *const c_void,
+                    beta.ptr as *const c_void,
+                    f64::from(config.momentum),
+                    running_mean.ptr as *mut c_void,
+                    running_var.ptr as *mut c_void,
+                    f64::from(config.eps),
+                    mean.ptr as *mut c_void,
+                    inv_var.ptr as *mut c_void,
+                    fused.activation(),
+                    ws as *mut c_void,
+                    ws_len,
+                    reserve.ptr as *mut c_void,
+                    fused.reserve,
+                )
+            };
+            check_cudnn(status, "cudnnBatchNormalizationForwardTrainingEx");
+            Some((reserve.ptr, fused.reserve))
+        } else {
+            // SAFETY: as above, without the fused parts.
+            let status = unsafe {
+                cudnn::cudnnBatchNormalizationForwardTraining(
+                    self.inner.cudnn,
+                    BN_MODE,
+                    &one as *const f32 as *const c_void,
+                    &zero as *const f32 as *const c_void,
+                    plan.x.0,
+                    x.ptr as *const c_void,
+                    plan.x.0,
+                    y.ptr as *mut c_void,
+                    plan.params.0,
+                    gamma.ptr as *const c_void,
+                    beta.ptr as *const c_void,
+                    f64::from(config.momentum),
+                    running_mean.ptr as *mut c_void,
+                    running_var.ptr as *mut c_void,
+                    f64::from(config.eps),
+                    mean.ptr as *mut c_void,
+                    inv_var.ptr as *mut c_void,
+                )
+            };
+            check_cudnn(status, "cudnnBatchNormalizationForwardTraining");
+            if let Some(z) = residual {
+                launch!(self, "add_assign", y.len; y.ptr, z.ptr, bf(y.dtype), y.len as i64);
+            }
+            if epilogue.has_relu() {
+                // In place: each thread reads its element before writing it.
+                launch!(self, "relu_forward", y.len; y.ptr, y.ptr, bf(y.dtype), y.len as i64);
+            }
+            None
+        };
         CudaBnSaved {
             x: x.into(),
             mean: DevPtr {
@@ -1257,6 +1510,7 @@ impl Backend for CudaBackend {
                 len: inv_var.len,
                 dtype: DType::F32,
             },
+            reserve,
         }
     }
 
@@ -1271,7 +1525,11 @@ impl Backend for CudaBackend {
         running_var: DevView<'_>,
         y: DevViewMut<'_>,
     ) {
-        let plan = self.bn_plan(dims, x.dtype);
+        let plan = self.bn_plan(
+            dims,
+            x.dtype,
+            cudnn::cudnnBatchNormOps_t::CUDNN_BATCHNORM_OPS_BN,
+        );
         let (one, zero) = (1.0f32, 0.0f32);
         // SAFETY: as in the training pass.
         let status = unsafe {
@@ -1301,14 +1559,90 @@ impl Backend for CudaBackend {
         config: BatchNormConfig,
         saved: &CudaBnSaved,
         gamma: DevView<'_>,
+        beta: DevView<'_>,
+        epilogue: BnEpilogueGrad<DevView<'_>, DevViewMut<'_>>,
         dy: DevView<'_>,
         dx: DevViewMut<'_>,
         dgamma: DevViewMut<'_>,
         dbeta: DevViewMut<'_>,
     ) {
         assert_eq!(saved.x.len, dy.len, "batch-norm backward shape");
-        let plan = self.bn_plan(dims, saved.x.dtype);
-        let (one, zero) = (1.0f32, 0.0f32);
+        let dtype = saved.x.dtype;
+        let (y, dz) = match epilogue {
+            BnEpilogueGrad::Identity => (None, None),
+            BnEpilogueGrad::Relu { y } => (Some(y), None),
+            BnEpilogueGrad::AddRelu { y, dz } => (Some(y), Some(dz)),
+        };
+        let ops = {
+            use cudnn::cudnnBatchNormOps_t::*;
+            match (&y, &dz) {
+                (None, _) => CUDNN_BATCHNORM_OPS_BN,
+                (Some(_), None) => CUDNN_BATCHNORM_OPS_BN_ACTIVATION,
+                (Some(_), Some(_)) => CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION,
+            }
+        };
+        let plan = self.bn_plan(dims, dtype, ops);
+        let one = 1.0f32;
+        let zero = 0.0f32;
+        if let (Some(fused), Some((reserve, reserve_len))) = (&plan.fused, saved.reserve) {
+            let (ws, ws_len) = self.workspace(fused.workspace[1]);
+            let null = std::ptr::null_mut();
+            let (y_desc, y_ptr) = y.map_or((null, 0), |y| (plan.x.0, y.ptr));
+            let (dz_desc, dz_ptr) = dz.as_ref().map_or((null, 0), |dz| (plan.x.0, dz.ptr));
+            // SAFETY: buffers match the plan's descriptors; the reserve space is the one
+            // the forward pass filled; the parameter gradients accumulate (beta 1).
+            let status = unsafe {
+                cudnn::cudnnBatchNormalizationBackwardEx(
+                    self.inner.cudnn,
+                    BN_EX_MODE,
+                    fused.ops,
+                    &one as *const f32 as *const c_void,
+                    &zero as *const f32 as *const c_void,
+                    &one as *const f32 as *const c_void,
+                    &one as *const f32 as *const c_void,
+                    plan.x.0,
+                    saved.x.ptr as *const c_void,
+                    y_desc,
+                    y_ptr as *const c_void,
+                    plan.x.0,
+                    dy.ptr as *const c_void,
+                    dz_desc,
+                    dz_ptr as *mut c_void,
+                    plan.x.0,
+                    dx.ptr as *mut c_void,
+                    plan.params.0,
+                    gamma.ptr as *const c_void,
+                    beta.ptr as *const c_void,
+                    dgamma.ptr as *mut c_void,
+                    dbeta.ptr as *mut c_void,
+                    f64::from(config.eps),
+                    saved.mean.ptr as *const c_void,
+                    saved.inv_var.ptr as *const c_void,
+                    fused.activation(),
+                    ws as *mut c_void,
+                    ws_len,
+                    reserve as *mut c_void,
+                    reserve_len,
+                )
+            };
+            check_cudnn(status, "cudnnBatchNormalizationBackwardEx");
+            return;
+        }
+        // The plain path: through the ReLU with our kernel (its result is also the
+        // residual's gradient), then the batch norm.
+        let masked = y.map(|y| {
+            let masked = self.arena_alloc(dy.len, dtype);
+            launch!(self, "relu_backward", y.len; y.ptr, dy.ptr, masked.ptr, bf(dtype), y.len as i64);
+            if let Some(dz) = &dz {
+                // SAFETY: both are live device buffers of `len` elements of `dtype`.
+                unsafe {
+                    result::memcpy_dtod_async(dz.ptr, masked.ptr, dz.len * dtype.size(), self.stream())
+                }
+                .unwrap_or_else(|e| panic!("copying the residual's gradient: {e}"));
+            }
+            masked.ptr
+        });
+        let dy_ptr = masked.unwrap_or(dy.ptr);
         // SAFETY: as in the training pass. The parameter gradients accumulate (beta 1).
         let status = unsafe {
             cudnn::cudnnBatchNormalizationBackward(
@@ -1321,7 +1655,7 @@ impl Backend for CudaBackend {
                 plan.x.0,
                 saved.x.ptr as *const c_void,
                 plan.x.0,
-                dy.ptr as *const c_void,
+                dy_ptr as *const c_void,
                 plan.x.0,
                 dx.ptr as *mut c_void,
                 plan.params.0,

@@ -106,6 +106,46 @@ pub struct BatchNormConfig {
     pub eps: f32,
 }
 
+/// What a training batch norm applies to its output in the same pass, as cuDNN's `…Ex`
+/// calls fuse it (`CUDNN_BATCHNORM_OPS_BN`, `…_BN_ACTIVATION`, `…_BN_ADD_ACTIVATION`): the
+/// ReLU after a conv-BN pair, and a residual block's add-then-ReLU.
+#[derive(Clone, Copy, Debug)]
+pub enum BnEpilogue<V> {
+    /// `y = bn(x)`.
+    Identity,
+    /// `y = max(bn(x), 0)`.
+    Relu,
+    /// `y = max(bn(x) + z, 0)`; `z` is the residual, shaped and typed like `x`.
+    AddRelu(V),
+}
+
+impl<V> BnEpilogue<V> {
+    /// Whether a ReLU ends it (backward then needs the forward's output).
+    pub fn has_relu(&self) -> bool {
+        !matches!(self, Self::Identity)
+    }
+}
+
+/// The backward pass of a [`BnEpilogue`]: what it needs from the forward pass and where the
+/// residual's gradient goes.
+#[derive(Debug)]
+pub enum BnEpilogueGrad<V, M> {
+    /// The forward pass had [`BnEpilogue::Identity`].
+    Identity,
+    /// [`BnEpilogue::Relu`]; `y` is the forward pass's output.
+    Relu {
+        /// The forward pass's output.
+        y: V,
+    },
+    /// [`BnEpilogue::AddRelu`]; `dz` receives the residual's gradient (overwritten).
+    AddRelu {
+        /// The forward pass's output.
+        y: V,
+        /// The residual's gradient.
+        dz: M,
+    },
+}
+
 /// A matrix operand: a view of its elements and (row stride, column stride), so a transpose
 /// is free.
 #[derive(Clone, Copy, Debug)]
@@ -244,9 +284,9 @@ pub trait Backend: Clone + std::fmt::Debug + 'static {
         dweight: Self::ViewMut<'_>,
     );
 
-    /// Batch norm with the batch's statistics over `[n, c, hw]`; updates the running mean
-    /// and unbiased variance, returns what backward needs. Parameters and statistics are
-    /// fp32 whatever the activations' type.
+    /// Batch norm with the batch's statistics over `[n, c, hw]`, then `epilogue` in the same
+    /// pass; updates the running mean and unbiased variance, returns what backward needs.
+    /// Parameters and statistics are fp32 whatever the activations' type.
     #[allow(clippy::too_many_arguments)]
     fn batch_norm_forward_training(
         &self,
@@ -257,6 +297,7 @@ pub trait Backend: Clone + std::fmt::Debug + 'static {
         beta: Self::View<'_>,
         running_mean: Self::ViewMut<'_>,
         running_var: Self::ViewMut<'_>,
+        epilogue: BnEpilogue<Self::View<'_>>,
         y: Self::ViewMut<'_>,
     ) -> Self::BnSaved;
 
@@ -274,8 +315,8 @@ pub trait Backend: Clone + std::fmt::Debug + 'static {
         y: Self::ViewMut<'_>,
     );
 
-    /// Batch-norm backward through the batch statistics: overwrites `dx`, accumulates
-    /// `dgamma` and `dbeta`.
+    /// Batch-norm backward through the forward pass's epilogue and the batch statistics:
+    /// overwrites `dx` (and the epilogue's `dz`), accumulates `dgamma` and `dbeta`.
     #[allow(clippy::too_many_arguments)]
     fn batch_norm_backward(
         &self,
@@ -283,6 +324,8 @@ pub trait Backend: Clone + std::fmt::Debug + 'static {
         config: BatchNormConfig,
         saved: &Self::BnSaved,
         gamma: Self::View<'_>,
+        beta: Self::View<'_>,
+        epilogue: BnEpilogueGrad<Self::View<'_>, Self::ViewMut<'_>>,
         dy: Self::View<'_>,
         dx: Self::ViewMut<'_>,
         dgamma: Self::ViewMut<'_>,

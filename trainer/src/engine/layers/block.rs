@@ -2,7 +2,7 @@
 
 use rand::Rng;
 
-use super::{BatchNorm2d, Conv2d, Relu};
+use super::{BatchNorm2d, Conv2d};
 use crate::engine::backend::{Backend, CpuBackend};
 use crate::engine::params::ParamStore;
 use crate::engine::tensor::Tensor;
@@ -10,14 +10,13 @@ use crate::engine::tensor::Tensor;
 /// `relu(main(x) + shortcut(x))`, where `main` is conv-BN pairs with ReLUs between them
 /// and `shortcut` is the identity or a 1x1 conv + BN projection.
 ///
-/// Both block kinds share this one structure; only the list of convs differs.
+/// Both block kinds share this one structure; only the list of convs differs. Every ReLU
+/// is fused into the batch norm before it, the last one with the residual add.
 #[derive(Debug, Clone)]
 pub struct ResidualBlock<B: Backend = CpuBackend> {
     convs: Vec<Conv2d<B>>,
     bns: Vec<BatchNorm2d<B>>,
-    relus: Vec<Relu<B>>,
     downsample: Option<(Conv2d<B>, BatchNorm2d<B>)>,
-    out_relu: Relu<B>,
 }
 
 impl<B: Backend> ResidualBlock<B> {
@@ -81,11 +80,7 @@ impl<B: Backend> ResidualBlock<B> {
                 rng,
             );
             convs.push(conv);
-            bns.push(BatchNorm2d::new(
-                store,
-                &format!("{prefix}.bn{}", i + 1),
-                co,
-            ));
+            bns.push(BatchNorm2d::new(store, &format!("{prefix}.bn{}", i + 1), co).with_relu());
         }
         let downsample = (stride != 1 || in_channels != out_channels).then(|| {
             let name = format!("{prefix}.downsample");
@@ -105,11 +100,9 @@ impl<B: Backend> ResidualBlock<B> {
             )
         });
         Self {
-            relus: (1..specs.len()).map(|_| Relu::new()).collect(),
             convs,
             bns,
             downsample,
-            out_relu: Relu::new(),
         }
     }
 
@@ -123,21 +116,20 @@ impl<B: Backend> ResidualBlock<B> {
     ) -> Tensor<B> {
         let last = self.convs.len() - 1;
         let mut h = self.convs[0].forward(be, params, input, train);
-        h = self.bns[0].forward(be, params, &h, train);
         for i in 1..=last {
-            h = self.relus[i - 1].forward(be, params, &h, train);
+            h = self.bns[i - 1].forward(be, params, &h, train);
             h = self.convs[i].forward(be, params, &h, train);
-            h = self.bns[i].forward(be, params, &h, train);
         }
-        match &mut self.downsample {
+        let projected;
+        let shortcut = match &mut self.downsample {
             Some((conv, bn)) => {
                 let s = conv.forward(be, params, input, train);
-                let s = bn.forward(be, params, &s, train);
-                add(be, &mut h, &s);
+                projected = bn.forward(be, params, &s, train);
+                &projected
             }
-            None => add(be, &mut h, input),
-        }
-        self.out_relu.forward(be, params, &h, train)
+            None => input,
+        };
+        self.bns[last].forward_add_relu(be, params, &h, shortcut, train)
     }
 
     /// Back-propagates through both paths and sums their input gradients.
@@ -147,22 +139,20 @@ impl<B: Backend> ResidualBlock<B> {
         params: &mut ParamStore<B>,
         grad_output: &Tensor<B>,
     ) -> Tensor<B> {
-        let g = self.out_relu.backward(be, params, grad_output);
         let last = self.convs.len() - 1;
-        let mut gh = self.bns[last].backward(be, params, &g);
+        let (mut gh, g_shortcut) = self.bns[last].backward_add_relu(be, params, grad_output);
         gh = self.convs[last].backward(be, params, &gh);
         for i in (0..last).rev() {
-            gh = self.relus[i].backward(be, params, &gh);
             gh = self.bns[i].backward(be, params, &gh);
             gh = self.convs[i].backward(be, params, &gh);
         }
         match &mut self.downsample {
             Some((conv, bn)) => {
-                let s = bn.backward(be, params, &g);
+                let s = bn.backward(be, params, &g_shortcut);
                 let s = conv.backward(be, params, &s);
                 add(be, &mut gh, &s);
             }
-            None => add(be, &mut gh, &g),
+            None => add(be, &mut gh, &g_shortcut),
         }
         gh
     }
