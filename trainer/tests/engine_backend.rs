@@ -202,6 +202,27 @@ impl Backend for Counting {
         self.hit("add_assign");
         CpuBackend.add_assign(a, b)
     }
+    fn softmax_cross_entropy(
+        &self,
+        classes: usize,
+        logits: &[f32],
+        labels: &[f32],
+        label_smoothing: f32,
+        grad_scale: f32,
+        dlogits: &mut [f32],
+        totals: &mut [f32],
+    ) {
+        self.hit("softmax_cross_entropy");
+        CpuBackend.softmax_cross_entropy(
+            classes,
+            logits,
+            labels,
+            label_smoothing,
+            grad_scale,
+            dlogits,
+            totals,
+        )
+    }
     fn sgd_update(
         &self,
         w: &mut [f32],
@@ -256,14 +277,16 @@ fn a_resnet18_step_runs_every_kernel_through_the_backend() {
         ("broadcast_rows", 1),
         ("sum_rows", 1),
         ("gemm", 3),
+        ("softmax_cross_entropy", 1),
         ("batch_norm_forward_inference", 0),
     ];
     for (op, n) in expected {
         assert_eq!(counting.count(op), n, "{op}");
     }
 
-    // One step: the gradients zeroed once, the arena recycled once.
-    assert_eq!(counting.count("fill_zero"), 1);
+    // One step: the gradients zeroed once and the loss's totals once, the arena recycled
+    // once.
+    assert_eq!(counting.count("fill_zero"), 2);
     assert_eq!(counting.count("begin_step"), 1);
 
     // The optimizer updates each parameter tensor through the backend, as the CPU one does.

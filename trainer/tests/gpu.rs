@@ -420,11 +420,32 @@ fn dense_on<B: Backend>(be: &B) -> Vec<Vec<f32>> {
     );
     out.push(be.download(&w, &[len]));
     out.push(be.download(&v, &[len]));
+    // The loss: 37 rows of 1000 classes (ImageNet's), smoothed; ties broken by the first
+    // maximum (row 0 is all equal); totals start non-zero to show they accumulate.
+    let (rows, classes) = (37, 1000);
+    let mut logits = random(rows * classes, 20);
+    logits[..classes].fill(0.25);
+    let labels: Vec<f32> = (0..rows).map(|r| ((r * 271) % classes) as f32).collect();
+    let logits = be.upload(&logits, &[rows * classes], DType::F32);
+    let labels = be.upload(&labels, &[rows], DType::F32);
+    let mut dlogits = be.zeros(rows * classes, DType::F32);
+    let mut totals = be.upload(&[1.5, 2.0], &[2], DType::F32);
+    be.softmax_cross_entropy(
+        classes,
+        be.view(&logits, 0..rows * classes),
+        be.view(&labels, 0..rows),
+        0.1,
+        0.5,
+        be.view_mut(&mut dlogits, 0..rows * classes),
+        be.view_mut(&mut totals, 0..2),
+    );
+    out.push(be.download(&dlogits, &[rows * classes]));
+    out.push(be.download(&totals, &[2]));
     out
 }
 
 #[test]
-fn gemm_bias_sums_and_sgd_match_the_cpu() {
+fn gemm_bias_sums_sgd_and_the_loss_match_the_cpu() {
     let be = gpu();
     for (i, (g, w)) in dense_on(&be).iter().zip(&dense_on(&CpuBackend)).enumerate() {
         assert_close(&format!("dense part {i}"), g, w, F32_TOL);

@@ -257,16 +257,35 @@ impl<B: Backend> Model<B> {
         grad_scale: f32,
     ) -> StepStats {
         self.backend.begin_step();
-        let logits = self.forward_on_device(images, true).download(&self.backend);
-        // The loss runs on the host: the logits are a few kilobytes a step.
-        let mut out = softmax_cross_entropy(&logits, labels, label_smoothing);
-        out.grad_logits.scale(grad_scale);
-        let grad_logits = Tensor::upload(&self.backend, &out.grad_logits, DType::F32);
+        let be = self.backend.clone();
+        let logits = self.forward_on_device(images, true);
+        let (n, classes) = logits.dims2();
+        assert_eq!(labels.len(), n, "one label per image");
+        assert!(
+            labels.iter().all(|&l| l < classes),
+            "a label is out of range for {classes} classes"
+        );
+        let host_labels: Vec<f32> = labels.iter().map(|&l| l as f32).collect();
+        let device_labels = be.upload(&host_labels, &[n], DType::F32);
+        let mut grad_logits = Tensor::alloc(&be, &[n, classes], DType::F32);
+        let mut totals = be.alloc(2, DType::F32);
+        be.fill_zero(be.view_mut(&mut totals, 0..2));
+        be.softmax_cross_entropy(
+            classes,
+            logits.view(&be),
+            be.view(&device_labels, 0..n),
+            label_smoothing,
+            grad_scale,
+            grad_logits.view_mut(&be),
+            be.view_mut(&mut totals, 0..2),
+        );
         self.backward(&grad_logits);
+        // Read once backward is queued, so the device is never idle waiting for the host.
+        let totals = be.download(&totals, &[2]);
         StepStats {
-            loss: out.loss,
-            correct: out.correct,
-            batch: labels.len(),
+            loss: totals[0],
+            correct: totals[1] as usize,
+            batch: n,
         }
     }
 

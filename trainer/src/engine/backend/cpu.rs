@@ -8,7 +8,8 @@ use super::{
     Backend, BatchNormConfig, BatchNormSaved, BnEpilogue, BnEpilogueGrad, ConvShape, Matrix,
     PoolShape,
 };
-use crate::engine::tensor::DType;
+use crate::engine::layers::softmax_cross_entropy;
+use crate::engine::tensor::{DType, Tensor};
 
 /// A row-major operand on the host.
 type HostMatrix<'a> = Matrix<&'a [f32]>;
@@ -424,6 +425,27 @@ impl Backend for CpuBackend {
         for row in x.chunks(sums.len()) {
             sums.iter_mut().zip(row).for_each(|(s, v)| *s += v);
         }
+    }
+
+    fn softmax_cross_entropy(
+        &self,
+        classes: usize,
+        logits: &[f32],
+        labels: &[f32],
+        label_smoothing: f32,
+        grad_scale: f32,
+        dlogits: &mut [f32],
+        totals: &mut [f32],
+    ) {
+        let n = labels.len();
+        let logits = Tensor::from_vec(&[n, classes], logits.to_vec());
+        let labels: Vec<usize> = labels.iter().map(|&l| l as usize).collect();
+        let out = softmax_cross_entropy(&logits, &labels, label_smoothing);
+        for (d, g) in dlogits.iter_mut().zip(&out.grad_logits.data) {
+            *d = g * grad_scale;
+        }
+        totals[0] += out.loss;
+        totals[1] += out.correct as f32;
     }
 
     fn add_assign(&self, a: &mut [f32], b: &[f32]) {

@@ -55,6 +55,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "broadcast_rows",
     "sum_rows",
     "sgd_update",
+    "softmax_cross_entropy",
+    "sum_row_stats",
 ];
 
 /// Workspace cuDNN's algorithm search may use (algorithms needing more are not tried).
@@ -1737,6 +1739,34 @@ impl Backend for CudaBackend {
     fn add_assign(&self, a: DevViewMut<'_>, b: DevView<'_>) {
         assert_eq!(a.len, b.len, "add_assign lengths differ");
         launch!(self, "add_assign", a.len; a.ptr, b.ptr, bf(a.dtype), a.len as i64);
+    }
+
+    fn softmax_cross_entropy(
+        &self,
+        classes: usize,
+        logits: DevView<'_>,
+        labels: DevView<'_>,
+        label_smoothing: f32,
+        grad_scale: f32,
+        dlogits: DevViewMut<'_>,
+        totals: DevViewMut<'_>,
+    ) {
+        let n = labels.len;
+        assert!(
+            [logits.dtype, labels.dtype, dlogits.dtype, totals.dtype] == [DType::F32; 4],
+            "the loss is f32"
+        );
+        assert_eq!(
+            (logits.len, dlogits.len),
+            (n * classes, n * classes),
+            "loss shapes"
+        );
+        assert!(totals.len >= 2, "loss totals");
+        let row_stats = self.arena_alloc(2 * n, DType::F32);
+        launch!(self, "softmax_cross_entropy", n;
+            logits.ptr, labels.ptr, dlogits.ptr, row_stats.ptr, n as i32, classes as i32,
+            label_smoothing, grad_scale);
+        launch!(self, "sum_row_stats", 1; row_stats.ptr, totals.ptr, n as i32);
     }
 
     fn sgd_update(

@@ -204,3 +204,50 @@ extern "C" __global__ void sgd_update(float* w, const float* g, float* v, float 
         w[i] -= lr * vi;
     }
 }
+
+// Softmax cross-entropy with label smoothing, one thread per row of `k` f32 logits (the
+// CPU's order and f64 sums): dlogits = scale * (softmax - smoothed target) / n; the row's
+// loss and whether its first arg-max is the label go to row_stats[2 * row ..].
+extern "C" __global__ void softmax_cross_entropy(const float* logits, const float* labels,
+                                                 float* dlogits, float* row_stats, int n,
+                                                 int k, float smoothing, float scale) {
+    FOR_EACH(row, n) {
+        const float* x = logits + row * (long long)k;
+        float* g = dlogits + row * (long long)k;
+        int label = (int)labels[row];
+        float max = x[0];
+        int argmax = 0;
+        for (int j = 1; j < k; ++j) {
+            if (x[j] > max) { max = x[j]; argmax = j; }
+        }
+        double sum = 0.0;
+        for (int j = 0; j < k; ++j) sum += exp((double)(x[j] - max));
+        double log_sum = log(sum);
+        float off = smoothing / k;
+        float on = 1.0f - smoothing + off;
+        double loss = 0.0;
+        for (int j = 0; j < k; ++j) {
+            double log_p = (double)(x[j] - max) - log_sum;
+            float q = j == label ? on : off;
+            loss -= q * log_p;
+            g[j] = (float)((exp(log_p) - q) / n) * scale;
+        }
+        row_stats[2 * row] = (float)loss;
+        row_stats[2 * row + 1] = argmax == label ? 1.0f : 0.0f;
+    }
+}
+
+// totals[0] += mean of the rows' losses, totals[1] += their correct count: one thread, in
+// row order, so the sums are the same every run.
+extern "C" __global__ void sum_row_stats(const float* row_stats, float* totals, int n) {
+    FOR_EACH(i, 1) {
+        double loss = 0.0;
+        float correct = 0.0f;
+        for (int row = 0; row < n; ++row) {
+            loss += row_stats[2 * row];
+            correct += row_stats[2 * row + 1];
+        }
+        totals[0] += (float)(loss / n);
+        totals[1] += correct;
+    }
+}

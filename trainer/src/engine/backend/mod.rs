@@ -381,6 +381,24 @@ pub trait Backend: Clone + std::fmt::Debug + 'static {
     /// `a += b` element-wise.
     fn add_assign(&self, a: Self::ViewMut<'_>, b: Self::View<'_>);
 
+    /// Softmax cross-entropy with label smoothing over the f32 `logits` of `n` rows of
+    /// `classes` (`n` = `labels.len()`; labels are class indices held as f32): overwrites
+    /// `dlogits` with `grad_scale` times the gradient of the batch's mean loss, and adds the
+    /// batch's mean loss and its count of rows whose first arg-max is the label to
+    /// `totals[0]` and `totals[1]` (f32). On the device, so a step sends no logits to the
+    /// host.
+    #[allow(clippy::too_many_arguments)]
+    fn softmax_cross_entropy(
+        &self,
+        classes: usize,
+        logits: Self::View<'_>,
+        labels: Self::View<'_>,
+        label_smoothing: f32,
+        grad_scale: f32,
+        dlogits: Self::ViewMut<'_>,
+        totals: Self::ViewMut<'_>,
+    );
+
     /// One SGD step over one parameter in PyTorch's form: `v = momentum · v + (g + wd · w)`,
     /// `w -= lr · v`; all fp32.
     #[allow(clippy::too_many_arguments)]
