@@ -16,6 +16,7 @@ pub use ringmaster_contract::trainer::{
 
 use crate::collective::{Collective, CollectiveError, ReduceOp};
 use crate::engine::backend::{CudaBackend, CudaError};
+use crate::engine::buckets::{BUCKET_ELEMENTS, GradientBuckets};
 use crate::engine::checkpoint::{self, CheckpointError};
 use crate::engine::data::{LearnableData, SyntheticData, shard};
 use crate::engine::image_folder::{ImageFolder, ImageFolderError};
@@ -265,25 +266,51 @@ fn train_on<B: Backend>(
                 }
             }
         });
+        // On GPUs with NCCL, gradients are all-reduced in buckets while backward still runs;
+        // otherwise all at once after it, through the host. One rank reduces nothing.
+        let overlap = world > 1 && be.reduces_on_device(collective);
+        let num_parameters = model.num_parameters();
         for step in 0..total_steps {
             model.zero_grads();
             let (mut loss_sum, mut correct) = (0.0f32, 0usize);
-            for _ in 0..args.micro_batches {
+            for m in 0..args.micro_batches {
                 let (images, labels) = prefetched
                     .recv()
                     .expect("the reader thread sends every batch or an error")?;
-                let stats = model.forward_backward(
+                let images = Tensor::upload(&be, &images, dtype);
+                // Micro-batches accumulate: only the last one's backward finishes gradients.
+                let mut buckets = (overlap && m + 1 == args.micro_batches)
+                    .then(|| GradientBuckets::new(num_parameters, BUCKET_ELEMENTS));
+                let mut failed = Ok(());
+                let stats = model.forward_backward_on_device_with(
                     &images,
                     &labels,
                     args.label_smoothing,
                     1.0 / args.micro_batches as f32,
+                    &mut |be, grads, final_from| {
+                        if let Some(range) = buckets.as_mut().and_then(|b| b.ready(final_from))
+                            && failed.is_ok()
+                        {
+                            failed = be.queue_all_reduce(
+                                grads,
+                                range,
+                                &mut *collective,
+                                ReduceOp::Average,
+                            );
+                        }
+                    },
                 );
+                failed?;
+                debug_assert!(buckets.is_none_or(|b| b.done()));
                 loss_sum += stats.loss;
                 correct += stats.correct;
             }
-            be.with_host(&mut model.params_mut().grads, |grads| {
-                collective.all_reduce(grads, ReduceOp::Average)
-            })?;
+            if overlap {
+                be.join_all_reduces(collective)?;
+            } else if world > 1 {
+                let grads = &mut model.params_mut().grads;
+                be.queue_all_reduce(grads, 0..num_parameters, collective, ReduceOp::Average)?;
+            }
             let lr = schedule.lr(step);
             sgd.step(model.params_mut(), lr);
             // Loss and accuracy over every rank, for the log.

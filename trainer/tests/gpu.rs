@@ -14,6 +14,7 @@ use ringmaster_trainer::collective::{
 use ringmaster_trainer::engine::backend::{
     BatchNormConfig, BnEpilogue, BnEpilogueGrad, ConvShape, CudaBackend, Matrix, PoolShape,
 };
+use ringmaster_trainer::engine::buckets::GradientBuckets;
 use ringmaster_trainer::engine::data::{LearnableData, SyntheticData};
 use ringmaster_trainer::engine::tensor::{DType, Tensor};
 use ringmaster_trainer::engine::{Arch, Backend, CpuBackend, Model, Sgd};
@@ -630,6 +631,39 @@ fn nccl_all_reduces_through_the_collective_trait() {
     c.all_reduce(&mut data, ReduceOp::Average)
         .expect("all-reduce");
     assert_eq!(data[12345], 12345.0);
+
+    // The backend's gradients reduced where they lie, in buckets queued during backward on
+    // NCCL's stream: the CUDA backend takes that path, and a step gives the gradients a
+    // step without it gives (one rank: the all-reduce is the identity, so this checks the
+    // ordering between the streams and the ranges, not the arithmetic of several ranks).
+    let be = gpu();
+    assert!(be.reduces_on_device(&mut c));
+    let data = SyntheticData::new(10, 32, 8, 1);
+    let (images, labels) = data.batch(&(0..8).collect::<Vec<_>>());
+    let step = |hooked: bool, c: &mut NcclCollective| {
+        let mut model = Model::with_backend(Arch::ResNet18, 10, 3, be.clone());
+        let images = Tensor::upload(&be, &images, DType::F32);
+        let mut buckets = GradientBuckets::new(model.num_parameters(), model.num_parameters() / 3);
+        let mut launched = 0;
+        model.zero_grads();
+        model.forward_backward_on_device_with(&images, &labels, 0.0, 1.0, &mut |be, g, from| {
+            if let Some(range) = buckets.ready(from).filter(|_| hooked) {
+                be.queue_all_reduce(g, range, &mut *c, ReduceOp::Average)
+                    .expect("queue an all-reduce");
+                launched += 1;
+            }
+        });
+        be.join_all_reduces(&mut *c).expect("join the all-reduces");
+        (
+            launched,
+            be.download(&model.params().grads, &[model.num_parameters()]),
+        )
+    };
+    let (none, plain) = step(false, &mut c);
+    let (launched, reduced) = step(true, &mut c);
+    assert_eq!(none, 0);
+    assert!(launched >= 3, "{launched} buckets");
+    assert_close("gradients after bucketed NCCL", &reduced, &plain, F32_TOL);
 }
 
 #[test]

@@ -88,6 +88,28 @@ pub trait Collective: Send {
         let mut token = [0.0f32];
         self.all_reduce(&mut token, ReduceOp::Sum)
     }
+    /// The same collective reducing GPU memory where it lies, when it can (NCCL).
+    fn on_device(&mut self) -> Option<&mut dyn DeviceAllReduce> {
+        None
+    }
+}
+
+/// A collective that reduces GPU memory in place on a stream of its own, so the reduction
+/// of one bucket of gradients overlaps the backward pass computing the next (as PyTorch's
+/// DDP does).
+pub trait DeviceAllReduce {
+    /// Queues an in-place all-reduce of the `len` f32s at device address `ptr`, to start
+    /// once the work queued on stream `after` so far has run; returns at once.
+    fn queue_all_reduce(
+        &mut self,
+        ptr: u64,
+        len: usize,
+        op: ReduceOp,
+        after: &cudarc::driver::CudaStream,
+    ) -> Result<(), CollectiveError>;
+    /// Returns once every queued all-reduce has finished, or fails within the collective's
+    /// timeout when a peer is gone or stuck.
+    fn join(&mut self) -> Result<(), CollectiveError>;
 }
 
 /// Which collective a process uses (part of the operator ↔ trainer contract).

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use cudarc::nccl::{Comm, Id};
 
-use super::{Collective, CollectiveError, ReduceOp, RingConfig, TcpRing};
+use super::{Collective, CollectiveError, DeviceAllReduce, ReduceOp, RingConfig, TcpRing};
 use crate::world::World;
 
 /// What the machine offers for NCCL, found without initialising anything that could panic.
@@ -203,13 +203,9 @@ impl Collective for NcclCollective {
         self.stream
             .memcpy_htod(data, staging)
             .map_err(|e| device("copy to the GPU", &e))?;
-        let nccl_op = match op {
-            ReduceOp::Sum => cudarc::nccl::ReduceOp::Sum,
-            ReduceOp::Average => cudarc::nccl::ReduceOp::Avg,
-        };
         self.comm
             .0
-            .all_reduce_in_place(staging, &nccl_op)
+            .all_reduce_in_place(staging, &nccl_op(op))
             .map_err(|e| device("ncclAllReduce", &e))?;
         self.wait()?;
         let staging = self.staging.as_ref().expect("allocated above");
@@ -223,5 +219,78 @@ impl Collective for NcclCollective {
     fn broadcast(&mut self, data: &mut [f32], root: usize) -> Result<(), CollectiveError> {
         // Broadcasts happen once per run (initial weights); the bootstrap ring is enough.
         self.bootstrap.broadcast(data, root)
+    }
+    fn on_device(&mut self) -> Option<&mut dyn DeviceAllReduce> {
+        Some(self)
+    }
+}
+
+fn nccl_op(op: ReduceOp) -> cudarc::nccl::ReduceOp {
+    match op {
+        ReduceOp::Sum => cudarc::nccl::ReduceOp::Sum,
+        ReduceOp::Average => cudarc::nccl::ReduceOp::Avg,
+    }
+}
+
+impl DeviceAllReduce for NcclCollective {
+    fn queue_all_reduce(
+        &mut self,
+        ptr: u64,
+        len: usize,
+        op: ReduceOp,
+        after: &CudaStream,
+    ) -> Result<(), CollectiveError> {
+        let device = |what: &str, e: &dyn std::fmt::Debug| CollectiveError::Device {
+            message: format!("{what}: {e:?}"),
+        };
+        // NCCL's stream waits for what the compute stream has queued so far: the
+        // gradients of this bucket are written by then. (Both streams belong to this GPU's
+        // primary context.)
+        let written = after
+            .record_event(None)
+            .map_err(|e| device("record a CUDA event", &e))?;
+        self.stream
+            .wait(&written)
+            .map_err(|e| device("order NCCL after the backward pass", &e))?;
+        let mut bucket = DeviceGradients {
+            ptr,
+            len,
+            stream: self.stream.clone(),
+        };
+        self.comm
+            .0
+            .all_reduce_in_place(&mut bucket, &nccl_op(op))
+            .map_err(|e| device("ncclAllReduce", &e))?;
+        Ok(())
+    }
+
+    fn join(&mut self) -> Result<(), CollectiveError> {
+        self.wait()
+    }
+}
+
+/// Gradients in memory the CUDA backend owns, as cudarc's NCCL calls take them: the backend
+/// orders every access itself, so there is nothing for cudarc to record or wait for.
+struct DeviceGradients {
+    ptr: u64,
+    len: usize,
+    stream: Arc<CudaStream>,
+}
+
+impl cudarc::driver::DeviceSlice<f32> for DeviceGradients {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl cudarc::driver::DevicePtrMut<f32> for DeviceGradients {
+    fn device_ptr_mut<'a>(
+        &'a mut self,
+        _stream: &'a CudaStream,
+    ) -> (u64, cudarc::driver::SyncOnDrop<'a>) {
+        (self.ptr, cudarc::driver::SyncOnDrop::Sync(None))
     }
 }

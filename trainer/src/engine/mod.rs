@@ -6,6 +6,7 @@
 //! [`params::ParamStore`] so that data-parallel all-reduce works on a single buffer.
 
 pub mod backend;
+pub mod buckets;
 pub mod checkpoint;
 pub mod data;
 pub mod image_folder;

@@ -44,6 +44,10 @@ pub struct StepStats {
     pub batch: usize,
 }
 
+/// Told during backward that every gradient from a parameter offset to the end of the flat
+/// gradient buffer is final, with the backend and that buffer; the offsets fall to 0.
+pub type GradientsFinal<'a, B> = &'a mut dyn FnMut(&B, &mut <B as Backend>::Buf, usize);
+
 /// A ResNet with its parameters.
 #[derive(Debug, Clone)]
 pub struct Model<B: Backend = CpuBackend> {
@@ -211,12 +215,17 @@ impl<B: Backend> Model<B> {
         self.fc.forward(be, p, &h, train)
     }
 
-    fn backward(&mut self, grad_logits: &Tensor<B>) {
+    /// Back-propagates, telling `final_from` each time the gradients from a parameter
+    /// offset to the end of the buffer are final (down to 0), e.g. to all-reduce them while
+    /// the rest is computed.
+    fn backward(&mut self, grad_logits: &Tensor<B>, final_from: GradientsFinal<'_, B>) {
         let (be, p) = (&self.backend, &mut self.params);
         let mut g = self.fc.backward(be, p, grad_logits);
+        final_from(be, &mut p.grads, self.fc.weight.start);
         g = self.pool.backward(be, p, &g);
         for block in self.blocks.iter_mut().rev() {
             g = block.backward(be, p, &g);
+            final_from(be, &mut p.grads, block.first_parameter());
         }
         if let Some(pool) = &mut self.maxpool {
             g = pool.backward(be, p, &g);
@@ -224,6 +233,7 @@ impl<B: Backend> Model<B> {
         g = self.stem_bn.backward(be, p, &g);
         // The image gradient is not needed; computing it keeps the layer contract simple.
         self.stem_conv.backward(be, p, &g);
+        final_from(be, &mut p.grads, 0);
     }
 
     /// Sets every gradient to zero.
@@ -256,6 +266,25 @@ impl<B: Backend> Model<B> {
         label_smoothing: f32,
         grad_scale: f32,
     ) -> StepStats {
+        self.forward_backward_on_device_with(
+            images,
+            labels,
+            label_smoothing,
+            grad_scale,
+            &mut |_, _, _| {},
+        )
+    }
+
+    /// [`Model::forward_backward_on_device`], telling `final_from` during backward which
+    /// gradients are final (see [`GradientsFinal`]).
+    pub fn forward_backward_on_device_with(
+        &mut self,
+        images: &Tensor<B>,
+        labels: &[usize],
+        label_smoothing: f32,
+        grad_scale: f32,
+        final_from: GradientsFinal<'_, B>,
+    ) -> StepStats {
         self.backend.begin_step();
         let be = self.backend.clone();
         let logits = self.forward_on_device(images, true);
@@ -279,7 +308,7 @@ impl<B: Backend> Model<B> {
             grad_logits.view_mut(&be),
             be.view_mut(&mut totals, 0..2),
         );
-        self.backward(&grad_logits);
+        self.backward(&grad_logits, final_from);
         // Read once backward is queued, so the device is never idle waiting for the host.
         let totals = be.download(&totals, &[2]);
         StepStats {

@@ -32,6 +32,8 @@ use cudarc::cudnn::sys as cudnn;
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, result};
 
+use crate::collective::{Collective, CollectiveError, ReduceOp};
+
 use super::{Backend, BatchNormConfig, BnEpilogue, BnEpilogueGrad, ConvShape, Matrix, PoolShape};
 use crate::engine::tensor::DType;
 
@@ -1185,6 +1187,40 @@ impl Backend for CudaBackend {
             .unwrap_or_else(|e| panic!("copying {} values to the GPU: {e}", host.len()));
         self.synchronize();
         r
+    }
+
+    fn reduces_on_device(&self, collective: &mut dyn Collective) -> bool {
+        collective.on_device().is_some()
+    }
+
+    fn queue_all_reduce(
+        &self,
+        buf: &mut CudaBuf,
+        range: Range<usize>,
+        collective: &mut dyn Collective,
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        assert_eq!(buf.dtype, DType::F32, "all-reduce of an f32 buffer");
+        assert!(
+            range.end <= buf.len,
+            "all-reduce range {range:?} of {}",
+            buf.len
+        );
+        match collective.on_device() {
+            Some(device) => device.queue_all_reduce(
+                buf.ptr + (range.start * DType::F32.size()) as u64,
+                range.len(),
+                op,
+                &self.inner.stream,
+            ),
+            None => self.with_host(buf, |values| collective.all_reduce(&mut values[range], op)),
+        }
+    }
+
+    fn join_all_reduces(&self, collective: &mut dyn Collective) -> Result<(), CollectiveError> {
+        collective
+            .on_device()
+            .map_or(Ok(()), |device| device.join())
     }
 
     fn synchronize(&self) {

@@ -24,6 +24,7 @@ pub use cuda::{CudaBackend, CudaError};
 
 use std::ops::Range;
 
+use crate::collective::{Collective, CollectiveError, ReduceOp};
 use crate::engine::tensor::DType;
 
 /// Shapes of a 2-D convolution over an NCHW batch with a `[out, in, k, k]` weight.
@@ -222,6 +223,32 @@ pub trait Backend: Clone + std::fmt::Debug + 'static {
     /// (the CPU lends the buffer itself; a device stages it through host memory). For the
     /// host-side collectives and checkpoints.
     fn with_host<R>(&self, buf: &mut Self::Buf, f: impl FnOnce(&mut [f32]) -> R) -> R;
+
+    /// Whether [`Backend::queue_all_reduce`] reduces this backend's memory in place through
+    /// `collective`, overlapping the work queued after it (a GPU with NCCL), rather than
+    /// staging it through the host there and then.
+    fn reduces_on_device(&self, _collective: &mut dyn Collective) -> bool {
+        false
+    }
+
+    /// All-reduces elements `range` of the f32 buffer `buf` over `collective`'s ranks: queued
+    /// on the device when [`Backend::reduces_on_device`] (then
+    /// [`Backend::join_all_reduces`] waits for it), else now through the host.
+    fn queue_all_reduce(
+        &self,
+        buf: &mut Self::Buf,
+        range: Range<usize>,
+        collective: &mut dyn Collective,
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        self.with_host(buf, |values| collective.all_reduce(&mut values[range], op))
+    }
+
+    /// Returns once every all-reduce queued on the device has finished (at once when none
+    /// was): the work queued from here on sees their results.
+    fn join_all_reduces(&self, _collective: &mut dyn Collective) -> Result<(), CollectiveError> {
+        Ok(())
+    }
 
     /// Waits until everything queued has run (for timing; the CPU computes synchronously).
     fn synchronize(&self) {}

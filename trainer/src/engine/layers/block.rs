@@ -132,6 +132,11 @@ impl<B: Backend> ResidualBlock<B> {
         self.bns[last].forward_add_relu(be, params, &h, shortcut, train)
     }
 
+    /// Where the block's parameters start in the store (they are registered together).
+    pub fn first_parameter(&self) -> usize {
+        self.convs[0].weight.start
+    }
+
     /// Back-propagates through both paths and sums their input gradients.
     pub fn backward(
         &mut self,
