@@ -34,8 +34,14 @@ case "${1:-tests}" in
     ;;
   bench)
     for batch in 256 128; do
-      "$bundle/ringmaster-trainer" bench-engine --device cuda --precision bf16 --model resnet50 \
-        --image-size 224 --batch-size "$batch" --steps "${STEPS:-30}" --warmup 5
+      for graph in "" --cuda-graph; do
+        "$bundle/ringmaster-trainer" bench-engine --device cuda --precision bf16 --model resnet50 \
+          --image-size 224 --batch-size "$batch" --steps "${STEPS:-30}" --warmup 5 $graph
+        # The same step with batch norm on cuDNN's plain calls, to see what fusing gains.
+        [ -n "$graph" ] || RINGMASTER_CUDA_FUSED_BN=0 "$bundle/ringmaster-trainer" bench-engine \
+          --device cuda --precision bf16 --model resnet50 --image-size 224 --batch-size "$batch" \
+          --steps "${STEPS:-30}" --warmup 5
+      done
     done
     "$python" "$here/bench_torch.py" --steps "${STEPS:-30}"
     data=$(mktemp -d)

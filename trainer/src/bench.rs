@@ -140,6 +140,9 @@ pub struct EngineRow {
     pub precision: String,
     /// Timed steps.
     pub steps: usize,
+    /// Whether the timed steps replayed a recording (CUDA graphs; asked for with
+    /// `--cuda-graph`, and never on the CPU).
+    pub cuda_graph: bool,
     /// Training throughput (forward, backward, SGD step).
     pub images_per_second: f64,
     /// Mean time of one step, milliseconds.
@@ -148,28 +151,41 @@ pub struct EngineRow {
     /// use beside the arena's reservation, plus the arena's peak).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_bytes: Option<u64>,
+    /// How many of the step's training batch-norm plans cuDNN's fused calls run, of all
+    /// (CUDA; `RINGMASTER_CUDA_FUSED_BN=0` turns them off).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fused_batch_norms: Option<String>,
 }
 
 /// Times `steps` SGD steps of `model` on one synthetic batch uploaded once, after `warmup`
-/// untimed steps (algorithm search, first allocations).
+/// untimed steps (algorithm search, first allocations; at least the recorded step's own
+/// warm-up when `record`). Like a PyTorch loop that never calls `loss.item()`, a step
+/// reads nothing back. Returns images/s, milliseconds per step, and whether the timed steps
+/// replayed a recording.
 pub fn engine<B: crate::engine::Backend>(
     model: &mut crate::engine::Model<B>,
     image_size: usize,
     batch_size: usize,
     steps: usize,
     warmup: usize,
-) -> (f64, f64) {
+    record: bool,
+) -> (f64, f64, bool) {
     use crate::engine::data::SyntheticData;
-    use crate::engine::tensor::Tensor;
+    use crate::engine::step::{RecordedStep, WARMUP_STEPS};
     let be = model.backend().clone();
     let data = SyntheticData::new(model.num_classes(), image_size, batch_size, 1);
     let (images, labels) = data.batch(&(0..batch_size).collect::<Vec<_>>());
-    let images = Tensor::upload(&be, &images, model.activations());
+    let mut recorded = RecordedStep::new(model, batch_size, image_size, record);
+    recorded.load(model, &images, &labels);
     let mut sgd = crate::engine::Sgd::on(&be, model.params(), 0.9, 5e-5);
     let mut step = |model: &mut crate::engine::Model<B>| {
-        model.zero_grads();
-        model.forward_backward_on_device(&images, &labels, 0.0, 1.0);
+        recorded.run(model, 0.0);
         sgd.step(model.params_mut(), 0.01);
+    };
+    let warmup = if record {
+        warmup.max(WARMUP_STEPS + 1)
+    } else {
+        warmup
     };
     for _ in 0..warmup {
         step(model);
@@ -184,5 +200,6 @@ pub fn engine<B: crate::engine::Backend>(
     (
         (steps * batch_size) as f64 / seconds,
         seconds * 1000.0 / steps.max(1) as f64,
+        recorded.recorded(),
     )
 }

@@ -140,6 +140,9 @@ struct EngineArgs {
     /// Untimed steps first (algorithm search, first allocations).
     #[arg(long, default_value_t = 2)]
     warmup: usize,
+    /// Record the step once warm and replay it (CUDA graphs); the CPU runs it as it comes.
+    #[arg(long)]
+    cuda_graph: bool,
 }
 
 /// A failure and the exit code it leaves with ([`exit`]).
@@ -330,7 +333,7 @@ fn bench_engine(args: &EngineArgs) -> Result<(), String> {
         args: &EngineArgs,
         arch: ringmaster_trainer::engine::Arch,
         dtype: DType,
-    ) -> Result<(f64, f64), String> {
+    ) -> Result<(f64, f64, bool), String> {
         if !be.supports(dtype) {
             return Err(format!(
                 "the {} engine does not compute in {dtype:?}",
@@ -344,18 +347,23 @@ fn bench_engine(args: &EngineArgs) -> Result<(), String> {
             args.batch_size,
             args.steps,
             args.warmup,
+            args.cuda_graph,
         ))
     }
-    let (engine_name, (images_per_second, step_ms), peak_bytes) = match args.device {
-        train::Device::Cuda => {
-            let be = CudaBackend::new(0, None).map_err(|e| e.to_string())?;
-            let figures = measure(be.clone(), args, arch, dtype)?;
-            let (after, arena) = be.memory();
-            let peak = after.saturating_sub(arena) + be.arena_peak();
-            ("cuda", figures, Some(peak as u64))
-        }
-        _ => ("cpu", measure(CpuBackend, args, arch, dtype)?, None),
-    };
+    let (engine_name, (images_per_second, step_ms, cuda_graph), peak_bytes, fused_batch_norms) =
+        match args.device {
+            train::Device::Cuda => {
+                let be = CudaBackend::new(0, None).map_err(|e| e.to_string())?;
+                let figures = measure(be.clone(), args, arch, dtype)?;
+                let (after, arena) = be.memory();
+                let peak = after.saturating_sub(arena) + be.arena_peak();
+                let plans = be.batch_norm_plans();
+                let fused = plans.iter().filter(|p| p.fused).count();
+                let fused = format!("{fused}/{}", plans.len());
+                ("cuda", figures, Some(peak as u64), Some(fused))
+            }
+            _ => ("cpu", measure(CpuBackend, args, arch, dtype)?, None, None),
+        };
     let row = EngineRow {
         engine: engine_name.into(),
         model: ringmaster_contract::trainer::flag_value(args.model),
@@ -363,9 +371,11 @@ fn bench_engine(args: &EngineArgs) -> Result<(), String> {
         image_size: args.image_size,
         precision: ringmaster_contract::trainer::flag_value(args.precision),
         steps: args.steps,
+        cuda_graph,
         images_per_second,
         step_ms,
         peak_bytes,
+        fused_batch_norms,
     };
     println!("{}", serde_json::to_string(&row).expect("a row serializes"));
     Ok(())

@@ -20,6 +20,7 @@ use crate::engine::buckets::{BUCKET_ELEMENTS, GradientBuckets};
 use crate::engine::checkpoint::{self, CheckpointError};
 use crate::engine::data::{LearnableData, SyntheticData, shard};
 use crate::engine::image_folder::{ImageFolder, ImageFolderError};
+use crate::engine::step::{self, RecordedStep};
 use crate::engine::tensor::DType;
 use crate::engine::{Arch, Backend, CpuBackend, LrKind, LrSchedule, Model, Sgd, Tensor};
 
@@ -270,40 +271,54 @@ fn train_on<B: Backend>(
         // otherwise all at once after it, through the host. One rank reduces nothing.
         let overlap = world > 1 && be.reduces_on_device(collective);
         let num_parameters = model.num_parameters();
+        // With RINGMASTER_CUDA_GRAPH=1, a step of one micro-batch whose gradients are not
+        // all-reduced during backward is recorded once warm and replayed.
+        let mut recorded = (step::recording_requested() && args.micro_batches == 1 && !overlap)
+            .then(|| RecordedStep::new(&model, micro, args.image_size, true));
         for step in 0..total_steps {
-            model.zero_grads();
             let (mut loss_sum, mut correct) = (0.0f32, 0usize);
-            for m in 0..args.micro_batches {
+            if let Some(recorded) = &mut recorded {
                 let (images, labels) = prefetched
                     .recv()
                     .expect("the reader thread sends every batch or an error")?;
-                let images = Tensor::upload(&be, &images, dtype);
-                // Micro-batches accumulate: only the last one's backward finishes gradients.
-                let mut buckets = (overlap && m + 1 == args.micro_batches)
-                    .then(|| GradientBuckets::new(num_parameters, BUCKET_ELEMENTS));
-                let mut failed = Ok(());
-                let stats = model.forward_backward_on_device_with(
-                    &images,
-                    &labels,
-                    args.label_smoothing,
-                    1.0 / args.micro_batches as f32,
-                    &mut |be, grads, final_from| {
-                        if let Some(range) = buckets.as_mut().and_then(|b| b.ready(final_from))
-                            && failed.is_ok()
-                        {
-                            failed = be.queue_all_reduce(
-                                grads,
-                                range,
-                                &mut *collective,
-                                ReduceOp::Average,
-                            );
-                        }
-                    },
-                );
-                failed?;
-                debug_assert!(buckets.is_none_or(|b| b.done()));
-                loss_sum += stats.loss;
-                correct += stats.correct;
+                recorded.load(&model, &images, &labels);
+                recorded.run(&mut model, args.label_smoothing);
+                let stats = recorded.stats(&model);
+                (loss_sum, correct) = (stats.loss, stats.correct);
+            } else {
+                model.zero_grads();
+                for m in 0..args.micro_batches {
+                    let (images, labels) = prefetched
+                        .recv()
+                        .expect("the reader thread sends every batch or an error")?;
+                    let images = Tensor::upload(&be, &images, dtype);
+                    // Micro-batches accumulate: only the last one's backward finishes gradients.
+                    let mut buckets = (overlap && m + 1 == args.micro_batches)
+                        .then(|| GradientBuckets::new(num_parameters, BUCKET_ELEMENTS));
+                    let mut failed = Ok(());
+                    let stats = model.forward_backward_on_device_with(
+                        &images,
+                        &labels,
+                        args.label_smoothing,
+                        1.0 / args.micro_batches as f32,
+                        &mut |be, grads, final_from| {
+                            if let Some(range) = buckets.as_mut().and_then(|b| b.ready(final_from))
+                                && failed.is_ok()
+                            {
+                                failed = be.queue_all_reduce(
+                                    grads,
+                                    range,
+                                    &mut *collective,
+                                    ReduceOp::Average,
+                                );
+                            }
+                        },
+                    );
+                    failed?;
+                    debug_assert!(buckets.is_none_or(|b| b.done()));
+                    loss_sum += stats.loss;
+                    correct += stats.correct;
+                }
             }
             if overlap {
                 be.join_all_reduces(collective)?;

@@ -16,6 +16,7 @@ use ringmaster_trainer::engine::backend::{
 };
 use ringmaster_trainer::engine::buckets::GradientBuckets;
 use ringmaster_trainer::engine::data::{LearnableData, SyntheticData};
+use ringmaster_trainer::engine::step::{RecordedStep, WARMUP_STEPS};
 use ringmaster_trainer::engine::tensor::{DType, Tensor};
 use ringmaster_trainer::engine::{Arch, Backend, CpuBackend, Model, Sgd};
 use ringmaster_trainer::world::World;
@@ -579,6 +580,46 @@ fn resnet18_trains_the_same_on_the_gpu_and_the_cpu_for_five_steps() {
         cpu_sgd.step(cpu.params_mut(), 0.05);
         gpu_sgd.step(gpu_model.params_mut(), 0.05);
     }
+}
+
+#[test]
+fn a_step_recorded_as_a_cuda_graph_trains_as_the_step_run_as_it_comes() {
+    // Both in bf16, as the benchmark and the flagship run; the recording replays from the
+    // third step on, reading each batch from the step's own input buffers.
+    let data = SyntheticData::new(10, 32, 64, 4);
+    let arch = Arch::ResNet18;
+    let be = gpu();
+    let mut eager = Model::with_backend(arch, 10, 8, be.clone()).with_activations(DType::Bf16);
+    let mut graphed = Model::with_backend(arch, 10, 8, be.clone()).with_activations(DType::Bf16);
+    let mut eager_sgd = Sgd::on(&be, eager.params(), 0.9, 1e-4);
+    let mut graphed_sgd = Sgd::on(&be, graphed.params(), 0.9, 1e-4);
+    let mut recorded = RecordedStep::new(&graphed, 8, 32, true);
+    for step in 0..WARMUP_STEPS + 4 {
+        let idx: Vec<usize> = (step * 8..step * 8 + 8).collect();
+        let (images, labels) = data.batch(&idx);
+        let want = eager.train_step(&images, &labels, 0.1);
+        eager_sgd.step(eager.params_mut(), 0.05);
+        recorded.load(&graphed, &images, &labels);
+        recorded.run(&mut graphed, 0.1);
+        let got = recorded.stats(&graphed);
+        graphed_sgd.step(graphed.params_mut(), 0.05);
+        assert_eq!(recorded.recorded(), step >= WARMUP_STEPS, "step {step}");
+        // cuDNN's backward-filter algorithms may add in another order from run to run.
+        assert!(got.correct.abs_diff(want.correct) <= 1, "step {step}");
+        assert!(
+            (got.loss - want.loss).abs() <= 1e-3 * want.loss.abs(),
+            "step {step}: recorded loss {} vs {}",
+            got.loss,
+            want.loss
+        );
+    }
+    let n = eager.num_parameters();
+    assert_close(
+        "weights after the recorded steps",
+        &be.download(&graphed.params().values, &[n]),
+        &be.download(&eager.params().values, &[n]),
+        BF16_TOL,
+    );
 }
 
 #[test]

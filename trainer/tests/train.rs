@@ -215,3 +215,48 @@ fn the_flagship_flags_the_gpu_tests_use_parse_and_pass_the_check_with_the_cuda_e
     assert_eq!(args.check(&with_cuda), Ok(()));
     assert!(args.check(&Capabilities::this_release()).is_err());
 }
+
+/// `RINGMASTER_CUDA_GRAPH=1` takes the recorded-step path of `train` (one micro-batch, one
+/// rank), which on the CPU runs every step as it comes: it must log the same losses and
+/// leave the same weights as the plain path.
+#[test]
+fn the_recorded_step_path_of_train_trains_as_the_plain_one() {
+    let dir = std::env::temp_dir().join(format!("recorded-{}", std::process::id()));
+    let run = |name: &str, graph: &str| {
+        let out_dir = dir.join(name);
+        let args = [
+            SMALL,
+            &[
+                "--batch-size",
+                "16",
+                "--steps",
+                "5",
+                "--dataset-size",
+                "256",
+            ],
+            &["--output-dir", out_dir.to_str().unwrap()],
+        ]
+        .concat();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_ringmaster-trainer"))
+            .args(&args)
+            .env("RINGMASTER_CUDA_GRAPH", graph)
+            .output()
+            .expect("trainer runs");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let losses: Vec<f64> = common::steps(&out.stdout)
+            .iter()
+            .map(|l| l["loss"].as_f64().unwrap())
+            .collect();
+        (losses, weights(&out_dir.join("model.safetensors")))
+    };
+    let (plain_losses, plain_weights) = run("plain", "0");
+    let (recorded_losses, recorded_weights) = run("recorded", "1");
+    assert_eq!(plain_losses.len(), 5);
+    assert_eq!(recorded_losses, plain_losses);
+    assert_eq!(recorded_weights, plain_weights);
+    std::fs::remove_dir_all(&dir).ok();
+}

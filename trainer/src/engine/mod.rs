@@ -14,6 +14,7 @@ pub mod layers;
 pub mod model;
 pub mod optim;
 pub mod params;
+pub mod step;
 pub mod tensor;
 
 pub use backend::{Backend, CpuBackend};

@@ -285,30 +285,21 @@ impl<B: Backend> Model<B> {
         grad_scale: f32,
         final_from: GradientsFinal<'_, B>,
     ) -> StepStats {
-        self.backend.begin_step();
         let be = self.backend.clone();
-        let logits = self.forward_on_device(images, true);
-        let (n, classes) = logits.dims2();
-        assert_eq!(labels.len(), n, "one label per image");
-        assert!(
-            labels.iter().all(|&l| l < classes),
-            "a label is out of range for {classes} classes"
-        );
-        let host_labels: Vec<f32> = labels.iter().map(|&l| l as f32).collect();
-        let device_labels = be.upload(&host_labels, &[n], DType::F32);
-        let mut grad_logits = Tensor::alloc(&be, &[n, classes], DType::F32);
+        be.begin_step();
+        let n = labels.len();
+        assert_eq!(images.shape[0], n, "one label per image");
+        let labels = be.upload(&self.loss_labels(labels), &[n], DType::F32);
         let mut totals = be.alloc(2, DType::F32);
         be.fill_zero(be.view_mut(&mut totals, 0..2));
-        be.softmax_cross_entropy(
-            classes,
-            logits.view(&be),
-            be.view(&device_labels, 0..n),
+        self.queue_forward_backward(
+            images,
+            &labels,
             label_smoothing,
             grad_scale,
-            grad_logits.view_mut(&be),
-            be.view_mut(&mut totals, 0..2),
+            &mut totals,
+            final_from,
         );
-        self.backward(&grad_logits, final_from);
         // Read once backward is queued, so the device is never idle waiting for the host.
         let totals = be.download(&totals, &[2]);
         StepStats {
@@ -316,6 +307,45 @@ impl<B: Backend> Model<B> {
             correct: totals[1] as usize,
             batch: n,
         }
+    }
+
+    /// `labels` as the loss reads them (class indices as f32), checked against the classes.
+    pub fn loss_labels(&self, labels: &[usize]) -> Vec<f32> {
+        let classes = self.num_classes;
+        assert!(
+            labels.iter().all(|&l| l < classes),
+            "a label is out of range for {classes} classes"
+        );
+        labels.iter().map(|&l| l as f32).collect()
+    }
+
+    /// Forward, loss and backward on images and labels ([`Model::loss_labels`]) already on
+    /// the backend, adding the batch's mean loss and correct count into `totals` (2 f32).
+    /// Queues device work only (no upload, download, wait or arena reset: the caller calls
+    /// [`Backend::begin_step`]), so a device backend can record it ([`Backend::record`]).
+    pub fn queue_forward_backward(
+        &mut self,
+        images: &Tensor<B>,
+        labels: &B::Buf,
+        label_smoothing: f32,
+        grad_scale: f32,
+        totals: &mut B::Buf,
+        final_from: GradientsFinal<'_, B>,
+    ) {
+        let be = self.backend.clone();
+        let logits = self.forward_on_device(images, true);
+        let (n, classes) = logits.dims2();
+        let mut grad_logits = Tensor::alloc(&be, &[n, classes], DType::F32);
+        be.softmax_cross_entropy(
+            classes,
+            logits.view(&be),
+            be.view(labels, 0..n),
+            label_smoothing,
+            grad_scale,
+            grad_logits.view_mut(&be),
+            be.view_mut(totals, 0..2),
+        );
+        self.backward(&grad_logits, final_from);
     }
 
     /// Zeroes the gradients, then leaves this batch's mean-loss gradient in them.

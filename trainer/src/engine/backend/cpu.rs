@@ -32,6 +32,8 @@ impl Backend for CpuBackend {
     type BnSaved = BatchNormSaved;
     /// Per output, the index of the winner within its plane.
     type PoolSaved = Vec<u32>;
+    /// The CPU records nothing ([`Backend::record`] runs the work as it goes).
+    type Recording = std::convert::Infallible;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -53,6 +55,14 @@ impl Backend for CpuBackend {
     fn upload(&self, host: &[f32], _shape: &[usize], dtype: DType) -> Vec<f32> {
         Self::f32_only(dtype);
         host.to_vec()
+    }
+
+    fn upload_into(&self, host: &[f32], _shape: &[usize], buf: &mut Vec<f32>) {
+        buf.copy_from_slice(host);
+    }
+
+    fn replay(&self, recording: &Self::Recording) {
+        match *recording {}
     }
 
     fn download(&self, buf: &Vec<f32>, _shape: &[usize]) -> Vec<f32> {

@@ -67,6 +67,9 @@ const FIND_WORKSPACE_BYTES: usize = 1 << 30;
 /// Alignment of arena allocations (cuDNN and tensor cores want 128 bytes or more).
 const ARENA_ALIGN: usize = 256;
 
+/// cuBLAS's workspace: what NVIDIA recommends for Hopper (32 MiB).
+const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
 /// Threads per block of the NVRTC kernels.
 const BLOCK: u32 = 256;
 
@@ -543,6 +546,8 @@ struct Inner {
     stream: Arc<CudaStream>,
     cudnn: cudnn::cudnnHandle_t,
     cublas: cublas::cublasHandle_t,
+    /// cuBLAS's workspace (set on the handle; freed after it).
+    _cublas_workspace: CudaSlice<u8>,
     kernels: HashMap<&'static str, CudaFunction>,
     arena: RefCell<Arena>,
     /// cuDNN's workspace: its address and size (grown, never shrunk, between calls).
@@ -615,7 +620,8 @@ impl CudaBackend {
         // One stream, ordered by us: cudarc's per-buffer events are not needed.
         // SAFETY: no buffer has been allocated on this context yet.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of our own: the legacy default stream cannot be captured in a graph.
+        let stream = driver(|| "creating a CUDA stream".into(), ctx.new_stream())?;
         let (major, minor) = driver(|| "compute capability".into(), ctx.compute_capability())?;
         let cubin = compile_kernels(KERNELS, major, minor)?;
         let module = driver(
@@ -648,6 +654,27 @@ impl CudaBackend {
             }
             cublas::cublasSetStream_v2(cublas_handle, stream.cu_stream() as _);
         }
+        // cuBLAS's workspace given up front, so a captured step never makes it allocate.
+        let cublas_workspace = driver(|| "allocating cuBLAS's workspace".into(), {
+            stream.alloc_zeros::<u8>(CUBLAS_WORKSPACE_BYTES)
+        })?;
+        let (workspace_ptr, sync) = cublas_workspace.device_ptr(&stream);
+        drop(sync);
+        // SAFETY: the handle is live and the workspace outlives it (both in Inner, the
+        // handle destroyed first).
+        let s = unsafe {
+            cublas::cublasSetWorkspace_v2(
+                cublas_handle,
+                workspace_ptr as *mut c_void,
+                CUBLAS_WORKSPACE_BYTES,
+            )
+        };
+        if s != cublas::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(CudaError::Library {
+                call: "cublasSetWorkspace_v2",
+                status: format!("{s:?}"),
+            });
+        }
         let (free, _) = driver(|| "free memory".into(), ctx.mem_get_info())?;
         let size = arena_bytes
             .or_else(|| {
@@ -672,6 +699,7 @@ impl CudaBackend {
                 stream,
                 cudnn: cudnn_handle,
                 cublas: cublas_handle,
+                _cublas_workspace: cublas_workspace,
                 kernels,
                 arena: RefCell::new(Arena {
                     _memory: memory,
@@ -1112,6 +1140,8 @@ impl Backend for CudaBackend {
     type ConvSaved = CudaConvSaved;
     type BnSaved = CudaBnSaved;
     type PoolSaved = CudaPoolSaved;
+    /// A CUDA graph of the recorded work.
+    type Recording = cudarc::driver::CudaGraph;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -1130,27 +1160,66 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&self, host: &[f32], shape: &[usize], dtype: DType) -> CudaBuf {
-        let staged = self.owned(host.len(), DType::F32);
-        // SAFETY: `staged` holds `host.len()` f32s; the copy is ordered on our stream
-        // before any use, and the host slice lives through the synchronize below.
-        unsafe { result::memcpy_htod_async(staged.ptr, host, self.stream()) }
-            .unwrap_or_else(|e| panic!("copying {} values to the GPU: {e}", host.len()));
-        let out = match (shape, dtype) {
-            ([n, c, h, w], _) => {
-                let out = self.owned(host.len(), dtype);
-                launch!(self, "nchw_to_nhwc", host.len(); staged.ptr, out.ptr, bf(dtype), *n as i32, *c as i32, (h * w) as i32);
-                out
-            }
-            (_, DType::F32) => staged.clone(),
-            (_, DType::Bf16) => {
-                let out = self.owned(host.len(), dtype);
-                self.convert(staged.ptr, DType::F32, out.ptr, dtype, host.len());
-                out
-            }
-        };
-        // The staging copy must not be freed before the kernel read it.
-        self.synchronize();
+        let mut out = self.owned(host.len(), dtype);
+        self.upload_into(host, shape, &mut out);
         out
+    }
+
+    fn upload_into(&self, host: &[f32], shape: &[usize], buf: &mut CudaBuf) {
+        assert_eq!(
+            host.len(),
+            buf.len,
+            "upload into a buffer of another length"
+        );
+        let copy_to = |ptr: CUdeviceptr| {
+            // SAFETY: `ptr` holds `host.len()` f32s; the copy is ordered on our stream
+            // before any use, and the host slice lives through the synchronize below.
+            unsafe { result::memcpy_htod_async(ptr, host, self.stream()) }
+                .unwrap_or_else(|e| panic!("copying {} values to the GPU: {e}", host.len()));
+        };
+        let (dtype, out) = (buf.dtype, buf.ptr);
+        match (shape, dtype) {
+            ([n, c, h, w], _) => {
+                let staged = self.owned(host.len(), DType::F32);
+                copy_to(staged.ptr);
+                launch!(self, "nchw_to_nhwc", host.len(); staged.ptr, out, bf(dtype), *n as i32, *c as i32, (h * w) as i32);
+                // The staging copy must not be freed before the kernel read it.
+                self.synchronize();
+            }
+            (_, DType::F32) => {
+                copy_to(out);
+                self.synchronize();
+            }
+            (_, DType::Bf16) => {
+                let staged = self.owned(host.len(), DType::F32);
+                copy_to(staged.ptr);
+                self.convert(staged.ptr, DType::F32, out, dtype, host.len());
+                self.synchronize();
+            }
+        }
+    }
+
+    fn record(&self, work: &mut dyn FnMut()) -> Option<cudarc::driver::CudaGraph> {
+        use cudarc::driver::sys;
+        let stream = &self.inner.stream;
+        // Thread-local: a call on this thread that cannot be captured (an allocation, a
+        // synchronisation) fails the capture instead of running outside it.
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .unwrap_or_else(|e| panic!("starting a CUDA graph capture: {e}"));
+        work();
+        let graph = stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .unwrap_or_else(|e| panic!("capturing the step as a CUDA graph: {e}"))
+            .expect("the recorded work queued something");
+        self.replay(&graph);
+        Some(graph)
+    }
+
+    fn replay(&self, graph: &cudarc::driver::CudaGraph) {
+        graph
+            .launch()
+            .unwrap_or_else(|e| panic!("launching the step's CUDA graph: {e}"));
     }
 
     fn download(&self, buf: &CudaBuf, shape: &[usize]) -> Vec<f32> {

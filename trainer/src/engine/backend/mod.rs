@@ -199,6 +199,8 @@ pub trait Backend: Clone + std::fmt::Debug + 'static {
     type BnSaved: Clone + std::fmt::Debug;
     /// What a max pool keeps for its backward pass.
     type PoolSaved: Clone + std::fmt::Debug;
+    /// Device work recorded once, to be queued again with one launch ([`Backend::record`]).
+    type Recording;
 
     /// A short name for logs and `info` (`cpu`, `cuda`).
     fn name(&self) -> &'static str;
@@ -215,6 +217,24 @@ pub trait Backend: Clone + std::fmt::Debug + 'static {
 
     /// Copies host values in (logical layout; 4-D shapes are NCHW) as `dtype`.
     fn upload(&self, host: &[f32], shape: &[usize], dtype: DType) -> Self::Buf;
+
+    /// [`Backend::upload`] into an existing buffer of `host.len()` elements (its type),
+    /// e.g. a step's inputs at the fixed address a recording reads.
+    fn upload_into(&self, host: &[f32], shape: &[usize], buf: &mut Self::Buf);
+
+    /// Records the device work `work` queues and queues it once; [`Backend::replay`] then
+    /// queues it again with one launch: the same kernels on the same addresses, arena
+    /// temporaries included. So `work` may only queue device work (no upload, download or
+    /// wait, no allocation outside the arena), and whatever it reads must be at the same
+    /// place at every replay. `None` where there is nothing to record: the CPU runs `work`
+    /// as it goes.
+    fn record(&self, work: &mut dyn FnMut()) -> Option<Self::Recording> {
+        work();
+        None
+    }
+
+    /// Queues a recording again.
+    fn replay(&self, recording: &Self::Recording);
 
     /// Copies a buffer out as `f32` in logical layout (4-D shapes NCHW).
     fn download(&self, buf: &Self::Buf, shape: &[usize]) -> Vec<f32>;
