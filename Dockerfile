@@ -6,7 +6,9 @@
 # `trainer` is what TrainingJob workers and launchers run (sshd, Open MPI, the trainer).
 
 ARG RUST_VERSION=1.95
-ARG CUDA_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04
+# cuDNN's variant: the CUDA engine needs cuDNN 9 beside cuBLAS and NVRTC (the plain runtime
+# image has no cuDNN).
+ARG CUDA_IMAGE=nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
 
 # ---- build: both binaries, the operator static (musl) ----
 FROM rust:${RUST_VERSION}-bookworm AS build
@@ -29,7 +31,7 @@ USER 65532:65532
 ENTRYPOINT ["/usr/local/bin/ringmaster"]
 CMD ["run"]
 
-# ---- trainer: CUDA runtime, Open MPI, sshd, NCCL (loaded at run time by the trainer) ----
+# ---- trainer: CUDA runtime with cuDNN, Open MPI, sshd, NCCL (loaded at run time by the trainer) ----
 FROM ${CUDA_IMAGE} AS trainer
 # One recipe with the local cluster's real node (e2e/tools/image.sh runs it in a Debian root
 # filesystem): Open MPI, sshd, the non-root user `trainer`; NCCL here (the CUDA image's repository).
