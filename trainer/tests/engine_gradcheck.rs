@@ -215,13 +215,18 @@ fn batchnorm_train_mode() {
     let mut store = ParamStore::new();
     let mut bn = BatchNorm2d::new(&mut store, "bn", 3);
     jitter_vectors(&mut store, &mut rng);
-    let mut x = Tensor::randn(&[3, 3, 3, 3], 1.0, &mut rng);
-    // Non-zero means and unequal scales exercise the statistics' gradients.
+    let x = batch_norm_input(&mut rng);
+    gradcheck("batchnorm", &mut bn, &mut store, &x, SMOOTH);
+}
+
+/// Non-zero means and unequal scales, to exercise the statistics' gradients.
+fn batch_norm_input(rng: &mut impl Rng) -> Tensor {
+    let mut x = Tensor::randn(&[3, 3, 3, 3], 1.0, rng);
     x.data
         .iter_mut()
         .enumerate()
         .for_each(|(i, v)| *v = *v * 2.0 + (i % 3) as f32);
-    gradcheck("batchnorm", &mut bn, &mut store, &x, SMOOTH);
+    x
 }
 
 #[test]
@@ -230,11 +235,7 @@ fn batchnorm_with_its_relu_fused() {
     let mut store = ParamStore::new();
     let mut bn = BatchNorm2d::new(&mut store, "bn", 3).with_relu();
     jitter_vectors(&mut store, &mut rng);
-    let mut x = Tensor::randn(&[3, 3, 3, 3], 1.0, &mut rng);
-    x.data
-        .iter_mut()
-        .enumerate()
-        .for_each(|(i, v)| *v = *v * 2.0 + (i % 3) as f32);
+    let x = batch_norm_input(&mut rng);
     gradcheck("batchnorm+relu", &mut bn, &mut store, &x, KINKED);
 }
 

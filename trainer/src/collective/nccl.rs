@@ -165,7 +165,12 @@ impl NcclCollective {
                 message: format!("record a CUDA event: {e:?}"),
             })?;
         let start = Instant::now();
-        while !event.is_complete() {
+        while !event
+            .try_is_complete()
+            .map_err(|e| CollectiveError::Device {
+                message: format!("NCCL's work failed: {e:?}"),
+            })?
+        {
             if start.elapsed() > self.timeout {
                 return Err(CollectiveError::Stalled {
                     operation: "ncclAllReduce",

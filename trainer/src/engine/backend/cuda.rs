@@ -338,21 +338,11 @@ impl TensorDesc {
         Self(d)
     }
 
-    /// The f32 per-channel descriptor batch norm wants for its scale, bias and statistics.
-    fn batch_norm_params(x: &TensorDesc) -> Self {
-        let mut d = std::ptr::null_mut();
-        // SAFETY: as above; `x` is a live descriptor.
-        unsafe {
-            check_cudnn(
-                cudnn::cudnnCreateTensorDescriptor(&mut d),
-                "cudnnCreateTensorDescriptor",
-            );
-            check_cudnn(
-                cudnn::cudnnDeriveBNTensorDescriptor(d, x.0, BN_MODE),
-                "cudnnDeriveBNTensorDescriptor",
-            );
-        }
-        Self(d)
+    /// The f32 `1×c×1×1` descriptor batch norm wants for its scale, bias and statistics,
+    /// made explicitly: `cudnnDeriveBNTensorDescriptor` promises f32 for half inputs only,
+    /// and the parameters are f32 whatever the activations' type.
+    fn batch_norm_params(c: usize) -> Self {
+        Self::nhwc(DType::F32, 1, c, 1, 1)
     }
 }
 
@@ -385,8 +375,10 @@ impl Drop for ConvDesc {
 /// where the fused calls are not supported).
 const BN_MODE: cudnn::cudnnBatchNormMode_t = cudnn::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL;
 
-/// The fused `…Ex` calls' mode: the NHWC kernels PyTorch also takes for channels-last
-/// training, and the only mode in which cuDNN fuses the ReLU and the residual add.
+/// The fused `…Ex` calls' mode: the NHWC mode PyTorch takes for channels-last training in
+/// f32 and f16 (for bf16 PyTorch uses its own kernels), and the only mode in which cuDNN
+/// fuses the ReLU and the residual add. Whether cuDNN runs bf16 through it fast is for the
+/// benchmark to say (`RINGMASTER_CUDA_FUSED_BN=0` is the comparison).
 const BN_EX_MODE: cudnn::cudnnBatchNormMode_t =
     cudnn::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL_PERSISTENT;
 
@@ -493,8 +485,36 @@ type BnKey = (usize, usize, usize, DType, cudnn::cudnnBatchNormOps_t);
 struct BnPlan {
     x: TensorDesc,
     params: TensorDesc,
-    /// The fused `…Ex` calls, when cuDNN takes them for this shape, type and epilogue.
+    /// The fused `…Ex` calls, when cuDNN's size queries take them for this shape, type and
+    /// epilogue.
     fused: Option<FusedBn>,
+    /// Set when a fused call refused what the size queries accepted: the plain calls from
+    /// then on (found in the warm-up steps, before any recording).
+    refused: std::cell::Cell<bool>,
+}
+
+impl BnPlan {
+    /// The fused calls, unless cuDNN refused them.
+    fn fused(&self) -> Option<&FusedBn> {
+        self.fused.as_ref().filter(|_| !self.refused.get())
+    }
+
+    /// Whether `status` (of a fused call) is a refusal to fall back from, which switches
+    /// this plan to the plain calls; any other failure panics.
+    fn refuses(&self, status: cudnn::cudnnStatus_t, call: &str) -> bool {
+        use cudnn::cudnnStatus_t::*;
+        match status {
+            CUDNN_STATUS_SUCCESS => false,
+            CUDNN_STATUS_NOT_SUPPORTED | CUDNN_STATUS_BAD_PARAM => {
+                eprintln!(
+                    "ringmaster-trainer: {call} returned {status:?}; this batch norm takes cuDNN's plain calls"
+                );
+                self.refused.set(true);
+                true
+            }
+            _ => panic!("{call} returned {status:?}"),
+        }
+    }
 }
 
 /// A batch-norm plan, as [`CudaBackend::batch_norm_plans`] reports it.
@@ -554,6 +574,9 @@ struct Inner {
     workspace: RefCell<Option<(CudaSlice<u8>, CUdeviceptr, usize)>>,
     conv_plans: RefCell<HashMap<(ConvShape, DType), Rc<ConvPlan>>>,
     bn_plans: RefCell<HashMap<BnKey, Rc<BnPlan>>>,
+    /// Whether a recording exists: from then on the workspace must not move, since the
+    /// recording holds its address.
+    recorded: std::cell::Cell<bool>,
     /// Whether training batch norm may take the fused calls ([`FUSED_BN_ENV`]).
     fused_bn: std::cell::Cell<bool>,
 }
@@ -711,6 +734,7 @@ impl CudaBackend {
                 workspace: RefCell::new(None),
                 conv_plans: RefCell::new(HashMap::new()),
                 bn_plans: RefCell::new(HashMap::new()),
+                recorded: std::cell::Cell::new(false),
                 fused_bn: std::cell::Cell::new(
                     std::env::var(FUSED_BN_ENV).map_or(true, |v| v != "0"),
                 ),
@@ -742,7 +766,7 @@ impl CudaBackend {
                     CUDNN_BATCHNORM_OPS_BN_ACTIVATION => "relu",
                     CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION => "add+relu",
                 },
-                fused: plan.fused.is_some(),
+                fused: plan.fused().is_some(),
             })
             .collect();
         plans.sort_by_key(|p| (p.dims, p.dtype == DType::Bf16, p.epilogue));
@@ -832,6 +856,11 @@ impl CudaBackend {
         let bytes = bytes.max(1);
         let mut ws = self.inner.workspace.borrow_mut();
         if ws.as_ref().is_none_or(|w| w.2 < bytes) {
+            assert!(
+                !self.inner.recorded.get(),
+                "the cuDNN workspace would grow to {bytes} bytes after a step was recorded \
+                 at its old address: run the new shape in a warm-up step first"
+            );
             // The old one is freed in stream order, after the calls that used it.
             let memory = self
                 .inner
@@ -1054,14 +1083,18 @@ impl CudaBackend {
         }
         // cuDNN sees [n, c, hw, 1]: batch norm does not care how the plane is shaped.
         let x = TensorDesc::nhwc(dtype, n, c, hw, 1);
-        let params = TensorDesc::batch_norm_params(&x);
-        let fused = self
-            .inner
-            .fused_bn
-            .get()
+        let params = TensorDesc::batch_norm_params(c);
+        // cuDNN's NHWC fused kernels want whole groups of 4 channels (OneFlow checks the
+        // same before fusing); a CIFAR ResNet of another width takes the plain calls.
+        let fused = (self.inner.fused_bn.get() && c % 4 == 0)
             .then(|| self.fused_bn(&x, &params, ops))
             .flatten();
-        let plan = Rc::new(BnPlan { x, params, fused });
+        let plan = Rc::new(BnPlan {
+            x,
+            params,
+            fused,
+            refused: std::cell::Cell::new(false),
+        });
         self.inner.bn_plans.borrow_mut().insert(key, plan.clone());
         plan
     }
@@ -1207,7 +1240,13 @@ impl Backend for CudaBackend {
         stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .unwrap_or_else(|e| panic!("starting a CUDA graph capture: {e}"));
-        work();
+        if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(&mut *work)) {
+            // End the capture, so what runs next (drops included) is not captured, and
+            // report the failure that broke it.
+            stream.end_capture(sys::CUgraphInstantiate_flags(0)).ok();
+            std::panic::resume_unwind(panic);
+        }
+        self.inner.recorded.set(true);
         let graph = stream
             .end_capture(sys::CUgraphInstantiate_flags(0))
             .unwrap_or_else(|e| panic!("capturing the step as a CUDA graph: {e}"))
@@ -1534,7 +1573,7 @@ impl Backend for CudaBackend {
             }
             BnEpilogue::Identity | BnEpilogue::Relu => None,
         };
-        let reserve = if let Some(fused) = &plan.fused {
+        let reserve = plan.fused().and_then(|fused| {
             let reserve = self.arena_alloc(fused.reserve.div_ceil(4), DType::F32);
             let (ws, ws_len) = self.workspace(fused.workspace[0]);
             let (z_desc, z_ptr) = residual.map_or((std::ptr::null_mut(), 0), |z| (plan.x.0, z.ptr));
@@ -1570,9 +1609,10 @@ impl Backend for CudaBackend {
                     fused.reserve,
                 )
             };
-            check_cudnn(status, "cudnnBatchNormalizationForwardTrainingEx");
-            Some((reserve.ptr, fused.reserve))
-        } else {
+            let call = "cudnnBatchNormalizationForwardTrainingEx";
+            (!plan.refuses(status, call)).then_some((reserve.ptr, fused.reserve))
+        });
+        if reserve.is_none() {
             // SAFETY: as above, without the fused parts.
             let status = unsafe {
                 cudnn::cudnnBatchNormalizationForwardTraining(
@@ -1603,8 +1643,7 @@ impl Backend for CudaBackend {
                 // In place: each thread reads its element before writing it.
                 launch!(self, "relu_forward", y.len; y.ptr, y.ptr, bf(y.dtype), y.len as i64);
             }
-            None
-        };
+        }
         CudaBnSaved {
             x: x.into(),
             mean: DevPtr {
@@ -1691,13 +1730,23 @@ impl Backend for CudaBackend {
         let plan = self.bn_plan(dims, dtype, ops);
         let one = 1.0f32;
         let zero = 0.0f32;
-        if let (Some(fused), Some((reserve, reserve_len))) = (&plan.fused, saved.reserve) {
+        // cuDNN writes the parameter gradients into scratch (beta 0, as PyTorch asks for
+        // them), and our kernel adds them: accumulation does not depend on every cuDNN
+        // kernel honouring a beta of 1.
+        let c = dims.1;
+        let param_grads = self.arena_alloc(2 * c, DType::F32);
+        let (scratch_dgamma, scratch_dbeta) = (param_grads.ptr, param_grads.ptr + (c * 4) as u64);
+        let accumulate = || {
+            launch!(self, "add_assign", c; dgamma.ptr, scratch_dgamma, 0i32, c as i64);
+            launch!(self, "add_assign", c; dbeta.ptr, scratch_dbeta, 0i32, c as i64);
+        };
+        if let (Some(fused), Some((reserve, reserve_len))) = (plan.fused(), saved.reserve) {
             let (ws, ws_len) = self.workspace(fused.workspace[1]);
             let null = std::ptr::null_mut();
             let (y_desc, y_ptr) = y.map_or((null, 0), |y| (plan.x.0, y.ptr));
             let (dz_desc, dz_ptr) = dz.as_ref().map_or((null, 0), |dz| (plan.x.0, dz.ptr));
             // SAFETY: buffers match the plan's descriptors; the reserve space is the one
-            // the forward pass filled; the parameter gradients accumulate (beta 1).
+            // the forward pass filled; the parameter gradients go to scratch of 2·c f32s.
             let status = unsafe {
                 cudnn::cudnnBatchNormalizationBackwardEx(
                     self.inner.cudnn,
@@ -1706,7 +1755,7 @@ impl Backend for CudaBackend {
                     &one as *const f32 as *const c_void,
                     &zero as *const f32 as *const c_void,
                     &one as *const f32 as *const c_void,
-                    &one as *const f32 as *const c_void,
+                    &zero as *const f32 as *const c_void,
                     plan.x.0,
                     saved.x.ptr as *const c_void,
                     y_desc,
@@ -1720,8 +1769,8 @@ impl Backend for CudaBackend {
                     plan.params.0,
                     gamma.ptr as *const c_void,
                     beta.ptr as *const c_void,
-                    dgamma.ptr as *mut c_void,
-                    dbeta.ptr as *mut c_void,
+                    scratch_dgamma as *mut c_void,
+                    scratch_dbeta as *mut c_void,
                     f64::from(config.eps),
                     saved.mean.ptr as *const c_void,
                     saved.inv_var.ptr as *const c_void,
@@ -1732,10 +1781,13 @@ impl Backend for CudaBackend {
                     reserve_len,
                 )
             };
-            check_cudnn(status, "cudnnBatchNormalizationBackwardEx");
-            return;
+            if !plan.refuses(status, "cudnnBatchNormalizationBackwardEx") {
+                accumulate();
+                return;
+            }
         }
-        // The plain path: through the ReLU with our kernel (its result is also the
+        // The plain path (also after a fused forward pass: it needs only the saved mean and
+        // inverse deviation): through the ReLU with our kernel (its result is also the
         // residual's gradient), then the batch norm.
         let masked = y.map(|y| {
             let masked = self.arena_alloc(dy.len, dtype);
@@ -1750,7 +1802,7 @@ impl Backend for CudaBackend {
             masked.ptr
         });
         let dy_ptr = masked.unwrap_or(dy.ptr);
-        // SAFETY: as in the training pass. The parameter gradients accumulate (beta 1).
+        // SAFETY: as in the training pass; the parameter gradients go to the scratch.
         let status = unsafe {
             cudnn::cudnnBatchNormalizationBackward(
                 self.inner.cudnn,
@@ -1758,7 +1810,7 @@ impl Backend for CudaBackend {
                 &one as *const f32 as *const c_void,
                 &zero as *const f32 as *const c_void,
                 &one as *const f32 as *const c_void,
-                &one as *const f32 as *const c_void,
+                &zero as *const f32 as *const c_void,
                 plan.x.0,
                 saved.x.ptr as *const c_void,
                 plan.x.0,
@@ -1767,14 +1819,15 @@ impl Backend for CudaBackend {
                 dx.ptr as *mut c_void,
                 plan.params.0,
                 gamma.ptr as *const c_void,
-                dgamma.ptr as *mut c_void,
-                dbeta.ptr as *mut c_void,
+                scratch_dgamma as *mut c_void,
+                scratch_dbeta as *mut c_void,
                 f64::from(config.eps),
                 saved.mean.ptr as *const c_void,
                 saved.inv_var.ptr as *const c_void,
             )
         };
         check_cudnn(status, "cudnnBatchNormalizationBackward");
+        accumulate();
     }
 
     fn relu_forward(&self, x: DevView<'_>, y: DevViewMut<'_>) {
@@ -1867,7 +1920,8 @@ impl Backend for CudaBackend {
             "loss shapes"
         );
         assert!(totals.len >= 2, "loss totals");
-        let row_stats = self.arena_alloc(2 * n, DType::F32);
+        // Two f64s a row: four f32 slots.
+        let row_stats = self.arena_alloc(4 * n, DType::F32);
         launch!(self, "softmax_cross_entropy", n;
             logits.ptr, labels.ptr, dlogits.ptr, row_stats.ptr, n as i32, classes as i32,
             label_smoothing, grad_scale);

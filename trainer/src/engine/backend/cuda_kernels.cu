@@ -207,9 +207,10 @@ extern "C" __global__ void sgd_update(float* w, const float* g, float* v, float 
 
 // Softmax cross-entropy with label smoothing, one thread per row of `k` f32 logits (the
 // CPU's order and f64 sums): dlogits = scale * (softmax - smoothed target) / n; the row's
-// loss and whether its first arg-max is the label go to row_stats[2 * row ..].
+// loss (f64, as the CPU sums it) and whether its first arg-max is the label go to
+// row_stats[2 * row ..].
 extern "C" __global__ void softmax_cross_entropy(const float* logits, const float* labels,
-                                                 float* dlogits, float* row_stats, int n,
+                                                 float* dlogits, double* row_stats, int n,
                                                  int k, float smoothing, float scale) {
     FOR_EACH(row, n) {
         const float* x = logits + row * (long long)k;
@@ -232,22 +233,21 @@ extern "C" __global__ void softmax_cross_entropy(const float* logits, const floa
             loss -= q * log_p;
             g[j] = (float)((exp(log_p) - q) / n) * scale;
         }
-        row_stats[2 * row] = (float)loss;
-        row_stats[2 * row + 1] = argmax == label ? 1.0f : 0.0f;
+        row_stats[2 * row] = loss;
+        row_stats[2 * row + 1] = argmax == label ? 1.0 : 0.0;
     }
 }
 
 // totals[0] += mean of the rows' losses, totals[1] += their correct count: one thread, in
-// row order, so the sums are the same every run.
-extern "C" __global__ void sum_row_stats(const float* row_stats, float* totals, int n) {
+// row order, so the sums are the same every run (and the CPU's).
+extern "C" __global__ void sum_row_stats(const double* row_stats, float* totals, int n) {
     FOR_EACH(i, 1) {
-        double loss = 0.0;
-        float correct = 0.0f;
+        double loss = 0.0, correct = 0.0;
         for (int row = 0; row < n; ++row) {
             loss += row_stats[2 * row];
             correct += row_stats[2 * row + 1];
         }
-        totals[0] += (float)(loss / n);
-        totals[1] += correct;
+        if (n > 0) totals[0] += (float)(loss / n);
+        totals[1] += (float)correct;
     }
 }
