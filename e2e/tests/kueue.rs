@@ -36,6 +36,15 @@ use tokio::sync::OnceCell;
 /// The taint of the node pools these tests make: only pods an admission tolerates land there.
 const POOL_TAINT: &str = "e2e.ringmaster.dev/kueue-pool";
 
+/// A test's client and namespace, with the CRDs and Kueue up.
+async fn with_kueue(namespace: &str) -> (Client, TestNamespace) {
+    let client = client().await;
+    ensure_crds(&client).await;
+    kueue(&client).await;
+    let ns = TestNamespace::new(&client, namespace).await;
+    (client, ns)
+}
+
 /// Kueue, once per test binary (e2e/kueue.sh is a no-op when it runs; cluster.sh down stops
 /// it), and two tainted KWOK pools of ND96asr_v4 nodes, `kqa` and `kqb`.
 async fn kueue(client: &Client) {
@@ -500,10 +509,7 @@ async fn job_has_no_pod(client: &Client, ns: &str, job: &str) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quota_for_two_jobs_admits_two_gangs_whole_and_the_third_runs_when_one_ends() {
-    let client = client().await;
-    ensure_crds(&client).await;
-    kueue(&client).await;
-    let ns = TestNamespace::new(&client, "kq-quota").await;
+    let (client, ns) = with_kueue("kq-quota").await;
     // Two jobs of 2 workers × 1 GPU.
     let cq = team_queue(&client, &ns, "kq-quota", &[("kq-quota", "kqa", 4)]).await;
     let watch = AdmissionWatch::start(&client, &ns.name).await;
@@ -617,10 +623,7 @@ async fn quota_for_two_jobs_admits_two_gangs_whole_and_the_third_runs_when_one_e
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pods_land_on_the_nodes_of_the_flavor_they_were_admitted_to() {
-    let client = client().await;
-    ensure_crds(&client).await;
-    kueue(&client).await;
-    let ns = TestNamespace::new(&client, "kq-flavors").await;
+    let (client, ns) = with_kueue("kq-flavors").await;
     // Room for one job in each flavor: the first fills kqa, the second goes to kqb.
     let cq = team_queue(
         &client,
@@ -685,10 +688,7 @@ async fn pods_land_on_the_nodes_of_the_flavor_they_were_admitted_to() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_higher_priority_job_preempts_and_the_victim_resumes_and_succeeds() {
-    let client = client().await;
-    ensure_crds(&client).await;
-    kueue(&client).await;
-    let ns = TestNamespace::new(&client, "kq-preempt").await;
+    let (client, ns) = with_kueue("kq-preempt").await;
     let t = tag(&ns);
     let (low, high) = (format!("kq-low-{t}"), format!("kq-high-{t}"));
     for (class, value) in [(&low, 100), (&high, 1000)] {
@@ -793,10 +793,7 @@ async fn a_higher_priority_job_preempts_and_the_victim_resumes_and_succeeds() {
 /// The Kueue samples (config/samples/kueue) pass Kueue's own webhooks and Ringmaster's schema.
 #[tokio::test]
 async fn the_kueue_samples_are_accepted() {
-    let client = client().await;
-    ensure_crds(&client).await;
-    kueue(&client).await;
-    let ns = TestNamespace::new(&client, "kq-samples").await;
+    let (client, ns) = with_kueue("kq-samples").await;
     let mut applied = 0;
     for path in common::yaml_files("config/samples/kueue") {
         for object in common::documents(&path) {
@@ -817,10 +814,7 @@ async fn the_kueue_samples_are_accepted() {
 /// to the next job) and back in when it is cleared; Kueue is never fought.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_policy_suspend_gives_the_quota_back_and_queues_again() {
-    let client = client().await;
-    ensure_crds(&client).await;
-    kueue(&client).await;
-    let ns = TestNamespace::new(&client, "kq-suspend").await;
+    let (client, ns) = with_kueue("kq-suspend").await;
     let cq = team_queue(&client, &ns, "kq-suspend", &[("kq-suspend", "kqb", 2)]).await;
     let watch = AdmissionWatch::start(&client, &ns.name).await;
     let _operator = operator(&client, &ns.name).await;

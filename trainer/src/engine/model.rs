@@ -301,11 +301,17 @@ impl<B: Backend> Model<B> {
             final_from,
         );
         // Read once backward is queued, so the device is never idle waiting for the host.
-        let totals = be.download(&totals, &[2]);
+        self.read_totals(&totals, n)
+    }
+
+    /// The loss totals [`Model::queue_forward_backward`] left for a batch of `batch`
+    /// images (waits for them).
+    pub fn read_totals(&self, totals: &B::Buf, batch: usize) -> StepStats {
+        let totals = self.backend.download(totals, &[2]);
         StepStats {
             loss: totals[0],
             correct: totals[1] as usize,
-            batch: n,
+            batch,
         }
     }
 

@@ -103,11 +103,6 @@ impl<B: Backend> RecordedStep<B> {
 
     /// The last step's mean loss and correct count (waits for it).
     pub fn stats(&self, model: &Model<B>) -> StepStats {
-        let totals = model.backend().download(&self.totals, &[2]);
-        StepStats {
-            loss: totals[0],
-            correct: totals[1] as usize,
-            batch: self.images.shape[0],
-        }
+        model.read_totals(&self.totals, self.images.shape[0])
     }
 }

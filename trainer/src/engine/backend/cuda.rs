@@ -34,7 +34,10 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr
 
 use crate::collective::{Collective, CollectiveError, ReduceOp};
 
-use super::{Backend, BatchNormConfig, BnEpilogue, BnEpilogueGrad, ConvShape, Matrix, PoolShape};
+use super::{
+    Backend, BatchNormConfig, BnEpilogue, BnEpilogueGrad, BnEpilogueKind, ConvShape, Matrix,
+    PoolShape,
+};
 use crate::engine::tensor::DType;
 
 /// The kernels' source, compiled by NVRTC when the backend starts.
@@ -387,12 +390,12 @@ const BN_EX_MODE: cudnn::cudnnBatchNormMode_t =
 const FUSED_BN_ENV: &str = "RINGMASTER_CUDA_FUSED_BN";
 
 /// What a training batch norm fuses, as cuDNN names it.
-fn bn_ops<V>(epilogue: &BnEpilogue<V>) -> cudnn::cudnnBatchNormOps_t {
+fn bn_ops(kind: BnEpilogueKind) -> cudnn::cudnnBatchNormOps_t {
     use cudnn::cudnnBatchNormOps_t::*;
-    match epilogue {
-        BnEpilogue::Identity => CUDNN_BATCHNORM_OPS_BN,
-        BnEpilogue::Relu => CUDNN_BATCHNORM_OPS_BN_ACTIVATION,
-        BnEpilogue::AddRelu(_) => CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION,
+    match kind {
+        BnEpilogueKind::Identity => CUDNN_BATCHNORM_OPS_BN,
+        BnEpilogueKind::Relu => CUDNN_BATCHNORM_OPS_BN_ACTIVATION,
+        BnEpilogueKind::AddRelu => CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION,
     }
 }
 
@@ -479,7 +482,7 @@ struct ConvPlan {
 }
 
 /// Batch norm's `(n, c, hw)`, activations' type and fused operations.
-type BnKey = (usize, usize, usize, DType, cudnn::cudnnBatchNormOps_t);
+type BnKey = (usize, usize, usize, DType, BnEpilogueKind);
 
 /// Batch norm's descriptors for one input shape and epilogue.
 struct BnPlan {
@@ -524,8 +527,8 @@ pub struct BatchNormPlan {
     pub dims: (usize, usize, usize),
     /// The activations' type.
     pub dtype: DType,
-    /// What follows the normalisation: `identity`, `relu` or `add+relu`.
-    pub epilogue: &'static str,
+    /// What follows the normalisation.
+    pub epilogue: BnEpilogueKind,
     /// Whether cuDNN's fused `…Ex` calls run it (else the plain calls and our kernels).
     pub fused: bool,
 }
@@ -752,20 +755,15 @@ impl CudaBackend {
 
     /// The batch-norm plans made so far, sorted, and which of them cuDNN's fused calls run.
     pub fn batch_norm_plans(&self) -> Vec<BatchNormPlan> {
-        use cudnn::cudnnBatchNormOps_t::*;
         let mut plans: Vec<_> = self
             .inner
             .bn_plans
             .borrow()
             .iter()
-            .map(|(&(n, c, hw, dtype, ops), plan)| BatchNormPlan {
+            .map(|(&(n, c, hw, dtype, epilogue), plan)| BatchNormPlan {
                 dims: (n, c, hw),
                 dtype,
-                epilogue: match ops {
-                    CUDNN_BATCHNORM_OPS_BN => "identity",
-                    CUDNN_BATCHNORM_OPS_BN_ACTIVATION => "relu",
-                    CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION => "add+relu",
-                },
+                epilogue,
                 fused: plan.fused().is_some(),
             })
             .collect();
@@ -1069,15 +1067,15 @@ impl CudaBackend {
         plan
     }
 
-    /// Batch norm's plan for `dims` in `dtype` with the fused operations `ops` (inference
-    /// asks for `CUDNN_BATCHNORM_OPS_BN` and uses only the descriptors).
+    /// Batch norm's plan for `dims` in `dtype` followed by `epilogue` (inference asks for
+    /// the identity and uses only the descriptors).
     fn bn_plan(
         &self,
         (n, c, hw): (usize, usize, usize),
         dtype: DType,
-        ops: cudnn::cudnnBatchNormOps_t,
+        epilogue: BnEpilogueKind,
     ) -> Rc<BnPlan> {
-        let key = (n, c, hw, dtype, ops);
+        let key = (n, c, hw, dtype, epilogue);
         if let Some(plan) = self.inner.bn_plans.borrow().get(&key) {
             return plan.clone();
         }
@@ -1087,7 +1085,7 @@ impl CudaBackend {
         // cuDNN's NHWC fused kernels want whole groups of 4 channels (OneFlow checks the
         // same before fusing); a CIFAR ResNet of another width takes the plain calls.
         let fused = (self.inner.fused_bn.get() && c % 4 == 0)
-            .then(|| self.fused_bn(&x, &params, ops))
+            .then(|| self.fused_bn(&x, &params, bn_ops(epilogue)))
             .flatten();
         let plan = Rc::new(BnPlan {
             x,
@@ -1562,7 +1560,7 @@ impl Backend for CudaBackend {
         epilogue: BnEpilogue<DevView<'_>>,
         y: DevViewMut<'_>,
     ) -> CudaBnSaved {
-        let plan = self.bn_plan(dims, x.dtype, bn_ops(&epilogue));
+        let plan = self.bn_plan(dims, x.dtype, epilogue.kind());
         let mean = self.arena_alloc(dims.1, DType::F32);
         let inv_var = self.arena_alloc(dims.1, DType::F32);
         let (one, zero) = (1.0f32, 0.0f32);
@@ -1671,11 +1669,7 @@ impl Backend for CudaBackend {
         running_var: DevView<'_>,
         y: DevViewMut<'_>,
     ) {
-        let plan = self.bn_plan(
-            dims,
-            x.dtype,
-            cudnn::cudnnBatchNormOps_t::CUDNN_BATCHNORM_OPS_BN,
-        );
+        let plan = self.bn_plan(dims, x.dtype, BnEpilogueKind::Identity);
         let (one, zero) = (1.0f32, 0.0f32);
         // SAFETY: as in the training pass.
         let status = unsafe {
@@ -1714,20 +1708,12 @@ impl Backend for CudaBackend {
     ) {
         assert_eq!(saved.x.len, dy.len, "batch-norm backward shape");
         let dtype = saved.x.dtype;
+        let plan = self.bn_plan(dims, dtype, epilogue.kind());
         let (y, dz) = match epilogue {
             BnEpilogueGrad::Identity => (None, None),
             BnEpilogueGrad::Relu { y } => (Some(y), None),
             BnEpilogueGrad::AddRelu { y, dz } => (Some(y), Some(dz)),
         };
-        let ops = {
-            use cudnn::cudnnBatchNormOps_t::*;
-            match (&y, &dz) {
-                (None, _) => CUDNN_BATCHNORM_OPS_BN,
-                (Some(_), None) => CUDNN_BATCHNORM_OPS_BN_ACTIVATION,
-                (Some(_), Some(_)) => CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION,
-            }
-        };
-        let plan = self.bn_plan(dims, dtype, ops);
         let one = 1.0f32;
         let zero = 0.0f32;
         // cuDNN writes the parameter gradients into scratch (beta 0, as PyTorch asks for

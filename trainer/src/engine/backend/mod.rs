@@ -120,10 +120,30 @@ pub enum BnEpilogue<V> {
     AddRelu(V),
 }
 
+/// What follows a batch norm ([`BnEpilogue`], [`BnEpilogueGrad`]), without its data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum BnEpilogueKind {
+    /// Nothing.
+    Identity,
+    /// A ReLU.
+    Relu,
+    /// The residual add, then a ReLU.
+    AddRelu,
+}
+
 impl<V> BnEpilogue<V> {
+    /// Which epilogue this is.
+    pub fn kind(&self) -> BnEpilogueKind {
+        match self {
+            Self::Identity => BnEpilogueKind::Identity,
+            Self::Relu => BnEpilogueKind::Relu,
+            Self::AddRelu(_) => BnEpilogueKind::AddRelu,
+        }
+    }
+
     /// Whether a ReLU ends it (backward then needs the forward's output).
     pub fn has_relu(&self) -> bool {
-        !matches!(self, Self::Identity)
+        self.kind() != BnEpilogueKind::Identity
     }
 }
 
@@ -145,6 +165,17 @@ pub enum BnEpilogueGrad<V, M> {
         /// The residual's gradient.
         dz: M,
     },
+}
+
+impl<V, M> BnEpilogueGrad<V, M> {
+    /// Which epilogue's backward pass this is.
+    pub fn kind(&self) -> BnEpilogueKind {
+        match self {
+            Self::Identity => BnEpilogueKind::Identity,
+            Self::Relu { .. } => BnEpilogueKind::Relu,
+            Self::AddRelu { .. } => BnEpilogueKind::AddRelu,
+        }
+    }
 }
 
 /// A matrix operand: a view of its elements and (row stride, column stride), so a transpose
