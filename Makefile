@@ -24,7 +24,7 @@ lint: ## cargo fmt --check and clippy with warnings denied
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
 .PHONY: unit
-unit: mpi azurite nvrtc ## Unit tests, validate-step fixture tests, CRD freshness, the trainer (with mpirun), the CUDA kernels compiled by NVRTC
+unit: mpi azurite nvrtc ## Unit tests, validate-step fixture tests, CRD freshness, the trainer (with mpirun; its CUDA kernels run on a CPU emulation), the CUDA kernels compiled by NVRTC
 	$(CARGO) test --locked -p ringmaster -- --test-threads=$(TEST_THREADS)
 	$(CARGO) test --locked -p ringmaster-e2e --lib --bins
 	$(CARGO) test --locked -p ringmaster-trainer -- --test-threads=$(TEST_THREADS)

@@ -2,7 +2,12 @@
 # Runs the CUDA engine's tests or benchmark on a GPU machine, from binaries built elsewhere
 # (`make gpu-bundle` puts them in trainer/gpu/.bundle; the lent GPU machines have no Rust).
 #
-#   trainer/gpu/run.sh tests   every test of trainer/tests/gpu.rs, one at a time
+#   trainer/gpu/run.sh tests [NAME...]
+#                              the tests of trainer/tests/gpu.rs (those whose names contain a
+#                              NAME, or all), each in its own process under a time limit
+#                              (TEST_TIMEOUT seconds, default 300), so a crash or a hang
+#                              costs one test, not the run; a summary at the end, exit 1 if
+#                              any failed. LOGS=DIR keeps each test's output in DIR.
 #   trainer/gpu/run.sh bench   ResNet-50 bf16 at 224 px, batch 256 and 128: ours next to
 #                              PyTorch eager and torch.compile; the image-folder loader alone
 #
@@ -29,8 +34,36 @@ export LD_LIBRARY_PATH="$libs$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 echo "== $("$bundle/ringmaster-trainer" info | head -c 2000)"
 case "${1:-tests}" in
   tests)
+    shift
     cd "$here/.."   # the tests read fixtures relative to the trainer crate
-    "$bundle/gpu-tests" --test-threads=1 --nocapture
+    logs=${LOGS:-$(mktemp -d)}
+    mkdir -p "$logs"
+    summary=""
+    failed=0
+    for test in $("$bundle/gpu-tests" --list --format terse | sed -n 's/: test$//p'); do
+      if [ $# -gt 0 ]; then
+        wanted=no
+        for name in "$@"; do case "$test" in *"$name"*) wanted=yes ;; esac; done
+        [ "$wanted" = yes ] || continue
+      fi
+      echo "== $test"
+      started=$(date +%s)
+      set +e
+      timeout --kill-after=10 "${TEST_TIMEOUT:-300}" "$bundle/gpu-tests" --exact "$test" \
+        --test-threads=1 --nocapture >"$logs/$test.log" 2>&1
+      status=$?
+      set -e
+      tail -n 40 "$logs/$test.log"
+      case $status in
+        0) verdict=ok ;;
+        124|137) verdict="TIMED OUT after ${TEST_TIMEOUT:-300} s" ;;
+        *) verdict="FAILED (exit $status)" ;;
+      esac
+      [ $status -eq 0 ] || failed=$((failed + 1))
+      summary="$summary$(printf '%-90s %s (%s s)' "$test" "$verdict" $(( $(date +%s) - started )))\n"
+    done
+    printf '\n== summary\n%b' "$summary"
+    [ "$failed" -eq 0 ] || { echo "$failed test(s) failed; logs in $logs" >&2; exit 1; }
     ;;
   bench)
     for batch in 256 128; do

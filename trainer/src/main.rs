@@ -231,10 +231,11 @@ fn run_training(args: &train::TrainArgs) -> Result<(), Failure> {
         })?;
     let world = World::from_env().map_err(|e| Failure::from(e.to_string()))?;
     let mut collective = collective(&world, args.collective)?;
-    let summary = train::run(args, collective.as_mut(), world.local_rank).map_err(|e| Failure {
-        code: e.exit_code(),
-        message: format!("rank {}: {e}", world.rank),
-    })?;
+    let summary =
+        train::run(args, collective.as_mut(), world.gpu_ordinal()).map_err(|e| Failure {
+            code: e.exit_code(),
+            message: format!("rank {}: {e}", world.rank),
+        })?;
     if world.rank == 0 {
         println!("{}", summary.to_line());
     }

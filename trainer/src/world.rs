@@ -45,6 +45,12 @@ impl World {
         }
     }
 
+    /// The GPU this process computes and all-reduces on: one process per GPU, GPU = local
+    /// rank (the CUDA backend and NCCL both open this one).
+    pub fn gpu_ordinal(&self) -> usize {
+        self.local_rank
+    }
+
     /// Reads the process environment.
     pub fn from_env() -> Result<Self, WorldError> {
         Self::from_vars(&std::env::vars().collect())

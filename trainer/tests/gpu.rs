@@ -166,12 +166,14 @@ enum Then {
 }
 
 /// Batch norm training forward (with `then` fused), backward (with the residual's gradient
-/// for `AddRelu`) and the running statistics, then inference.
+/// for `AddRelu`) and the running statistics, then inference. Backward's ReLU passes the
+/// gradient where `relu_open` (a forward output) is positive, or the forward's own output.
 fn batch_norm_on<B: Backend>(
     be: &B,
     dtype: DType,
     dims: (usize, usize, usize),
     then: Then,
+    relu_open: Option<&[f32]>,
 ) -> Vec<Vec<f32>> {
     let (n, c, hw) = dims;
     let shape = [n, c, hw, 1];
@@ -187,7 +189,7 @@ fn batch_norm_on<B: Backend>(
         .collect();
     let xt = Tensor::upload(be, &Tensor::from_vec(&shape, x), dtype);
     let dyt = Tensor::upload(be, &Tensor::from_vec(&shape, random(len, 4)), dtype);
-    let zt = Tensor::upload(be, &Tensor::from_vec(&shape, random(len, 9)), dtype);
+    let zt = Tensor::upload(be, &Tensor::from_vec(&shape, residual(len)), dtype);
     let gamma = be.upload(&random(c, 5), &[c], DType::F32);
     let beta = be.upload(&random(c, 6), &[c], DType::F32);
     let mut stats = be.upload(&[vec![0.0; c], vec![1.0; c]].concat(), &[2 * c], DType::F32);
@@ -213,11 +215,13 @@ fn batch_norm_on<B: Backend>(
         y.view_mut(be),
     );
     let (dgamma, dbeta) = be.view_mut_pair(&mut grads, 0..c, c..2 * c);
+    let open = relu_open.map(|o| Tensor::upload(be, &Tensor::from_vec(&shape, o.to_vec()), dtype));
+    let open = open.as_ref().unwrap_or(&y);
     let epilogue = match then {
         Then::Nothing => BnEpilogueGrad::Identity,
-        Then::Relu => BnEpilogueGrad::Relu { y: y.view(be) },
+        Then::Relu => BnEpilogueGrad::Relu { y: open.view(be) },
         Then::AddRelu => BnEpilogueGrad::AddRelu {
-            y: y.view(be),
+            y: open.view(be),
             dz: dz.view_mut(be),
         },
     };
@@ -257,6 +261,53 @@ fn batch_norm_on<B: Backend>(
     parts
 }
 
+/// The residual `AddRelu` adds.
+fn residual(len: usize) -> Vec<f32> {
+    random(len, 9)
+}
+
+/// Where the GPU's ReLU and the CPU's disagree (one passes the gradient, the other not), the
+/// input to the ReLU must be on its edge: within rounding of 0. In bf16 the GPU rounds the
+/// batch norm's output before adding the residual (as PyTorch's mixed precision does), so
+/// `bf16(b) + z` can be exactly 0 where the CPU's `b + z` is not; in f32 the two `b` differ
+/// by summation order. Backward is then compared against the CPU run with the GPU's ReLU.
+fn assert_relu_differs_only_on_its_edge(
+    what: &str,
+    gpu_y: &[f32],
+    cpu_y: &[f32],
+    bn: &[f32],
+    z: &[f32],
+    dtype: DType,
+) {
+    // bf16's half-unit (2^-8) of the larger operand, with room; f32 rounding of O(1) terms.
+    let margin = match dtype {
+        DType::Bf16 => 2f32.powi(-7),
+        DType::F32 => 1e-5,
+    };
+    let mut differ = 0;
+    for i in 0..gpu_y.len() {
+        if (gpu_y[i] > 0.0) != (cpu_y[i] > 0.0) {
+            differ += 1;
+            let input = bn[i] + z[i];
+            assert!(
+                input.abs() <= margin * (bn[i].abs() + z[i].abs() + 1.0),
+                "{what}: element {i}'s ReLU is {} on the GPU and {} on the CPU, but its input \
+                 {input} (batch norm {}, residual {}) is not within rounding of 0",
+                if gpu_y[i] > 0.0 { "open" } else { "shut" },
+                if cpu_y[i] > 0.0 { "open" } else { "shut" },
+                bn[i],
+                z[i]
+            );
+        }
+    }
+    if differ > 0 {
+        eprintln!(
+            "{what}: {differ} of {} ReLUs decided otherwise on the edge",
+            gpu_y.len()
+        );
+    }
+}
+
 #[test]
 fn batch_norm_matches_the_cpu_in_training_backward_and_inference_fused_or_not() {
     let be = gpu();
@@ -277,10 +328,24 @@ fn batch_norm_matches_the_cpu_in_training_backward_and_inference_fused_or_not() 
         be.set_fused_batch_norm(fused);
         for dims in [(4, 16, 25), (32, 64, 56 * 56), (4, 6, 25)] {
             for dtype in [DType::F32, DType::Bf16] {
+                let len = dims.0 * dims.1 * dims.2;
+                let bn = batch_norm_on(&CpuBackend, DType::F32, dims, Then::Nothing, None)
+                    .swap_remove(0);
                 for then in [Then::Nothing, Then::Relu, Then::AddRelu] {
-                    let want = batch_norm_on(&CpuBackend, DType::F32, dims, then);
-                    let got = batch_norm_on(&be, dtype, dims, then);
+                    let got = batch_norm_on(&be, dtype, dims, then, None);
+                    let want = batch_norm_on(&CpuBackend, DType::F32, dims, then, Some(&got[0]));
                     assert_eq!(got.len(), want.len());
+                    if then != Then::Nothing {
+                        let z = match then {
+                            Then::AddRelu => residual(len),
+                            _ => vec![0.0; len],
+                        };
+                        let what =
+                            format!("{dtype:?} batch norm {dims:?} then {then:?} (fused: {fused})");
+                        assert_relu_differs_only_on_its_edge(
+                            &what, &got[0], &want[0], &bn, &z, dtype,
+                        );
+                    }
                     for ((g, w), part) in got.iter().zip(&want).zip(parts) {
                         let what = format!(
                             "{dtype:?} batch norm {dims:?} then {then:?} (fused: {fused}) {part}"
@@ -676,8 +741,9 @@ fn nccl_all_reduces_through_the_collective_trait() {
 
     // The backend's gradients reduced where they lie, in buckets queued during backward on
     // NCCL's stream: the CUDA backend takes that path, and a step gives the gradients a
-    // step without it gives (one rank: the all-reduce is the identity, so this checks the
-    // ordering between the streams and the ranges, not the arithmetic of several ranks).
+    // step without it gives. With one rank NCCL's in-place all-reduce moves nothing, so
+    // this checks the path, the buckets' ranges and the join, not the ordering between the
+    // streams or the arithmetic of several ranks: those need two GPUs.
     let be = gpu();
     assert!(be.reduces_on_device(&mut c));
     let data = SyntheticData::new(10, 32, 8, 1);

@@ -8,7 +8,8 @@
 //! Wiring: NCCL needs every rank to hold the same 128-byte unique id, made by rank 0. The ids
 //! travel over the TCP ring's rendezvous (`RINGMASTER_RENDEZVOUS`), which stays open as the
 //! bootstrap channel for broadcasts of host data and for barriers. Each rank drives the GPU
-//! `local_rank % device_count` of its node.
+//! of its local rank ([`World::gpu_ordinal`], as the CUDA backend): a rank without a GPU of
+//! its own is an error, not a second rank on a shared GPU (which NCCL refuses).
 //!
 //! A peer that dies mid-collective makes NCCL wait for ever; this collective waits on a CUDA
 //! event with the ring's timeout instead, returns [`CollectiveError::PeerTimeout`], and the
@@ -124,7 +125,15 @@ impl NcclCollective {
         let cuda = |what: &str, e: &dyn std::fmt::Debug| CollectiveError::Device {
             message: format!("{what}: {e:?}"),
         };
-        let ordinal = world.local_rank % probe.devices;
+        let ordinal = world.gpu_ordinal();
+        if ordinal >= probe.devices {
+            return Err(CollectiveError::Device {
+                message: format!(
+                    "local rank {ordinal} has no GPU of its own: this process sees {} (one process per GPU)",
+                    probe.devices
+                ),
+            });
+        }
         let context = CudaContext::new(ordinal).map_err(|e| cuda("open GPU", &e))?;
         let stream = context
             .new_stream()

@@ -34,35 +34,12 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr
 
 use crate::collective::{Collective, CollectiveError, ReduceOp};
 
+use super::kernels::{self, KernelLauncher, Operand};
 use super::{
     Backend, BatchNormConfig, BnEpilogue, BnEpilogueGrad, BnEpilogueKind, ConvShape, Matrix,
     PoolShape,
 };
 use crate::engine::tensor::DType;
-
-/// The kernels' source, compiled by NVRTC when the backend starts.
-pub const KERNELS: &str = include_str!("cuda_kernels.cu");
-
-/// Kernel names in [`KERNELS`], each loaded when the backend starts.
-pub const KERNEL_NAMES: &[&str] = &[
-    "convert",
-    "nchw_to_nhwc",
-    "nhwc_to_nchw",
-    "kcrs_to_krsc",
-    "krsc_add_to_kcrs",
-    "relu_forward",
-    "relu_backward",
-    "add_assign",
-    "max_pool_forward",
-    "max_pool_backward",
-    "global_avg_pool_forward",
-    "global_avg_pool_backward",
-    "broadcast_rows",
-    "sum_rows",
-    "sgd_update",
-    "softmax_cross_entropy",
-    "sum_row_stats",
-];
 
 /// Workspace cuDNN's algorithm search may use (algorithms needing more are not tried).
 const FIND_WORKSPACE_BYTES: usize = 1 << 30;
@@ -72,9 +49,6 @@ const ARENA_ALIGN: usize = 256;
 
 /// cuBLAS's workspace: what NVIDIA recommends for Hopper (32 MiB).
 const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
-
-/// Threads per block of the NVRTC kernels.
-const BLOCK: u32 = 256;
 
 /// Why the CUDA backend could not start.
 #[derive(Debug, thiserror::Error)]
@@ -86,6 +60,16 @@ pub enum CudaError {
         library: &'static str,
         /// What to do about it.
         hint: &'static str,
+    },
+    /// The process's GPU is not among those it sees.
+    #[error(
+        "GPU {ordinal} is not there: this process sees {devices} (one process per GPU, GPU = local rank: give each worker as many GPUs as it runs processes)"
+    )]
+    NoSuchGpu {
+        /// The GPU asked for.
+        ordinal: usize,
+        /// GPUs visible.
+        devices: usize,
     },
     /// A driver call failed.
     #[error("CUDA driver: {context}: {source}")]
@@ -133,7 +117,7 @@ fn nvrtc_missing() -> Option<CudaError> {
     })
 }
 
-/// CUDA `source` (such as [`KERNELS`]) as machine code for compute capability
+/// CUDA `source` (such as [`kernels::SOURCE`]) as machine code for compute capability
 /// `major.minor` (`sm_XY` CUBIN): PTX would be compiled again by the driver, which refuses
 /// PTX from an NVRTC newer than itself. Needs NVRTC only, no GPU, so the kernels are
 /// checked on machines without one.
@@ -212,6 +196,28 @@ fn check_cublas(status: cublas::cublasStatus_t, call: &str) {
     );
 }
 
+/// A cuDNN call's failure while the backend starts.
+fn cudnn_at_start(status: cudnn::cudnnStatus_t, call: &'static str) -> Result<(), CudaError> {
+    match status {
+        cudnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS => Ok(()),
+        status => Err(CudaError::Library {
+            call,
+            status: format!("{status:?}"),
+        }),
+    }
+}
+
+/// A cuBLAS call's failure while the backend starts.
+fn cublas_at_start(status: cublas::cublasStatus_t, call: &'static str) -> Result<(), CudaError> {
+    match status {
+        cublas::cublasStatus_t::CUBLAS_STATUS_SUCCESS => Ok(()),
+        status => Err(CudaError::Library {
+            call,
+            status: format!("{status:?}"),
+        }),
+    }
+}
+
 /// Memory on the GPU: a place, a length and a type. Owned buffers keep their allocation
 /// alive through `owner`; arena buffers are valid until the next [`Backend::begin_step`].
 #[derive(Clone)]
@@ -279,6 +285,23 @@ impl From<&DevViewMut<'_>> for DevPtr {
     }
 }
 
+/// Memory the NVRTC kernels take ([`kernels::Operand`]): buffers, views and saved places.
+macro_rules! operand {
+    ($($t:ty),+) => {$(
+        impl $t {
+            fn op(&self) -> Operand {
+                Operand {
+                    ptr: self.ptr,
+                    len: self.len,
+                    dtype: self.dtype,
+                }
+            }
+        }
+    )+};
+}
+
+operand!(CudaBuf, DevView<'_>, DevViewMut<'_>, DevPtr);
+
 /// What a convolution keeps: the KRSC working copy of its weight.
 #[derive(Clone, Copy, Debug)]
 pub struct CudaConvSaved {
@@ -309,15 +332,19 @@ fn cudnn_type(dtype: DType) -> cudnn::cudnnDataType_t {
     }
 }
 
-fn bf(dtype: DType) -> i32 {
-    i32::from(dtype == DType::Bf16)
-}
-
 /// An NHWC tensor descriptor.
 struct TensorDesc(cudnn::cudnnTensorDescriptor_t);
 
 impl TensorDesc {
     fn nhwc(dtype: DType, n: usize, c: usize, h: usize, w: usize) -> Self {
+        Self::new(
+            cudnn::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC,
+            dtype,
+            [n, c, h, w],
+        )
+    }
+
+    fn new(format: cudnn::cudnnTensorFormat_t, dtype: DType, [n, c, h, w]: [usize; 4]) -> Self {
         let mut d = std::ptr::null_mut();
         // SAFETY: out-pointer to a live local; the descriptor is destroyed in Drop.
         unsafe {
@@ -328,7 +355,7 @@ impl TensorDesc {
             check_cudnn(
                 cudnn::cudnnSetTensor4dDescriptor(
                     d,
-                    cudnn::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC,
+                    format,
                     cudnn_type(dtype),
                     n as i32,
                     c as i32,
@@ -343,9 +370,14 @@ impl TensorDesc {
 
     /// The f32 `1×c×1×1` descriptor batch norm wants for its scale, bias and statistics,
     /// made explicitly: `cudnnDeriveBNTensorDescriptor` promises f32 for half inputs only,
-    /// and the parameters are f32 whatever the activations' type.
+    /// and the parameters are f32 whatever the activations' type. Contiguous NCHW, as
+    /// PyTorch describes them (for 1×c×1×1 NHWC's strides differ only where the size is 1).
     fn batch_norm_params(c: usize) -> Self {
-        Self::nhwc(DType::F32, 1, c, 1, 1)
+        Self::new(
+            cudnn::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW,
+            DType::F32,
+            [1, c, 1, 1],
+        )
     }
 }
 
@@ -505,19 +537,25 @@ impl BnPlan {
     /// Whether `status` (of a fused call) is a refusal to fall back from, which switches
     /// this plan to the plain calls; any other failure panics.
     fn refuses(&self, status: cudnn::cudnnStatus_t, call: &str) -> bool {
-        use cudnn::cudnnStatus_t::*;
-        match status {
-            CUDNN_STATUS_SUCCESS => false,
-            CUDNN_STATUS_NOT_SUPPORTED | CUDNN_STATUS_BAD_PARAM => {
-                eprintln!(
-                    "ringmaster-trainer: {call} returned {status:?}; this batch norm takes cuDNN's plain calls"
-                );
-                self.refused.set(true);
-                true
-            }
-            _ => panic!("{call} returned {status:?}"),
+        if status == cudnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
+            return false;
         }
+        if !is_refusal(status) {
+            panic!("{call} returned {status:?}");
+        }
+        eprintln!(
+            "ringmaster-trainer: {call} returned {status:?}; this batch norm takes cuDNN's plain calls"
+        );
+        self.refused.set(true);
+        true
     }
+}
+
+/// Whether a cuDNN status says "not this": cuDNN 9 reports its refusals with detailed codes
+/// (`CUDNN_STATUS_NOT_SUPPORTED_SHAPE`, `…_LAYOUT`, `CUDNN_STATUS_BAD_PARAM_…`), grouped by
+/// thousands: 2xxx bad parameter, 3xxx not supported.
+fn is_refusal(status: cudnn::cudnnStatus_t) -> bool {
+    matches!(status as u32 / 1000, 2 | 3)
 }
 
 /// A batch-norm plan, as [`CudaBackend::batch_norm_plans`] reports it.
@@ -639,6 +677,13 @@ impl CudaBackend {
         if let Some(missing) = nvrtc_missing() {
             return Err(missing);
         }
+        let devices = driver(|| "counting GPUs".into(), CudaContext::device_count())?;
+        if ordinal >= devices as usize {
+            return Err(CudaError::NoSuchGpu {
+                ordinal,
+                devices: devices as usize,
+            });
+        }
         let ctx = driver(
             || format!("opening GPU {ordinal}"),
             CudaContext::new(ordinal),
@@ -649,13 +694,13 @@ impl CudaBackend {
         // A stream of our own: the legacy default stream cannot be captured in a graph.
         let stream = driver(|| "creating a CUDA stream".into(), ctx.new_stream())?;
         let (major, minor) = driver(|| "compute capability".into(), ctx.compute_capability())?;
-        let cubin = compile_kernels(KERNELS, major, minor)?;
+        let cubin = compile_kernels(kernels::SOURCE, major, minor)?;
         let module = driver(
             || "loading the kernels".into(),
             ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)),
         )?;
         let mut kernels = HashMap::new();
-        for &name in KERNEL_NAMES {
+        for &(name, _) in kernels::SIGNATURES {
             let f = driver(|| format!("kernel {name}"), module.load_function(name))?;
             kernels.insert(name, f);
         }
@@ -663,22 +708,19 @@ impl CudaBackend {
         let mut cublas_handle = std::ptr::null_mut();
         // SAFETY: out-pointers to live locals; the stream outlives the handles (Inner).
         unsafe {
-            let s = cudnn::cudnnCreate(&mut cudnn_handle);
-            if s != cudnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
-                return Err(CudaError::Library {
-                    call: "cudnnCreate",
-                    status: format!("{s:?}"),
-                });
-            }
-            cudnn::cudnnSetStream(cudnn_handle, stream.cu_stream() as _);
-            let s = cublas::cublasCreate_v2(&mut cublas_handle);
-            if s != cublas::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-                return Err(CudaError::Library {
-                    call: "cublasCreate_v2",
-                    status: format!("{s:?}"),
-                });
-            }
-            cublas::cublasSetStream_v2(cublas_handle, stream.cu_stream() as _);
+            cudnn_at_start(cudnn::cudnnCreate(&mut cudnn_handle), "cudnnCreate")?;
+            cudnn_at_start(
+                cudnn::cudnnSetStream(cudnn_handle, stream.cu_stream() as _),
+                "cudnnSetStream",
+            )?;
+            cublas_at_start(
+                cublas::cublasCreate_v2(&mut cublas_handle),
+                "cublasCreate_v2",
+            )?;
+            cublas_at_start(
+                cublas::cublasSetStream_v2(cublas_handle, stream.cu_stream() as _),
+                "cublasSetStream_v2",
+            )?;
         }
         // cuBLAS's workspace given up front, so a captured step never makes it allocate.
         let cublas_workspace = driver(|| "allocating cuBLAS's workspace".into(), {
@@ -695,12 +737,7 @@ impl CudaBackend {
                 CUBLAS_WORKSPACE_BYTES,
             )
         };
-        if s != cublas::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-            return Err(CudaError::Library {
-                call: "cublasSetWorkspace_v2",
-                status: format!("{s:?}"),
-            });
-        }
+        cublas_at_start(s, "cublasSetWorkspace_v2")?;
         let (free, _) = driver(|| "free memory".into(), ctx.mem_get_info())?;
         let size = arena_bytes
             .or_else(|| {
@@ -825,28 +862,6 @@ impl CudaBackend {
             dtype,
             owner: None,
         }
-    }
-
-    /// Launches kernel `name` over `n` outputs with `args` (pointers to the arguments).
-    fn launch(&self, name: &str, n: usize, args: &mut [*mut c_void]) {
-        if n == 0 {
-            return;
-        }
-        let f = &self.inner.kernels[name];
-        let blocks = n.div_ceil(BLOCK as usize).min(65_535 * 8) as u32;
-        // SAFETY: `args` point at live values of the types the kernel declares; the
-        // buffers they name are live device memory of the lengths the kernel walks.
-        unsafe {
-            result::launch_kernel(
-                f.cu_function(),
-                (blocks, 1, 1),
-                (BLOCK, 1, 1),
-                0,
-                self.stream(),
-                args,
-            )
-        }
-        .unwrap_or_else(|e| panic!("launching {name}: {e}"));
     }
 
     /// A device workspace of at least `bytes`, grown (never shrunk) as plans need it.
@@ -1155,13 +1170,27 @@ impl CudaBackend {
     }
 }
 
-/// Launches NVRTC kernel `$name` over `$n` outputs with the arguments in the kernel's order;
-/// each argument's Rust type must be the C type the kernel declares (`u64` device pointers,
-/// `i32` for `int`, `i64` for `long long`, `f32` for `float`).
-macro_rules! launch {
-    ($be:expr, $name:expr, $n:expr; $($arg:expr),+ $(,)?) => {
-        $be.launch($name, $n, &mut [$(&mut { $arg } as *mut _ as *mut c_void),+])
-    };
+impl KernelLauncher for CudaBackend {
+    fn launch(&self, name: &'static str, threads: usize, args: &mut [*mut c_void]) {
+        if threads == 0 {
+            return;
+        }
+        let f = &self.inner.kernels[name];
+        // SAFETY: `kernels` passes each kernel the C types it declares (a unit test checks
+        // them against the source); the buffers they name are live device memory of the
+        // lengths its asserts checked.
+        unsafe {
+            result::launch_kernel(
+                f.cu_function(),
+                (kernels::blocks(threads), 1, 1),
+                (kernels::BLOCK, 1, 1),
+                0,
+                self.stream(),
+                args,
+            )
+        }
+        .unwrap_or_else(|e| panic!("launching {name}: {e}"));
+    }
 }
 
 impl Backend for CudaBackend {
@@ -1208,23 +1237,22 @@ impl Backend for CudaBackend {
             unsafe { result::memcpy_htod_async(ptr, host, self.stream()) }
                 .unwrap_or_else(|e| panic!("copying {} values to the GPU: {e}", host.len()));
         };
-        let (dtype, out) = (buf.dtype, buf.ptr);
-        match (shape, dtype) {
+        match (shape, buf.dtype) {
             ([n, c, h, w], _) => {
                 let staged = self.owned(host.len(), DType::F32);
                 copy_to(staged.ptr);
-                launch!(self, "nchw_to_nhwc", host.len(); staged.ptr, out, bf(dtype), *n as i32, *c as i32, (h * w) as i32);
+                kernels::nchw_to_nhwc(self, [*n, *c, *h, *w], staged.op(), buf.op());
                 // The staging copy must not be freed before the kernel read it.
                 self.synchronize();
             }
             (_, DType::F32) => {
-                copy_to(out);
+                copy_to(buf.ptr);
                 self.synchronize();
             }
             (_, DType::Bf16) => {
                 let staged = self.owned(host.len(), DType::F32);
                 copy_to(staged.ptr);
-                self.convert(staged.ptr, DType::F32, out, dtype, host.len());
+                kernels::convert(self, staged.op(), buf.op());
                 self.synchronize();
             }
         }
@@ -1265,13 +1293,13 @@ impl Backend for CudaBackend {
         let plain = match shape {
             [n, c, h, w] => {
                 let out = self.owned(len, DType::F32);
-                launch!(self, "nhwc_to_nchw", len; buf.ptr, bf(buf.dtype), out.ptr, *n as i32, *c as i32, (h * w) as i32);
+                kernels::nhwc_to_nchw(self, [*n, *c, *h, *w], buf.op(), out.op());
                 out
             }
             _ if buf.dtype == DType::F32 => buf.clone(),
             _ => {
                 let out = self.owned(len, DType::F32);
-                self.convert(buf.ptr, buf.dtype, out.ptr, DType::F32, len);
+                kernels::convert(self, buf.op(), out.op());
                 out
             }
         };
@@ -1458,7 +1486,7 @@ impl Backend for CudaBackend {
     ) -> CudaConvSaved {
         let dtype = x.dtype;
         let working = self.arena_alloc(weight.len, dtype);
-        self.weights_to_working(s, weight.ptr, working.ptr, dtype);
+        kernels::weights_to_working(self, s, weight.op(), working.op());
         let plan = self.conv_plan(s, dtype, x.ptr, working.ptr, y.ptr);
         let (ws, ws_len) = self.workspace(plan.workspace[0]);
         let (one, zero) = (1.0f32, 0.0f32);
@@ -1545,7 +1573,7 @@ impl Backend for CudaBackend {
             )
         };
         check_cudnn(status, "cudnnConvolutionBackwardFilter");
-        launch!(self, "krsc_add_to_kcrs", dweight.len; dw.ptr, bf(dtype), dweight.ptr, s.out_channels as i32, s.c as i32, (s.kernel * s.kernel) as i32);
+        kernels::add_weight_grad_to_master(self, s, dw.op(), dweight.op());
     }
 
     fn batch_norm_forward_training(
@@ -1635,11 +1663,11 @@ impl Backend for CudaBackend {
             };
             check_cudnn(status, "cudnnBatchNormalizationForwardTraining");
             if let Some(z) = residual {
-                launch!(self, "add_assign", y.len; y.ptr, z.ptr, bf(y.dtype), y.len as i64);
+                kernels::add_assign(self, y.op(), z.op());
             }
             if epilogue.has_relu() {
                 // In place: each thread reads its element before writing it.
-                launch!(self, "relu_forward", y.len; y.ptr, y.ptr, bf(y.dtype), y.len as i64);
+                kernels::relu_forward(self, y.op(), y.op());
             }
         }
         CudaBnSaved {
@@ -1723,8 +1751,13 @@ impl Backend for CudaBackend {
         let param_grads = self.arena_alloc(2 * c, DType::F32);
         let (scratch_dgamma, scratch_dbeta) = (param_grads.ptr, param_grads.ptr + (c * 4) as u64);
         let accumulate = || {
-            launch!(self, "add_assign", c; dgamma.ptr, scratch_dgamma, 0i32, c as i64);
-            launch!(self, "add_assign", c; dbeta.ptr, scratch_dbeta, 0i32, c as i64);
+            let scratch = |ptr| Operand {
+                ptr,
+                len: c,
+                dtype: DType::F32,
+            };
+            kernels::add_assign(self, dgamma.op(), scratch(scratch_dgamma));
+            kernels::add_assign(self, dbeta.op(), scratch(scratch_dbeta));
         };
         if let (Some(fused), Some((reserve, reserve_len))) = (plan.fused(), saved.reserve) {
             let (ws, ws_len) = self.workspace(fused.workspace[1]);
@@ -1777,11 +1810,16 @@ impl Backend for CudaBackend {
         // residual's gradient), then the batch norm.
         let masked = y.map(|y| {
             let masked = self.arena_alloc(dy.len, dtype);
-            launch!(self, "relu_backward", y.len; y.ptr, dy.ptr, masked.ptr, bf(dtype), y.len as i64);
+            kernels::relu_backward(self, y.op(), dy.op(), masked.op());
             if let Some(dz) = &dz {
                 // SAFETY: both are live device buffers of `len` elements of `dtype`.
                 unsafe {
-                    result::memcpy_dtod_async(dz.ptr, masked.ptr, dz.len * dtype.size(), self.stream())
+                    result::memcpy_dtod_async(
+                        dz.ptr,
+                        masked.ptr,
+                        dz.len * dtype.size(),
+                        self.stream(),
+                    )
                 }
                 .unwrap_or_else(|e| panic!("copying the residual's gradient: {e}"));
             }
@@ -1817,20 +1855,17 @@ impl Backend for CudaBackend {
     }
 
     fn relu_forward(&self, x: DevView<'_>, y: DevViewMut<'_>) {
-        launch!(self, "relu_forward", x.len; x.ptr, y.ptr, bf(x.dtype), x.len as i64);
+        kernels::relu_forward(self, x.op(), y.op());
     }
 
     fn relu_backward(&self, y: DevView<'_>, dy: DevView<'_>, dx: DevViewMut<'_>) {
-        launch!(self, "relu_backward", y.len; y.ptr, dy.ptr, dx.ptr, bf(y.dtype), y.len as i64);
+        kernels::relu_backward(self, y.op(), dy.op(), dx.op());
     }
 
     fn max_pool_forward(&self, s: &PoolShape, x: DevView<'_>, y: DevViewMut<'_>) -> CudaPoolSaved {
         // i32 indices: the same 4 bytes an f32 takes.
         let argmax = self.arena_alloc(y.len, DType::F32);
-        let (oh, ow) = s.output_size();
-        let [n, c, h, w, oh, ow, k, stride, pad] = pool_dims(s, oh, ow);
-        launch!(self, "max_pool_forward", y.len;
-            x.ptr, y.ptr, argmax.ptr, bf(x.dtype), n, c, h, w, oh, ow, k, stride, pad);
+        kernels::max_pool_forward(self, s, x.op(), y.op(), argmax.op());
         CudaPoolSaved {
             argmax: DevPtr {
                 ptr: argmax.ptr,
@@ -1847,10 +1882,7 @@ impl Backend for CudaBackend {
         dy: DevView<'_>,
         dx: DevViewMut<'_>,
     ) {
-        let (oh, ow) = s.output_size();
-        let [n, c, h, w, oh, ow, k, stride, pad] = pool_dims(s, oh, ow);
-        launch!(self, "max_pool_backward", dx.len;
-            saved.argmax.ptr, dy.ptr, dx.ptr, bf(dy.dtype), n, c, h, w, oh, ow, k, stride, pad);
+        kernels::max_pool_backward(self, s, saved.argmax.op(), dy.op(), dx.op());
     }
 
     fn global_avg_pool_forward(
@@ -1859,8 +1891,7 @@ impl Backend for CudaBackend {
         x: DevView<'_>,
         y: DevViewMut<'_>,
     ) {
-        assert_eq!(y.dtype, DType::F32, "the average pool's output is f32");
-        launch!(self, "global_avg_pool_forward", n * c; x.ptr, bf(x.dtype), y.ptr, n as i32, c as i32, hw as i32);
+        kernels::global_avg_pool_forward(self, (n, c, hw), x.op(), y.op());
     }
 
     fn global_avg_pool_backward(
@@ -1869,20 +1900,19 @@ impl Backend for CudaBackend {
         dy: DevView<'_>,
         dx: DevViewMut<'_>,
     ) {
-        launch!(self, "global_avg_pool_backward", n * c * hw; dy.ptr, dx.ptr, bf(dx.dtype), n as i32, c as i32, hw as i32);
+        kernels::global_avg_pool_backward(self, (n, c, hw), dy.op(), dx.op());
     }
 
     fn broadcast_rows(&self, bias: DevView<'_>, y: DevViewMut<'_>) {
-        launch!(self, "broadcast_rows", y.len; bias.ptr, y.ptr, bias.len as i32, y.len as i64);
+        kernels::broadcast_rows(self, bias.op(), y.op());
     }
 
     fn sum_rows(&self, x: DevView<'_>, sums: DevViewMut<'_>) {
-        launch!(self, "sum_rows", sums.len; x.ptr, sums.ptr, (x.len / sums.len) as i32, sums.len as i32);
+        kernels::sum_rows(self, x.op(), sums.op());
     }
 
     fn add_assign(&self, a: DevViewMut<'_>, b: DevView<'_>) {
-        assert_eq!(a.len, b.len, "add_assign lengths differ");
-        launch!(self, "add_assign", a.len; a.ptr, b.ptr, bf(a.dtype), a.len as i64);
+        kernels::add_assign(self, a.op(), b.op());
     }
 
     fn softmax_cross_entropy(
@@ -1895,23 +1925,21 @@ impl Backend for CudaBackend {
         dlogits: DevViewMut<'_>,
         totals: DevViewMut<'_>,
     ) {
-        let n = labels.len;
-        assert!(
-            [logits.dtype, labels.dtype, dlogits.dtype, totals.dtype] == [DType::F32; 4],
-            "the loss is f32"
+        let row_stats = self.arena_alloc(
+            kernels::loss_row_stats_bytes(labels.len) / DType::F32.size(),
+            DType::F32,
         );
-        assert_eq!(
-            (logits.len, dlogits.len),
-            (n * classes, n * classes),
-            "loss shapes"
+        kernels::softmax_cross_entropy(
+            self,
+            classes,
+            logits.op(),
+            labels.op(),
+            label_smoothing,
+            grad_scale,
+            dlogits.op(),
+            row_stats.op(),
+            totals.op(),
         );
-        assert!(totals.len >= 2, "loss totals");
-        // Two f64s a row: four f32 slots.
-        let row_stats = self.arena_alloc(4 * n, DType::F32);
-        launch!(self, "softmax_cross_entropy", n;
-            logits.ptr, labels.ptr, dlogits.ptr, row_stats.ptr, n as i32, classes as i32,
-            label_smoothing, grad_scale);
-        launch!(self, "sum_row_stats", 1; row_stats.ptr, totals.ptr, n as i32);
     }
 
     fn sgd_update(
@@ -1923,37 +1951,6 @@ impl Backend for CudaBackend {
         momentum: f32,
         weight_decay: f32,
     ) {
-        launch!(self, "sgd_update", w.len; w.ptr, g.ptr, v.ptr, lr, momentum, weight_decay, w.len as i64);
+        kernels::sgd_update(self, w.op(), g.op(), v.op(), lr, momentum, weight_decay);
     }
-}
-
-impl CudaBackend {
-    fn convert(&self, x: CUdeviceptr, xt: DType, y: CUdeviceptr, yt: DType, len: usize) {
-        launch!(self, "convert", len; x, bf(xt), y, bf(yt), len as i64);
-    }
-
-    fn weights_to_working(
-        &self,
-        s: &ConvShape,
-        master: CUdeviceptr,
-        out: CUdeviceptr,
-        dtype: DType,
-    ) {
-        launch!(self, "kcrs_to_krsc", s.out_channels * s.c * s.kernel * s.kernel; master, out, bf(dtype), s.out_channels as i32, s.c as i32, (s.kernel * s.kernel) as i32);
-    }
-}
-
-/// The pool kernels' shape arguments, in their order: n, c, h, w, oh, ow, k, stride, pad.
-fn pool_dims(s: &PoolShape, oh: usize, ow: usize) -> [i32; 9] {
-    [
-        (s.planes / s.channels) as i32,
-        s.channels as i32,
-        s.h as i32,
-        s.w as i32,
-        oh as i32,
-        ow as i32,
-        s.kernel as i32,
-        s.stride as i32,
-        s.padding as i32,
-    ]
 }

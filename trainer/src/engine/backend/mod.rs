@@ -18,6 +18,7 @@
 
 mod cpu;
 pub mod cuda;
+pub mod kernels;
 
 pub use cpu::CpuBackend;
 pub use cuda::{CudaBackend, CudaError};

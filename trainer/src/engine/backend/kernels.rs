@@ -1,0 +1,577 @@
+//! The CUDA backend's own kernels (`cuda_kernels.cu`) as Rust calls: one definition of each
+//! kernel's parameters (their C types, in order), of the arguments the backend passes from
+//! its shapes, and of how many threads each runs over.
+//!
+//! The CUDA backend launches them through [`KernelLauncher`] with `cuLaunchKernel`. Because
+//! the calls are plain data (addresses, counts, flags), a machine without a GPU checks them
+//! too: [`SIGNATURES`] against the C declarations (a unit test below), and every call here
+//! run on the CPU, the kernels' source compiled by the host's C++ compiler under an
+//! emulation of CUDA's grid, against the CPU backend (`tests/kernels_on_cpu.rs`).
+
+use std::ffi::c_void;
+
+use super::{ConvShape, PoolShape};
+use crate::engine::tensor::DType;
+
+/// The kernels' source, compiled by NVRTC when the CUDA backend starts.
+pub const SOURCE: &str = include_str!("cuda_kernels.cu");
+
+/// Threads per block.
+pub const BLOCK: u32 = 256;
+
+/// Blocks of [`BLOCK`] threads for a kernel over `threads` outputs: one output a thread,
+/// up to a cap past which the kernels' grid-stride loops take several each.
+pub fn blocks(threads: usize) -> u32 {
+    threads.div_ceil(BLOCK as usize).min(65_535 * 8) as u32
+}
+
+/// Runs a kernel of [`SOURCE`]: the CUDA backend on its stream, or an emulation.
+pub trait KernelLauncher {
+    /// Launches kernel `name` with [`blocks`]`(threads)` blocks of [`BLOCK`] threads;
+    /// `args` point at the arguments, in order, each of the C type the kernel declares
+    /// (`cuLaunchKernel`'s `kernelParams`). Nothing happens when `threads` is 0.
+    fn launch(&self, name: &'static str, threads: usize, args: &mut [*mut c_void]);
+}
+
+/// Memory a kernel reads or writes: its address (on the device, for the CUDA backend), its
+/// element count and their type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Operand {
+    /// The address of element 0.
+    pub ptr: u64,
+    /// Elements.
+    pub len: usize,
+    /// Their type.
+    pub dtype: DType,
+}
+
+impl Operand {
+    /// The kernels' `bf` flag: 1 for bf16 elements, 0 for f32.
+    fn bf(&self) -> i32 {
+        i32::from(self.dtype == DType::Bf16)
+    }
+
+    fn f32_only(&self, what: &str) {
+        assert_eq!(self.dtype, DType::F32, "{what} is f32");
+    }
+}
+
+/// The C type of a kernel parameter, as [`SIGNATURES`] lists them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CType {
+    /// Any pointer (a `u64` device address).
+    Pointer,
+    /// `int` (`i32`).
+    Int,
+    /// `long long` (`i64`).
+    LongLong,
+    /// `float` (`f32`).
+    Float,
+}
+
+/// A Rust type passed to a kernel, and the C type it stands for.
+trait KernelArg {
+    const C: CType;
+}
+
+impl KernelArg for u64 {
+    const C: CType = CType::Pointer;
+}
+
+impl KernelArg for i32 {
+    const C: CType = CType::Int;
+}
+
+impl KernelArg for i64 {
+    const C: CType = CType::LongLong;
+}
+
+impl KernelArg for f32 {
+    const C: CType = CType::Float;
+}
+
+/// Declares each kernel once: a function taking its parameters as typed Rust values (the
+/// thread count from the parameters named after `over`), and its row of [`SIGNATURES`].
+macro_rules! kernels {
+    ($( fn $name:ident($($arg:ident: $ty:ty),+ $(,)?) over [$($count:expr),+]; )+) => {
+        /// Every kernel of [`SOURCE`] with its parameters' C types, in order.
+        pub const SIGNATURES: &[(&str, &[CType])] =
+            &[$((stringify!($name), &[$(<$ty as KernelArg>::C),+])),+];
+
+        /// One function a kernel: its C parameters, in order.
+        mod raw {
+            use super::*;
+            $(
+                #[allow(clippy::too_many_arguments)]
+                pub(super) fn $name(l: &(impl KernelLauncher + ?Sized), $($arg: $ty),+) {
+                    let threads = [$(($count) as usize),+].iter().product::<usize>();
+                    l.launch(stringify!($name), threads, &mut [$(&mut { $arg } as *mut $ty as *mut c_void),+]);
+                }
+            )+
+        }
+    };
+}
+
+kernels! {
+    fn convert(x: u64, xbf: i32, y: u64, ybf: i32, n: i64) over [n];
+    fn nchw_to_nhwc(x: u64, y: u64, ybf: i32, n: i32, c: i32, hw: i32) over [n, c, hw];
+    fn nhwc_to_nchw(x: u64, xbf: i32, y: u64, n: i32, c: i32, hw: i32) over [n, c, hw];
+    fn kcrs_to_krsc(w: u64, out: u64, obf: i32, k: i32, c: i32, rs: i32) over [k, c, rs];
+    fn krsc_add_to_kcrs(dw: u64, dbf: i32, grad: u64, k: i32, c: i32, rs: i32) over [k, c, rs];
+    fn relu_forward(x: u64, y: u64, bf: i32, n: i64) over [n];
+    fn relu_backward(y: u64, dy: u64, dx: u64, bf: i32, n: i64) over [n];
+    fn add_assign(a: u64, b: u64, bf: i32, n: i64) over [n];
+    fn max_pool_forward(x: u64, y: u64, argmax: u64, bf: i32, n: i32, c: i32, h: i32, w: i32,
+        oh: i32, ow: i32, k: i32, stride: i32, pad: i32) over [n, oh, ow, c];
+    fn max_pool_backward(argmax: u64, dy: u64, dx: u64, bf: i32, n: i32, c: i32, h: i32,
+        w: i32, oh: i32, ow: i32, k: i32, stride: i32, pad: i32) over [n, h, w, c];
+    fn global_avg_pool_forward(x: u64, bf: i32, y: u64, n: i32, c: i32, hw: i32) over [n, c];
+    fn global_avg_pool_backward(dy: u64, dx: u64, bf: i32, n: i32, c: i32, hw: i32)
+        over [n, hw, c];
+    fn broadcast_rows(bias: u64, y: u64, cols: i32, n: i64) over [n];
+    fn sum_rows(x: u64, sums: u64, rows: i32, cols: i32) over [cols];
+    fn sgd_update(w: u64, g: u64, v: u64, lr: f32, momentum: f32, wd: f32, n: i64) over [n];
+    fn softmax_cross_entropy(logits: u64, labels: u64, dlogits: u64, row_stats: u64, n: i32,
+        k: i32, smoothing: f32, scale: f32) over [n];
+    fn sum_row_stats(row_stats: u64, totals: u64, n: i32) over [1];
+}
+
+fn int(x: usize, what: &str) -> i32 {
+    i32::try_from(x).unwrap_or_else(|_| panic!("{what} ({x}) exceeds the kernels' int"))
+}
+
+fn same_len(a: &Operand, b: &Operand, what: &str) {
+    assert_eq!(
+        a.len, b.len,
+        "{what}: operands of {} and {} elements",
+        a.len, b.len
+    );
+}
+
+/// `y = x`, converted to `y`'s element type (bf16 rounded to nearest even).
+pub fn convert(l: &(impl KernelLauncher + ?Sized), x: Operand, y: Operand) {
+    same_len(&x, &y, "convert");
+    raw::convert(l, x.ptr, x.bf(), y.ptr, y.bf(), x.len as i64);
+}
+
+/// An NCHW f32 batch `[n, c, h, w]` (host order) into NHWC of `y`'s type.
+pub fn nchw_to_nhwc(
+    l: &(impl KernelLauncher + ?Sized),
+    [n, c, h, w]: [usize; 4],
+    x: Operand,
+    y: Operand,
+) {
+    x.f32_only("an NCHW upload");
+    same_len(&x, &y, "nchw_to_nhwc");
+    assert_eq!(x.len, n * c * h * w, "nchw_to_nhwc shape");
+    raw::nchw_to_nhwc(
+        l,
+        x.ptr,
+        y.ptr,
+        y.bf(),
+        int(n, "n"),
+        int(c, "c"),
+        int(h * w, "h·w"),
+    );
+}
+
+/// An NHWC batch `[n, c, h, w]` of `x`'s type into NCHW f32 (host order).
+pub fn nhwc_to_nchw(
+    l: &(impl KernelLauncher + ?Sized),
+    [n, c, h, w]: [usize; 4],
+    x: Operand,
+    y: Operand,
+) {
+    y.f32_only("an NCHW download");
+    same_len(&x, &y, "nhwc_to_nchw");
+    assert_eq!(x.len, n * c * h * w, "nhwc_to_nchw shape");
+    raw::nhwc_to_nchw(
+        l,
+        x.ptr,
+        x.bf(),
+        y.ptr,
+        int(n, "n"),
+        int(c, "c"),
+        int(h * w, "h·w"),
+    );
+}
+
+fn filter_dims(s: &ConvShape) -> (i32, i32, i32) {
+    (
+        int(s.out_channels, "output channels"),
+        int(s.c, "input channels"),
+        int(s.kernel * s.kernel, "kernel area"),
+    )
+}
+
+/// A convolution's f32 KCRS master weight into the KRSC working copy cuDNN reads, of
+/// `working`'s type.
+pub fn weights_to_working(
+    l: &(impl KernelLauncher + ?Sized),
+    s: &ConvShape,
+    master: Operand,
+    working: Operand,
+) {
+    master.f32_only("a master weight");
+    same_len(&master, &working, "weights_to_working");
+    let (k, c, rs) = filter_dims(s);
+    assert_eq!(
+        master.len,
+        (k * c * rs) as usize,
+        "weights_to_working shape"
+    );
+    raw::kcrs_to_krsc(l, master.ptr, working.ptr, working.bf(), k, c, rs);
+}
+
+/// Adds cuDNN's KRSC weight gradient (the activations' type) into the f32 KCRS gradient.
+pub fn add_weight_grad_to_master(
+    l: &(impl KernelLauncher + ?Sized),
+    s: &ConvShape,
+    dw: Operand,
+    grad: Operand,
+) {
+    grad.f32_only("a parameter gradient");
+    same_len(&dw, &grad, "add_weight_grad_to_master");
+    let (k, c, rs) = filter_dims(s);
+    assert_eq!(
+        grad.len,
+        (k * c * rs) as usize,
+        "add_weight_grad_to_master shape"
+    );
+    raw::krsc_add_to_kcrs(l, dw.ptr, dw.bf(), grad.ptr, k, c, rs);
+}
+
+/// `y = max(x, 0)`; `y` may be `x`.
+pub fn relu_forward(l: &(impl KernelLauncher + ?Sized), x: Operand, y: Operand) {
+    same_len(&x, &y, "relu_forward");
+    raw::relu_forward(l, x.ptr, y.ptr, x.bf(), x.len as i64);
+}
+
+/// `dx = dy` where the forward output `y` is positive, else 0.
+pub fn relu_backward(l: &(impl KernelLauncher + ?Sized), y: Operand, dy: Operand, dx: Operand) {
+    same_len(&y, &dy, "relu_backward");
+    same_len(&y, &dx, "relu_backward");
+    raw::relu_backward(l, y.ptr, dy.ptr, dx.ptr, y.bf(), y.len as i64);
+}
+
+/// `a += b`, element-wise.
+pub fn add_assign(l: &(impl KernelLauncher + ?Sized), a: Operand, b: Operand) {
+    same_len(&a, &b, "add_assign");
+    assert_eq!(a.dtype, b.dtype, "add_assign types");
+    raw::add_assign(l, a.ptr, b.ptr, a.bf(), a.len as i64);
+}
+
+/// The pool kernels' shape arguments, in their order: n, c, h, w, oh, ow, k, stride, pad.
+fn pool_dims(s: &PoolShape) -> [i32; 9] {
+    let (oh, ow) = s.output_size();
+    assert_eq!(
+        s.planes % s.channels,
+        0,
+        "pool planes are images × channels"
+    );
+    [
+        int(s.planes / s.channels, "images"),
+        int(s.channels, "channels"),
+        int(s.h, "height"),
+        int(s.w, "width"),
+        int(oh, "output height"),
+        int(ow, "output width"),
+        int(s.kernel, "window"),
+        int(s.stride, "stride"),
+        int(s.padding, "padding"),
+    ]
+}
+
+/// Max pool over an NHWC batch; `argmax` (i32, one per output: 4 bytes an element) gets
+/// each winner's index within its plane, for [`max_pool_backward`].
+pub fn max_pool_forward(
+    l: &(impl KernelLauncher + ?Sized),
+    s: &PoolShape,
+    x: Operand,
+    y: Operand,
+    argmax: Operand,
+) {
+    let (oh, ow) = s.output_size();
+    assert_eq!(x.len, s.planes * s.h * s.w, "max_pool_forward input shape");
+    assert_eq!(y.len, s.planes * oh * ow, "max_pool_forward output shape");
+    assert!(
+        argmax.len == y.len && argmax.dtype.size() == 4,
+        "max_pool_forward argmax: one i32 an output"
+    );
+    let [n, c, h, w, oh, ow, k, stride, pad] = pool_dims(s);
+    raw::max_pool_forward(
+        l,
+        x.ptr,
+        y.ptr,
+        argmax.ptr,
+        x.bf(),
+        n,
+        c,
+        h,
+        w,
+        oh,
+        ow,
+        k,
+        stride,
+        pad,
+    );
+}
+
+/// Each input's gradient: the sum of those of the outputs it won; overwrites `dx`.
+pub fn max_pool_backward(
+    l: &(impl KernelLauncher + ?Sized),
+    s: &PoolShape,
+    argmax: Operand,
+    dy: Operand,
+    dx: Operand,
+) {
+    let (oh, ow) = s.output_size();
+    assert_eq!(dy.len, s.planes * oh * ow, "max_pool_backward output shape");
+    assert_eq!(
+        dx.len,
+        s.planes * s.h * s.w,
+        "max_pool_backward input shape"
+    );
+    assert_eq!(argmax.len, dy.len, "max_pool_backward argmax");
+    let [n, c, h, w, oh, ow, k, stride, pad] = pool_dims(s);
+    raw::max_pool_backward(
+        l,
+        argmax.ptr,
+        dy.ptr,
+        dx.ptr,
+        dy.bf(),
+        n,
+        c,
+        h,
+        w,
+        oh,
+        ow,
+        k,
+        stride,
+        pad,
+    );
+}
+
+/// The f32 `[n, c]` means of an NHWC batch's planes of `hw` elements.
+pub fn global_avg_pool_forward(
+    l: &(impl KernelLauncher + ?Sized),
+    (n, c, hw): (usize, usize, usize),
+    x: Operand,
+    y: Operand,
+) {
+    y.f32_only("the average pool's output");
+    assert_eq!(
+        (x.len, y.len),
+        (n * c * hw, n * c),
+        "global_avg_pool_forward shapes"
+    );
+    raw::global_avg_pool_forward(
+        l,
+        x.ptr,
+        x.bf(),
+        y.ptr,
+        int(n, "n"),
+        int(c, "c"),
+        int(hw, "h·w"),
+    );
+}
+
+/// Spreads each f32 `[n, c]` gradient evenly over its plane of the NHWC `dx`.
+pub fn global_avg_pool_backward(
+    l: &(impl KernelLauncher + ?Sized),
+    (n, c, hw): (usize, usize, usize),
+    dy: Operand,
+    dx: Operand,
+) {
+    dy.f32_only("the average pool's output gradient");
+    assert_eq!(
+        (dy.len, dx.len),
+        (n * c, n * c * hw),
+        "global_avg_pool_backward shapes"
+    );
+    raw::global_avg_pool_backward(
+        l,
+        dy.ptr,
+        dx.ptr,
+        dx.bf(),
+        int(n, "n"),
+        int(c, "c"),
+        int(hw, "h·w"),
+    );
+}
+
+/// Every row of the f32 `y` (rows of `bias`'s length) set to `bias`.
+pub fn broadcast_rows(l: &(impl KernelLauncher + ?Sized), bias: Operand, y: Operand) {
+    bias.f32_only("a bias");
+    y.f32_only("broadcast_rows' output");
+    assert!(
+        bias.len > 0 && y.len.is_multiple_of(bias.len),
+        "broadcast_rows shapes"
+    );
+    raw::broadcast_rows(l, bias.ptr, y.ptr, int(bias.len, "columns"), y.len as i64);
+}
+
+/// Adds the column sums of the f32 `x` (rows of `sums`'s length) into `sums`.
+pub fn sum_rows(l: &(impl KernelLauncher + ?Sized), x: Operand, sums: Operand) {
+    x.f32_only("sum_rows' input");
+    sums.f32_only("sum_rows' output");
+    assert!(
+        sums.len > 0 && x.len.is_multiple_of(sums.len),
+        "sum_rows shapes"
+    );
+    raw::sum_rows(
+        l,
+        x.ptr,
+        sums.ptr,
+        int(x.len / sums.len, "rows"),
+        int(sums.len, "columns"),
+    );
+}
+
+/// PyTorch's SGD over f32 parameters: `v = momentum v + (g + wd w)`, `w -= lr v`.
+pub fn sgd_update(
+    l: &(impl KernelLauncher + ?Sized),
+    w: Operand,
+    g: Operand,
+    v: Operand,
+    lr: f32,
+    momentum: f32,
+    weight_decay: f32,
+) {
+    for (x, what) in [(&w, "weights"), (&g, "gradients"), (&v, "momenta")] {
+        x.f32_only(what);
+        same_len(&w, x, "sgd_update");
+    }
+    raw::sgd_update(
+        l,
+        w.ptr,
+        g.ptr,
+        v.ptr,
+        lr,
+        momentum,
+        weight_decay,
+        w.len as i64,
+    );
+}
+
+/// Bytes of the scratch [`softmax_cross_entropy`] needs for `rows` rows (two f64s a row).
+pub fn loss_row_stats_bytes(rows: usize) -> usize {
+    16 * rows
+}
+
+/// Softmax cross-entropy with label smoothing over `labels.len()` rows of `classes` f32
+/// logits (labels are class indices held as f32): `dlogits` = `grad_scale` × the gradient
+/// of the mean loss; the mean loss and the count of rows whose first arg-max is the label
+/// are added to `totals[0]` and `totals[1]`. `row_stats` is scratch of
+/// [`loss_row_stats_bytes`].
+#[allow(clippy::too_many_arguments)]
+pub fn softmax_cross_entropy(
+    l: &(impl KernelLauncher + ?Sized),
+    classes: usize,
+    logits: Operand,
+    labels: Operand,
+    label_smoothing: f32,
+    grad_scale: f32,
+    dlogits: Operand,
+    row_stats: Operand,
+    totals: Operand,
+) {
+    let n = labels.len;
+    for (x, what) in [
+        (&logits, "logits"),
+        (&labels, "labels"),
+        (&dlogits, "dlogits"),
+        (&totals, "loss totals"),
+    ] {
+        x.f32_only(what);
+    }
+    assert_eq!(
+        (logits.len, dlogits.len),
+        (n * classes, n * classes),
+        "loss shapes"
+    );
+    assert!(totals.len >= 2, "loss totals: two f32s");
+    assert!(
+        row_stats.len * row_stats.dtype.size() >= loss_row_stats_bytes(n),
+        "loss row statistics: two f64s a row"
+    );
+    raw::softmax_cross_entropy(
+        l,
+        logits.ptr,
+        labels.ptr,
+        dlogits.ptr,
+        row_stats.ptr,
+        int(n, "rows"),
+        int(classes, "classes"),
+        label_smoothing,
+        grad_scale,
+    );
+    raw::sum_row_stats(l, row_stats.ptr, totals.ptr, int(n, "rows"));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `extern "C" __global__ void NAME(PARAMS)` in `source`, in order, with the C types
+    /// of the parameters.
+    fn declared(source: &str) -> Vec<(String, Vec<CType>)> {
+        source
+            .split("extern \"C\" __global__ void ")
+            .skip(1)
+            .map(|rest| {
+                let (name, rest) = rest.split_once('(').expect("a kernel's parameters");
+                let params = rest.split_once(')').expect("a kernel's parameters").0;
+                let types = params
+                    .split(',')
+                    .map(|p| {
+                        let p = p.split_whitespace().collect::<Vec<_>>().join(" ");
+                        match p.as_str() {
+                            p if p.contains('*') => CType::Pointer,
+                            p if p.starts_with("int ") => CType::Int,
+                            p if p.starts_with("long long ") => CType::LongLong,
+                            p if p.starts_with("float ") => CType::Float,
+                            p => panic!("{name}: parameter `{p}` of a type the launcher has no Rust type for"),
+                        }
+                    })
+                    .collect();
+                (name.trim().to_string(), types)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_kernel_is_called_with_the_c_types_it_declares_in_their_order() {
+        let declared = declared(SOURCE);
+        let called: Vec<(String, Vec<CType>)> = SIGNATURES
+            .iter()
+            .map(|(n, t)| (n.to_string(), t.to_vec()))
+            .collect();
+        assert_eq!(
+            declared, called,
+            "cuda_kernels.cu and the kernels! declarations disagree (each kernel in the source's order)"
+        );
+    }
+
+    #[test]
+    fn the_declaration_check_sees_a_parameter_of_the_wrong_width() {
+        let source = "extern \"C\" __global__ void k(const float* x, int n) {}\n\
+                      extern \"C\" __global__ void m(long long n, float a) {}";
+        assert_eq!(
+            declared(source),
+            vec![
+                ("k".to_string(), vec![CType::Pointer, CType::Int]),
+                ("m".to_string(), vec![CType::LongLong, CType::Float]),
+            ]
+        );
+        assert_ne!(declared(source)[0].1, vec![CType::Pointer, CType::LongLong]);
+    }
+
+    #[test]
+    fn a_launch_covers_every_output_and_stops_growing_at_the_cap() {
+        assert_eq!(blocks(1), 1);
+        assert_eq!(blocks(BLOCK as usize), 1);
+        assert_eq!(blocks(BLOCK as usize + 1), 2);
+        assert_eq!(blocks(usize::MAX / 2), 65_535 * 8);
+    }
+}
