@@ -8,8 +8,10 @@
 #                              (TEST_TIMEOUT seconds, default 300), so a crash or a hang
 #                              costs one test, not the run; a summary at the end, exit 1 if
 #                              any failed. LOGS=DIR keeps each test's output in DIR.
-#   trainer/gpu/run.sh bench   ResNet-50 bf16 at 224 px, batch 256 and 128: ours next to
-#                              PyTorch eager and torch.compile; the image-folder loader alone
+#   trainer/gpu/run.sh bench   ResNet-50 bf16 at 224 px, batch 256 and 128 (BATCHES): ours,
+#                              with each batch-norm engine (BN_ENGINES), plain and as a CUDA
+#                              graph, next to PyTorch eager and torch.compile; the image-folder
+#                              loader alone
 #
 # CUDA's libraries are looked for on LD_LIBRARY_PATH, then in the Python environment's
 # nvidia-* wheels (PyTorch's), whose NCCL lacks the unversioned `libnccl.so` cudarc opens:
@@ -66,14 +68,16 @@ case "${1:-tests}" in
     [ "$failed" -eq 0 ] || { echo "$failed test(s) failed; logs in $logs" >&2; exit 1; }
     ;;
   bench)
-    for batch in 256 128; do
-      for graph in "" --cuda-graph; do
-        "$bundle/ringmaster-trainer" bench-engine --device cuda --precision bf16 --model resnet50 \
-          --image-size 224 --batch-size "$batch" --steps "${STEPS:-30}" --warmup 5 $graph
-        # The same step with batch norm on cuDNN's plain calls, to see what fusing gains.
-        [ -n "$graph" ] || RINGMASTER_CUDA_FUSED_BN=0 "$bundle/ringmaster-trainer" bench-engine \
-          --device cuda --precision bf16 --model resnet50 --image-size 224 --batch-size "$batch" \
-          --steps "${STEPS:-30}" --warmup 5
+    # Each batch-norm engine (cuDNN fused where it can, cuDNN plain, ours), as it comes and
+    # recorded as a CUDA graph; a run that fails or hangs costs its row only.
+    for batch in ${BATCHES:-256 128}; do
+      for bn in ${BN_ENGINES:-fused plain own}; do
+        for graph in "" --cuda-graph; do
+          RINGMASTER_CUDA_BATCH_NORM=$bn timeout --kill-after=10 "${RUN_TIMEOUT:-240}" \
+            "$bundle/ringmaster-trainer" bench-engine --device cuda --precision bf16 \
+            --model resnet50 --image-size 224 --batch-size "$batch" --steps "${STEPS:-30}" \
+            --warmup 5 $graph || echo "bench-engine batch $batch, batch norm $bn $graph: exit $?" >&2
+        done
       done
     done
     "$python" "$here/bench_torch.py" --steps "${STEPS:-30}"

@@ -151,8 +151,12 @@ pub struct EngineRow {
     /// use beside the arena's reservation, plus the arena's peak).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_bytes: Option<u64>,
+    /// What computed training batch norm (CUDA: `fused`, `plain` or `own`, as
+    /// `RINGMASTER_CUDA_BATCH_NORM` chose).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batch_norm: Option<String>,
     /// How many of the step's training batch-norm plans cuDNN's fused calls run, of all
-    /// (CUDA; `RINGMASTER_CUDA_FUSED_BN=0` turns them off).
+    /// (CUDA with the `fused` engine).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fused_batch_norms: Option<String>,
 }

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use ringmaster_contract::trainer::{Capabilities, exit};
 use ringmaster_trainer::collective::{self, Collective, CollectiveKind, NcclProbe, RingConfig};
+use ringmaster_trainer::engine::backend::cuda::BatchNormEngine;
 use ringmaster_trainer::world::World;
 use ringmaster_trainer::{bench, launch, train};
 
@@ -351,7 +352,7 @@ fn bench_engine(args: &EngineArgs) -> Result<(), String> {
             args.cuda_graph,
         ))
     }
-    let (engine_name, (images_per_second, step_ms, cuda_graph), peak_bytes, fused_batch_norms) =
+    let (engine_name, (images_per_second, step_ms, cuda_graph), peak_bytes, batch_norm) =
         match args.device {
             train::Device::Cuda => {
                 let be = CudaBackend::new(0, None).map_err(|e| e.to_string())?;
@@ -361,7 +362,8 @@ fn bench_engine(args: &EngineArgs) -> Result<(), String> {
                 let plans = be.batch_norm_plans();
                 let fused = plans.iter().filter(|p| p.fused).count();
                 let fused = format!("{fused}/{}", plans.len());
-                ("cuda", figures, Some(peak as u64), Some(fused))
+                let engine = be.batch_norm_engine().name().to_string();
+                ("cuda", figures, Some(peak as u64), Some((engine, fused)))
             }
             _ => ("cpu", measure(CpuBackend, args, arch, dtype)?, None, None),
         };
@@ -376,7 +378,11 @@ fn bench_engine(args: &EngineArgs) -> Result<(), String> {
         images_per_second,
         step_ms,
         peak_bytes,
-        fused_batch_norms,
+        fused_batch_norms: batch_norm
+            .as_ref()
+            .filter(|(engine, _)| engine == BatchNormEngine::CudnnFused.name())
+            .map(|(_, fused)| fused.clone()),
+        batch_norm: batch_norm.map(|(engine, _)| engine),
     };
     println!("{}", serde_json::to_string(&row).expect("a row serializes"));
     Ok(())

@@ -11,6 +11,7 @@
 use ringmaster_trainer::collective::{
     self, Collective, CollectiveKind, NcclCollective, ReduceOp, RingConfig,
 };
+use ringmaster_trainer::engine::backend::cuda::BatchNormEngine;
 use ringmaster_trainer::engine::backend::{
     BatchNormConfig, BnEpilogue, BnEpilogueGrad, ConvShape, CudaBackend, Matrix, PoolShape,
 };
@@ -309,7 +310,7 @@ fn assert_relu_differs_only_on_its_edge(
 }
 
 #[test]
-fn batch_norm_matches_the_cpu_in_training_backward_and_inference_fused_or_not() {
+fn batch_norm_matches_the_cpu_in_training_backward_and_inference_on_each_engine() {
     let be = gpu();
     let parts = [
         "forward",
@@ -319,13 +320,15 @@ fn batch_norm_matches_the_cpu_in_training_backward_and_inference_fused_or_not() 
         "inference",
         "residual gradient",
     ];
-    // cuDNN's fused calls first (the default), then the plain calls with our own add and
-    // ReLU kernels, which are what runs wherever cuDNN does not fuse. Shapes: a small one,
-    // one of ResNet-50's first stage (cuDNN may pick other kernels there), and 6 channels,
-    // which cuDNN's fused NHWC kernels do not take (so the plain path runs even when fusing
-    // is allowed). The gradients start at 0.5, so accumulation is checked too.
-    for fused in [true, false] {
-        be.set_fused_batch_norm(fused);
+    // Each engine: cuDNN's fused calls (the default), cuDNN's plain calls with our own add
+    // and ReLU kernels (what runs wherever cuDNN does not fuse), and our own batch-norm
+    // kernels. Shapes: a small one, one of ResNet-50's first stage (cuDNN may pick other
+    // kernels there; ours fold their partial sums three times), and 6 channels, which
+    // cuDNN's fused NHWC kernels do not take (so the plain path runs even when fusing is
+    // allowed). The gradients start at 0.5, so accumulation is checked too.
+    for engine in BatchNormEngine::ALL {
+        be.set_batch_norm(engine);
+        let name = engine.name();
         for dims in [(4, 16, 25), (32, 64, 56 * 56), (4, 6, 25)] {
             for dtype in [DType::F32, DType::Bf16] {
                 let len = dims.0 * dims.1 * dims.2;
@@ -340,26 +343,28 @@ fn batch_norm_matches_the_cpu_in_training_backward_and_inference_fused_or_not() 
                             Then::AddRelu => residual(len),
                             _ => vec![0.0; len],
                         };
-                        let what =
-                            format!("{dtype:?} batch norm {dims:?} then {then:?} (fused: {fused})");
+                        let what = format!("{dtype:?} batch norm {dims:?} then {then:?} ({name})");
                         assert_relu_differs_only_on_its_edge(
                             &what, &got[0], &want[0], &bn, &z, dtype,
                         );
                     }
                     for ((g, w), part) in got.iter().zip(&want).zip(parts) {
-                        let what = format!(
-                            "{dtype:?} batch norm {dims:?} then {then:?} (fused: {fused}) {part}"
-                        );
+                        let what =
+                            format!("{dtype:?} batch norm {dims:?} then {then:?} ({name}) {part}");
                         assert_close(&what, g, w, tol(dtype));
                     }
                 }
             }
         }
         let plans = be.batch_norm_plans();
-        eprintln!("batch-norm plans (fused calls allowed: {fused}): {plans:#?}");
+        eprintln!("cuDNN's batch-norm plans (engine {name}): {plans:#?}");
         // What cuDNN fused is printed above; at least one plan must have taken the fused
-        // calls when allowed, or the first half of this test checked nothing of them.
-        assert_eq!(plans.iter().any(|p| p.fused), fused, "{plans:?}");
+        // calls when allowed, or the first pass of this test checked nothing of them.
+        assert_eq!(
+            plans.iter().any(|p| p.fused),
+            engine == BatchNormEngine::CudnnFused,
+            "{plans:?}"
+        );
         assert!(plans.iter().all(|p| !p.fused || p.dims.1 % 4 == 0));
     }
 }

@@ -71,6 +71,16 @@ pub enum CudaError {
         /// GPUs visible.
         devices: usize,
     },
+    /// A setting's value is not one it takes.
+    #[error("{name}={value}: expected {expected}")]
+    Setting {
+        /// The environment variable.
+        name: &'static str,
+        /// Its value.
+        value: String,
+        /// What it takes.
+        expected: &'static str,
+    },
     /// A driver call failed.
     #[error("CUDA driver: {context}: {source}")]
     Driver {
@@ -413,13 +423,58 @@ const BN_MODE: cudnn::cudnnBatchNormMode_t = cudnn::cudnnBatchNormMode_t::CUDNN_
 /// The fused `…Ex` calls' mode: the NHWC mode PyTorch takes for channels-last training in
 /// f32 and f16 (for bf16 PyTorch uses its own kernels), and the only mode in which cuDNN
 /// fuses the ReLU and the residual add. Whether cuDNN runs bf16 through it fast is for the
-/// benchmark to say (`RINGMASTER_CUDA_FUSED_BN=0` is the comparison).
+/// benchmark to say (it runs each [`BatchNormEngine`]).
 const BN_EX_MODE: cudnn::cudnnBatchNormMode_t =
     cudnn::cudnnBatchNormMode_t::CUDNN_BATCHNORM_SPATIAL_PERSISTENT;
 
-/// `RINGMASTER_CUDA_FUSED_BN=0` keeps training batch norm on the plain calls, with the add
-/// and ReLU as kernels of their own (to compare, or to step around a cuDNN problem).
-const FUSED_BN_ENV: &str = "RINGMASTER_CUDA_FUSED_BN";
+/// Chooses the [`BatchNormEngine`]: `fused` (the default), `plain` or `own`.
+pub const BATCH_NORM_ENV: &str = "RINGMASTER_CUDA_BATCH_NORM";
+
+/// What computes training batch norm on the GPU ([`BATCH_NORM_ENV`]); inference always takes
+/// cuDNN's plain call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BatchNormEngine {
+    /// cuDNN's fused `…Ex` calls where cuDNN takes the shape, type and epilogue, else its
+    /// plain calls with our add and ReLU kernels (`fused`, the default).
+    CudnnFused,
+    /// cuDNN's plain calls with our add and ReLU kernels (`plain`: to compare, or to step
+    /// around a cuDNN problem).
+    CudnnPlain,
+    /// Our kernels ([`kernels::batch_norm_forward_training`]), the epilogue in the same pass
+    /// and the output rounded once (`own`).
+    Own,
+}
+
+impl BatchNormEngine {
+    /// Every engine, in the order the benchmark runs them.
+    pub const ALL: [Self; 3] = [Self::CudnnFused, Self::CudnnPlain, Self::Own];
+
+    /// Its value of [`BATCH_NORM_ENV`].
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::CudnnFused => "fused",
+            Self::CudnnPlain => "plain",
+            Self::Own => "own",
+        }
+    }
+
+    /// The engine [`BATCH_NORM_ENV`] names (the default when unset).
+    pub fn from_env() -> Result<Self, CudaError> {
+        match std::env::var(BATCH_NORM_ENV) {
+            Err(_) => Ok(Self::CudnnFused),
+            Ok(value) => {
+                Self::ALL
+                    .into_iter()
+                    .find(|e| e.name() == value)
+                    .ok_or(CudaError::Setting {
+                        name: BATCH_NORM_ENV,
+                        value,
+                        expected: "fused, plain or own",
+                    })
+            }
+        }
+    }
+}
 
 /// What a training batch norm fuses, as cuDNN names it.
 fn bn_ops(kind: BnEpilogueKind) -> cudnn::cudnnBatchNormOps_t {
@@ -618,8 +673,8 @@ struct Inner {
     /// Whether a recording exists: from then on the workspace must not move, since the
     /// recording holds its address.
     recorded: std::cell::Cell<bool>,
-    /// Whether training batch norm may take the fused calls ([`FUSED_BN_ENV`]).
-    fused_bn: std::cell::Cell<bool>,
+    /// What computes training batch norm.
+    batch_norm: std::cell::Cell<BatchNormEngine>,
 }
 
 impl Drop for Inner {
@@ -655,6 +710,7 @@ impl CudaBackend {
     /// Starts on GPU `ordinal` (the local rank) with an arena of `arena_bytes` for step
     /// temporaries (`None`: `RINGMASTER_CUDA_ARENA_MIB`, else 70 % of the free memory).
     pub fn new(ordinal: usize, arena_bytes: Option<usize>) -> Result<Self, CudaError> {
+        let batch_norm = BatchNormEngine::from_env()?;
         // SAFETY (each): a dlopen probe; cudarc panics on a library it cannot load.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err(CudaError::Missing {
@@ -775,19 +831,21 @@ impl CudaBackend {
                 conv_plans: RefCell::new(HashMap::new()),
                 bn_plans: RefCell::new(HashMap::new()),
                 recorded: std::cell::Cell::new(false),
-                fused_bn: std::cell::Cell::new(
-                    std::env::var(FUSED_BN_ENV).map_or(true, |v| v != "0"),
-                ),
+                batch_norm: std::cell::Cell::new(batch_norm),
             }),
         })
     }
 
-    /// Lets training batch norm take cuDNN's fused `…Ex` calls where cuDNN supports them
-    /// (the default, unless `RINGMASTER_CUDA_FUSED_BN=0`), or keeps it on the plain calls
-    /// with the add and ReLU as kernels of their own. Forgets the plans made so far.
-    pub fn set_fused_batch_norm(&self, on: bool) {
-        self.inner.fused_bn.set(on);
+    /// Sets what computes training batch norm from here on (at start, [`BATCH_NORM_ENV`]'s
+    /// choice). Forgets the cuDNN plans made so far.
+    pub fn set_batch_norm(&self, engine: BatchNormEngine) {
+        self.inner.batch_norm.set(engine);
         self.inner.bn_plans.borrow_mut().clear();
+    }
+
+    /// What computes training batch norm.
+    pub fn batch_norm_engine(&self) -> BatchNormEngine {
+        self.inner.batch_norm.get()
     }
 
     /// The batch-norm plans made so far, sorted, and which of them cuDNN's fused calls run.
@@ -1099,7 +1157,7 @@ impl CudaBackend {
         let params = TensorDesc::batch_norm_params(c);
         // cuDNN's NHWC fused kernels want whole groups of 4 channels (OneFlow checks the
         // same before fusing); a CIFAR ResNet of another width takes the plain calls.
-        let fused = (self.inner.fused_bn.get() && c % 4 == 0)
+        let fused = (self.inner.batch_norm.get() == BatchNormEngine::CudnnFused && c % 4 == 0)
             .then(|| self.fused_bn(&x, &params, bn_ops(epilogue)))
             .flatten();
         let plan = Rc::new(BnPlan {
@@ -1588,9 +1646,48 @@ impl Backend for CudaBackend {
         epilogue: BnEpilogue<DevView<'_>>,
         y: DevViewMut<'_>,
     ) -> CudaBnSaved {
-        let plan = self.bn_plan(dims, x.dtype, epilogue.kind());
         let mean = self.arena_alloc(dims.1, DType::F32);
         let inv_var = self.arena_alloc(dims.1, DType::F32);
+        let saved = |reserve| CudaBnSaved {
+            x: x.into(),
+            mean: DevPtr {
+                ptr: mean.ptr,
+                len: mean.len,
+                dtype: DType::F32,
+            },
+            inv_var: DevPtr {
+                ptr: inv_var.ptr,
+                len: inv_var.len,
+                dtype: DType::F32,
+            },
+            reserve,
+        };
+        if self.inner.batch_norm.get() == BatchNormEngine::Own {
+            let (n, c, hw) = dims;
+            let scratch = self.arena_alloc(kernels::batch_norm_scratch_len(n * hw, c), DType::F32);
+            let epilogue = match epilogue {
+                BnEpilogue::Identity => BnEpilogue::Identity,
+                BnEpilogue::Relu => BnEpilogue::Relu,
+                BnEpilogue::AddRelu(z) => BnEpilogue::AddRelu(z.op()),
+            };
+            kernels::batch_norm_forward_training(
+                self,
+                dims,
+                config,
+                x.op(),
+                gamma.op(),
+                beta.op(),
+                running_mean.op(),
+                running_var.op(),
+                epilogue,
+                y.op(),
+                mean.op(),
+                inv_var.op(),
+                scratch.op(),
+            );
+            return saved(None);
+        }
+        let plan = self.bn_plan(dims, x.dtype, epilogue.kind());
         let (one, zero) = (1.0f32, 0.0f32);
         let residual = match epilogue {
             BnEpilogue::AddRelu(z) => {
@@ -1670,20 +1767,7 @@ impl Backend for CudaBackend {
                 kernels::relu_forward(self, y.op(), y.op());
             }
         }
-        CudaBnSaved {
-            x: x.into(),
-            mean: DevPtr {
-                ptr: mean.ptr,
-                len: mean.len,
-                dtype: DType::F32,
-            },
-            inv_var: DevPtr {
-                ptr: inv_var.ptr,
-                len: inv_var.len,
-                dtype: DType::F32,
-            },
-            reserve,
-        }
+        saved(reserve)
     }
 
     fn batch_norm_forward_inference(
@@ -1736,6 +1820,34 @@ impl Backend for CudaBackend {
     ) {
         assert_eq!(saved.x.len, dy.len, "batch-norm backward shape");
         let dtype = saved.x.dtype;
+        if self.inner.batch_norm.get() == BatchNormEngine::Own {
+            // From the saved mean and inverse deviation, whichever engine ran forward.
+            let (n, c, hw) = dims;
+            let scratch = self.arena_alloc(kernels::batch_norm_scratch_len(n * hw, c), DType::F32);
+            let epilogue = match epilogue {
+                BnEpilogueGrad::Identity => BnEpilogueGrad::Identity,
+                BnEpilogueGrad::Relu { y } => BnEpilogueGrad::Relu { y: y.op() },
+                BnEpilogueGrad::AddRelu { y, dz } => BnEpilogueGrad::AddRelu {
+                    y: y.op(),
+                    dz: dz.op(),
+                },
+            };
+            kernels::batch_norm_backward(
+                self,
+                dims,
+                saved.x.op(),
+                saved.mean.op(),
+                saved.inv_var.op(),
+                gamma.op(),
+                epilogue,
+                dy.op(),
+                dx.op(),
+                dgamma.op(),
+                dbeta.op(),
+                scratch.op(),
+            );
+            return;
+        }
         let plan = self.bn_plan(dims, dtype, epilogue.kind());
         let (y, dz) = match epilogue {
             BnEpilogueGrad::Identity => (None, None),

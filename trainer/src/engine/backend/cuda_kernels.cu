@@ -251,3 +251,131 @@ extern "C" __global__ void sum_row_stats(const double* row_stats, float* totals,
         totals[1] += (float)correct;
     }
 }
+
+// Batch norm over NHWC, `rows` = n·h·w rows of `c` channels, with its epilogue, as the CPU
+// backend computes it (our alternative to cuDNN's calls; RINGMASTER_CUDA_BATCH_NORM=own).
+// The per-channel sums need no shared memory or atomics: partial sums per (chunk of
+// `chunk` rows, channel), threads of neighbouring channels reading neighbouring addresses;
+// then folded `fan` groups at a time until one group is left; then per channel.
+
+// Statistics' partial sums of d = x - x[row 0] (the shift keeps the variance's subtraction
+// small): partial[2 (chunk c + ch) ..] = (Σd, Σd²).
+extern "C" __global__ void bn_stats_partial(const void* x, int bf, long long rows, int c,
+                                            int chunk, double* partial) {
+    long long chunks = (rows + chunk - 1) / chunk;
+    FOR_EACH(i, chunks * c) {
+        int ch = (int)(i % c);
+        long long first = (i / c) * chunk;
+        long long last = first + chunk < rows ? first + chunk : rows;
+        float shift = ld(x, ch, bf);
+        float s = 0.0f, s2 = 0.0f;
+        for (long long r = first; r < last; ++r) {
+            float d = ld(x, r * c + ch, bf) - shift;
+            s += d;
+            s2 += d * d;
+        }
+        partial[2 * i] = s;
+        partial[2 * i + 1] = s2;
+    }
+}
+
+// Backward's partial sums: g = dy where the forward output y is positive (y null: no ReLU),
+// partial[2 (chunk c + ch) ..] = (Σg, Σg·x̂).
+extern "C" __global__ void bn_grad_partial(const void* x, const void* dy, const void* y, int bf,
+                                           long long rows, int c, int chunk, const float* mean,
+                                           const float* inv_std, double* partial) {
+    long long chunks = (rows + chunk - 1) / chunk;
+    FOR_EACH(i, chunks * c) {
+        int ch = (int)(i % c);
+        long long first = (i / c) * chunk;
+        long long last = first + chunk < rows ? first + chunk : rows;
+        float m = mean[ch], s = inv_std[ch];
+        float sg = 0.0f, sgx = 0.0f;
+        for (long long r = first; r < last; ++r) {
+            long long at = r * c + ch;
+            float g = y && !(ld(y, at, bf) > 0.0f) ? 0.0f : ld(dy, at, bf);
+            sg += g;
+            sgx += g * ((ld(x, at, bf) - m) * s);
+        }
+        partial[2 * i] = sg;
+        partial[2 * i + 1] = sgx;
+    }
+}
+
+// Folds `groups` groups of per-channel pairs `fan` at a time: out group j = the sum of in
+// groups j·fan .. j·fan + fan - 1.
+extern "C" __global__ void bn_fold(const double* in, long long groups, int c, int fan,
+                                   double* out) {
+    long long folded = (groups + fan - 1) / fan;
+    FOR_EACH(i, folded * c) {
+        int ch = (int)(i % c);
+        long long first = (i / c) * fan;
+        long long last = first + fan < groups ? first + fan : groups;
+        double a = 0.0, b = 0.0;
+        for (long long g = first; g < last; ++g) {
+            a += in[2 * (g * c + ch)];
+            b += in[2 * (g * c + ch) + 1];
+        }
+        out[2 * i] = a;
+        out[2 * i + 1] = b;
+    }
+}
+
+// Per channel, from the folded sums: the batch mean and 1/sqrt(var + eps) (biased variance),
+// and the running statistics with the unbiased variance, as PyTorch.
+extern "C" __global__ void bn_stats_finish(const double* sums, const void* x, int bf,
+                                           long long rows, int c, float momentum, float eps,
+                                           float* running_mean, float* running_var,
+                                           float* mean, float* inv_std) {
+    FOR_EACH(ch, c) {
+        double shift = ld(x, ch, bf);
+        double d = sums[2 * ch] / rows;
+        double var = sums[2 * ch + 1] / rows - d * d;
+        if (var < 0.0) var = 0.0;
+        double unbias = rows > 1 ? (double)rows / (double)(rows - 1) : 1.0;
+        float m = (float)(shift + d);
+        running_mean[ch] = (1.0f - momentum) * running_mean[ch] + momentum * m;
+        running_var[ch] = (1.0f - momentum) * running_var[ch] + momentum * (float)(var * unbias);
+        mean[ch] = m;
+        inv_std[ch] = (float)(1.0 / sqrt(var + (double)eps));
+    }
+}
+
+// y = γ x̂ + β (+ z) (then max(·, 0) when relu), rounded once; z null: no residual.
+extern "C" __global__ void bn_forward_apply(const void* x, const void* z, void* y, int bf,
+                                            long long rows, int c, const float* mean,
+                                            const float* inv_std, const float* gamma,
+                                            const float* beta, int relu) {
+    FOR_EACH(i, rows * c) {
+        int ch = (int)(i % c);
+        float xh = (ld(x, i, bf) - mean[ch]) * inv_std[ch];
+        float v = gamma[ch] * xh + beta[ch] + (z ? ld(z, i, bf) : 0.0f);
+        st(y, i, bf, relu ? fmaxf(v, 0.0f) : v);
+    }
+}
+
+// dx = γ σ⁻¹ (g - mean(g) - x̂ mean(g x̂)) with g = dy through the ReLU (y null: none), which
+// is also the residual's gradient dz (null: none); `sums` are backward's folded sums.
+extern "C" __global__ void bn_backward_apply(const void* x, const void* dy, const void* y,
+                                             void* dz, void* dx, int bf, long long rows, int c,
+                                             const float* mean, const float* inv_std,
+                                             const float* gamma, const double* sums) {
+    FOR_EACH(i, rows * c) {
+        int ch = (int)(i % c);
+        float g = y && !(ld(y, i, bf) > 0.0f) ? 0.0f : ld(dy, i, bf);
+        if (dz) st(dz, i, bf, g);
+        float xh = (ld(x, i, bf) - mean[ch]) * inv_std[ch];
+        float mean_g = (float)(sums[2 * ch] / rows);
+        float mean_gx = (float)(sums[2 * ch + 1] / rows);
+        st(dx, i, bf, gamma[ch] * inv_std[ch] * (g - mean_g - xh * mean_gx));
+    }
+}
+
+// dγ += Σg x̂, dβ += Σg, from backward's folded sums.
+extern "C" __global__ void bn_grad_finish(const double* sums, int c, float* dgamma,
+                                          float* dbeta) {
+    FOR_EACH(ch, c) {
+        dgamma[ch] += (float)sums[2 * ch + 1];
+        dbeta[ch] += (float)sums[2 * ch];
+    }
+}

@@ -10,7 +10,7 @@
 
 use std::ffi::c_void;
 
-use super::{ConvShape, PoolShape};
+use super::{BatchNormConfig, BnEpilogue, BnEpilogueGrad, ConvShape, PoolShape};
 use crate::engine::tensor::DType;
 
 /// The kernels' source, compiled by NVRTC when the CUDA backend starts.
@@ -134,6 +134,19 @@ kernels! {
     fn softmax_cross_entropy(logits: u64, labels: u64, dlogits: u64, row_stats: u64, n: i32,
         k: i32, smoothing: f32, scale: f32) over [n];
     fn sum_row_stats(row_stats: u64, totals: u64, n: i32) over [1];
+    fn bn_stats_partial(x: u64, bf: i32, rows: i64, c: i32, chunk: i32, partial: u64)
+        over [(rows + chunk as i64 - 1) / chunk as i64, c];
+    fn bn_grad_partial(x: u64, dy: u64, y: u64, bf: i32, rows: i64, c: i32, chunk: i32,
+        mean: u64, inv_std: u64, partial: u64) over [(rows + chunk as i64 - 1) / chunk as i64, c];
+    fn bn_fold(input: u64, groups: i64, c: i32, fan: i32, out: u64)
+        over [(groups + fan as i64 - 1) / fan as i64, c];
+    fn bn_stats_finish(sums: u64, x: u64, bf: i32, rows: i64, c: i32, momentum: f32, eps: f32,
+        running_mean: u64, running_var: u64, mean: u64, inv_std: u64) over [c];
+    fn bn_forward_apply(x: u64, z: u64, y: u64, bf: i32, rows: i64, c: i32, mean: u64,
+        inv_std: u64, gamma: u64, beta: u64, relu: i32) over [rows, c];
+    fn bn_backward_apply(x: u64, dy: u64, y: u64, dz: u64, dx: u64, bf: i32, rows: i64, c: i32,
+        mean: u64, inv_std: u64, gamma: u64, sums: u64) over [rows, c];
+    fn bn_grad_finish(sums: u64, c: i32, dgamma: u64, dbeta: u64) over [c];
 }
 
 fn int(x: usize, what: &str) -> i32 {
@@ -507,6 +520,225 @@ pub fn softmax_cross_entropy(
         grad_scale,
     );
     raw::sum_row_stats(l, row_stats.ptr, totals.ptr, int(n, "rows"));
+}
+
+/// Rows each of a batch norm's partial sums covers.
+pub const BN_CHUNK_ROWS: usize = 64;
+
+/// Groups of a batch norm's partial sums folded into one at a time.
+pub const BN_FOLD: usize = 32;
+
+/// f32 slots of the scratch [`batch_norm_forward_training`] and [`batch_norm_backward`] need
+/// over `rows` rows of `c` channels: two regions of f64 pairs a channel, one per chunk of
+/// [`BN_CHUNK_ROWS`] rows and one per [`BN_FOLD`] chunks, folded into each other in turn.
+pub fn batch_norm_scratch_len(rows: usize, c: usize) -> usize {
+    let chunks = rows.div_ceil(BN_CHUNK_ROWS);
+    4 * c * (chunks + chunks.div_ceil(BN_FOLD))
+}
+
+fn batch_norm_scratch(scratch: &Operand, rows: usize, c: usize) -> usize {
+    assert!(
+        scratch.len * scratch.dtype.size() >= 4 * batch_norm_scratch_len(rows, c),
+        "batch-norm scratch of {} elements for {rows} rows of {c} channels",
+        scratch.len
+    );
+    rows.div_ceil(BN_CHUNK_ROWS)
+}
+
+/// Batch norm's parameters and statistics: f32, one a channel.
+fn per_channel<const N: usize>(c: usize, operands: [(&Operand, &str); N]) {
+    for (p, what) in operands {
+        p.f32_only(what);
+        assert_eq!(p.len, c, "batch-norm {what}: one a channel");
+    }
+}
+
+/// Folds the `chunks` groups of partial sums at the start of `scratch` down to one, through
+/// its second region; the address of the per-channel pairs.
+fn fold_to_one(
+    l: &(impl KernelLauncher + ?Sized),
+    scratch: &Operand,
+    c: usize,
+    chunks: usize,
+) -> u64 {
+    let (mut from, mut to) = (scratch.ptr, scratch.ptr + (16 * c * chunks) as u64);
+    let mut groups = chunks;
+    while groups > 1 {
+        raw::bn_fold(
+            l,
+            from,
+            groups as i64,
+            int(c, "channels"),
+            BN_FOLD as i32,
+            to,
+        );
+        groups = groups.div_ceil(BN_FOLD);
+        std::mem::swap(&mut from, &mut to);
+    }
+    from
+}
+
+/// Batch norm with the batch's statistics over an NHWC batch of `n·hw` rows of `c` channels,
+/// then `epilogue`, rounded once into `y`; updates the running mean and unbiased variance
+/// and writes the batch's mean and `1/sqrt(var + eps)` (what backward needs, as cuDNN's
+/// saved statistics). Parameters and statistics f32; `scratch` of
+/// [`batch_norm_scratch_len`] f32s.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm_forward_training(
+    l: &(impl KernelLauncher + ?Sized),
+    (n, c, hw): (usize, usize, usize),
+    config: BatchNormConfig,
+    x: Operand,
+    gamma: Operand,
+    beta: Operand,
+    running_mean: Operand,
+    running_var: Operand,
+    epilogue: BnEpilogue<Operand>,
+    y: Operand,
+    mean: Operand,
+    inv_std: Operand,
+    scratch: Operand,
+) {
+    let rows = n * hw;
+    assert_eq!(x.len, rows * c, "batch-norm input shape");
+    same_len(&x, &y, "batch-norm output");
+    per_channel(
+        c,
+        [
+            (&gamma, "γ"),
+            (&beta, "β"),
+            (&running_mean, "running mean"),
+            (&running_var, "running variance"),
+            (&mean, "mean"),
+            (&inv_std, "inverse deviation"),
+        ],
+    );
+    let chunks = batch_norm_scratch(&scratch, rows, c);
+    let (rows_i, c_i) = (rows as i64, int(c, "channels"));
+    raw::bn_stats_partial(
+        l,
+        x.ptr,
+        x.bf(),
+        rows_i,
+        c_i,
+        BN_CHUNK_ROWS as i32,
+        scratch.ptr,
+    );
+    let sums = fold_to_one(l, &scratch, c, chunks);
+    raw::bn_stats_finish(
+        l,
+        sums,
+        x.ptr,
+        x.bf(),
+        rows_i,
+        c_i,
+        config.momentum,
+        config.eps,
+        running_mean.ptr,
+        running_var.ptr,
+        mean.ptr,
+        inv_std.ptr,
+    );
+    let (z, relu) = match epilogue {
+        BnEpilogue::Identity => (0, 0),
+        BnEpilogue::Relu => (0, 1),
+        BnEpilogue::AddRelu(z) => {
+            assert_eq!((z.len, z.dtype), (x.len, x.dtype), "batch-norm residual");
+            (z.ptr, 1)
+        }
+    };
+    raw::bn_forward_apply(
+        l,
+        x.ptr,
+        z,
+        y.ptr,
+        x.bf(),
+        rows_i,
+        c_i,
+        mean.ptr,
+        inv_std.ptr,
+        gamma.ptr,
+        beta.ptr,
+        relu,
+    );
+}
+
+/// Batch-norm backward through `epilogue` from the forward pass's input `x`, mean and
+/// inverse deviation: overwrites `dx` (and the residual's `dz`), accumulates `dgamma` and
+/// `dbeta`; `scratch` of [`batch_norm_scratch_len`] f32s.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm_backward(
+    l: &(impl KernelLauncher + ?Sized),
+    (n, c, hw): (usize, usize, usize),
+    x: Operand,
+    mean: Operand,
+    inv_std: Operand,
+    gamma: Operand,
+    epilogue: BnEpilogueGrad<Operand, Operand>,
+    dy: Operand,
+    dx: Operand,
+    dgamma: Operand,
+    dbeta: Operand,
+    scratch: Operand,
+) {
+    let rows = n * hw;
+    assert_eq!(x.len, rows * c, "batch-norm input shape");
+    same_len(&x, &dy, "batch-norm output gradient");
+    same_len(&x, &dx, "batch-norm input gradient");
+    per_channel(
+        c,
+        [
+            (&gamma, "γ"),
+            (&mean, "mean"),
+            (&inv_std, "inverse deviation"),
+            (&dgamma, "dγ"),
+            (&dbeta, "dβ"),
+        ],
+    );
+    let (y, dz) = match epilogue {
+        BnEpilogueGrad::Identity => (0, 0),
+        BnEpilogueGrad::Relu { y } => {
+            same_len(&x, &y, "batch-norm forward output");
+            (y.ptr, 0)
+        }
+        BnEpilogueGrad::AddRelu { y, dz } => {
+            same_len(&x, &y, "batch-norm forward output");
+            same_len(&x, &dz, "batch-norm residual gradient");
+            (y.ptr, dz.ptr)
+        }
+    };
+    let chunks = batch_norm_scratch(&scratch, rows, c);
+    let (rows_i, c_i) = (rows as i64, int(c, "channels"));
+    raw::bn_grad_partial(
+        l,
+        x.ptr,
+        dy.ptr,
+        y,
+        x.bf(),
+        rows_i,
+        c_i,
+        BN_CHUNK_ROWS as i32,
+        mean.ptr,
+        inv_std.ptr,
+        scratch.ptr,
+    );
+    let sums = fold_to_one(l, &scratch, c, chunks);
+    raw::bn_grad_finish(l, sums, c_i, dgamma.ptr, dbeta.ptr);
+    raw::bn_backward_apply(
+        l,
+        x.ptr,
+        dy.ptr,
+        y,
+        dz,
+        dx.ptr,
+        x.bf(),
+        rows_i,
+        c_i,
+        mean.ptr,
+        inv_std.ptr,
+        gamma.ptr,
+        sums,
+    );
 }
 
 #[cfg(test)]
