@@ -36,19 +36,22 @@ export LD_LIBRARY_PATH="$libs$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 echo "== $("$bundle/ringmaster-trainer" info | head -c 2000)"
 case "${1:-tests}" in
   tests)
-    shift
+    shift $(( $# > 0 ? 1 : 0 ))
     cd "$here/.."   # the tests read fixtures relative to the trainer crate
     logs=${LOGS:-$(mktemp -d)}
     mkdir -p "$logs"
     summary=""
     failed=0
-    for test in $("$bundle/gpu-tests" --list --format terse | sed -n 's/: test$//p'); do
+    ran=0
+    tests=$("$bundle/gpu-tests" --list --format terse | sed -n 's/: test$//p')
+    for test in $tests; do
       if [ $# -gt 0 ]; then
         wanted=no
         for name in "$@"; do case "$test" in *"$name"*) wanted=yes ;; esac; done
         [ "$wanted" = yes ] || continue
       fi
       echo "== $test"
+      ran=$((ran + 1))
       started=$(date +%s)
       set +e
       timeout --kill-after=10 "${TEST_TIMEOUT:-300}" "$bundle/gpu-tests" --exact "$test" \
@@ -58,12 +61,14 @@ case "${1:-tests}" in
       tail -n 40 "$logs/$test.log"
       case $status in
         0) verdict=ok ;;
-        124|137) verdict="TIMED OUT after ${TEST_TIMEOUT:-300} s" ;;
+        124) verdict="TIMED OUT after ${TEST_TIMEOUT:-300} s" ;;
+        137) verdict="KILLED (past the time limit, or out of memory)" ;;
         *) verdict="FAILED (exit $status)" ;;
       esac
       [ $status -eq 0 ] || failed=$((failed + 1))
       summary="$summary$(printf '%-90s %s (%s s)' "$test" "$verdict" $(( $(date +%s) - started )))\n"
     done
+    [ "$ran" -gt 0 ] || { echo "no test of $bundle/gpu-tests matches: ${*:-(all)}" >&2; exit 1; }
     printf '\n== summary\n%b' "$summary"
     [ "$failed" -eq 0 ] || { echo "$failed test(s) failed; logs in $logs" >&2; exit 1; }
     ;;

@@ -131,11 +131,10 @@ impl Mem {
     }
 
     fn op(&mut self) -> Operand {
-        Operand {
-            ptr: self.words.as_mut_ptr() as u64,
-            len: self.len,
-            dtype: self.dtype,
-        }
+        // SAFETY: `words` holds `len` elements of `dtype`, 8-byte aligned, and lives through
+        // the test's launches (each runs to the end before the call returns); the tests
+        // read it back only after.
+        unsafe { Operand::new(self.words.as_mut_ptr() as u64, self.len, self.dtype) }
     }
 
     fn values(&self) -> Vec<f32> {
@@ -580,183 +579,207 @@ enum Then {
     AddRelu,
 }
 
-#[test]
-fn our_batch_norm_matches_the_cpu_in_training_and_backward_with_each_epilogue() {
+/// Our batch norm against the CPU's on `x` (NCHW over `(n, c, hw)`, values of `dtype`), with
+/// each epilogue, on each grid.
+fn check_our_batch_norm((n, c, hw): (usize, usize, usize), x: &[f32], dtype: DType) {
     let cpu = CpuBackend;
     let config = BatchNormConfig {
         momentum: 0.1,
         eps: 1e-5,
     };
-    // Small; 6 channels (cuDNN's fused kernels want multiples of 4, ours do not); 5000 rows,
-    // 79 chunks of partial sums folded twice (79 → 3 → 1).
-    for (n, c, hw) in [(4, 16, 25), (3, 6, 7), (5, 8, 1000)] {
-        let len = n * c * hw;
-        let shape = [n, c, hw, 1];
-        for dtype in DTYPES {
-            let (tol, grad_tol) = match dtype {
-                DType::F32 => (1e-5, 1e-5),
-                DType::Bf16 => (1e-2, 1e-4),
+    let len = n * c * hw;
+    let shape = [n, c, hw, 1];
+    let (tol, grad_tol) = match dtype {
+        DType::F32 => (1e-5, 1e-5),
+        DType::Bf16 => (1e-2, 1e-4),
+    };
+    let z = random(len, 21, dtype);
+    let dy = random(len, 22, dtype);
+    let (gamma, beta) = (random(c, 23, DType::F32), random(c, 24, DType::F32));
+    for then in [Then::Nothing, Then::Relu, Then::AddRelu] {
+        for grid in grids() {
+            let what = format!("{dtype:?} batch norm {:?} then {then:?}", (n, c, hw));
+            let mut xm = Mem::with(&to_nhwc(x, shape), dtype);
+            let mut zm = Mem::with(&to_nhwc(&z, shape), dtype);
+            let (mut g, mut b) = (Mem::with(&gamma, DType::F32), Mem::with(&beta, DType::F32));
+            let (mut rm, mut rv) = (
+                Mem::with(&vec![0.0; c], DType::F32),
+                Mem::with(&vec![1.0; c], DType::F32),
+            );
+            let (mut mean, mut inv_std) = (Mem::nan(c, DType::F32), Mem::nan(c, DType::F32));
+            let mut scratch = Mem::nan(kernels::batch_norm_scratch_len(n * hw, c), DType::F32);
+            let mut y = Mem::nan(len, dtype);
+            let epilogue = match then {
+                Then::Nothing => BnEpilogue::Identity,
+                Then::Relu => BnEpilogue::Relu,
+                Then::AddRelu => BnEpilogue::AddRelu(zm.op()),
             };
+            kernels::batch_norm_forward_training(
+                &grid,
+                (n, c, hw),
+                config,
+                xm.op(),
+                g.op(),
+                b.op(),
+                rm.op(),
+                rv.op(),
+                epilogue,
+                y.op(),
+                mean.op(),
+                inv_std.op(),
+                scratch.op(),
+            );
+            let (mut dym, mut dx, mut dz) = (
+                Mem::with(&to_nhwc(&dy, shape), dtype),
+                Mem::nan(len, dtype),
+                Mem::nan(len, dtype),
+            );
+            // Gradients start non-zero: they accumulate.
+            let (mut dg, mut db) = (
+                Mem::with(&vec![0.5; c], DType::F32),
+                Mem::with(&vec![0.5; c], DType::F32),
+            );
+            let epilogue = match then {
+                Then::Nothing => BnEpilogueGrad::Identity,
+                Then::Relu => BnEpilogueGrad::Relu { y: y.op() },
+                Then::AddRelu => BnEpilogueGrad::AddRelu {
+                    y: y.op(),
+                    dz: dz.op(),
+                },
+            };
+            kernels::batch_norm_backward(
+                &grid,
+                (n, c, hw),
+                xm.op(),
+                mean.op(),
+                inv_std.op(),
+                g.op(),
+                epilogue,
+                dym.op(),
+                dx.op(),
+                dg.op(),
+                db.op(),
+                scratch.op(),
+            );
+
+            let (mut want_rm, mut want_rv) = (vec![0.0; c], vec![1.0; c]);
+            let mut want_y = vec![0.0; len];
+            let epilogue = match then {
+                Then::Nothing => BnEpilogue::Identity,
+                Then::Relu => BnEpilogue::Relu,
+                Then::AddRelu => BnEpilogue::AddRelu(&z[..]),
+            };
+            let saved = cpu.batch_norm_forward_training(
+                (n, c, hw),
+                config,
+                x,
+                &gamma,
+                &beta,
+                &mut want_rm,
+                &mut want_rv,
+                epilogue,
+                &mut want_y,
+            );
+            // Backward through the ReLU as ours decided it: where an input is within
+            // rounding of 0 the two may decide otherwise, and that is not under test.
+            let our_y = to_nchw(&y.values(), shape);
+            let (mut want_dx, mut want_dz) = (vec![0.0; len], vec![0.0; len]);
+            let (mut want_dg, mut want_db) = (vec![0.5; c], vec![0.5; c]);
+            let epilogue = match then {
+                Then::Nothing => BnEpilogueGrad::Identity,
+                Then::Relu => BnEpilogueGrad::Relu { y: &our_y[..] },
+                Then::AddRelu => BnEpilogueGrad::AddRelu {
+                    y: &our_y[..],
+                    dz: &mut want_dz[..],
+                },
+            };
+            cpu.batch_norm_backward(
+                (n, c, hw),
+                config,
+                &saved,
+                &gamma,
+                &beta,
+                epilogue,
+                &dy,
+                &mut want_dx,
+                &mut want_dg,
+                &mut want_db,
+            );
+
+            assert_close(&format!("{what}: output"), &our_y, &want_y, tol);
+            assert_close(
+                &format!("{what}: running mean"),
+                &rm.values(),
+                &want_rm,
+                1e-5,
+            );
+            assert_close(
+                &format!("{what}: running variance"),
+                &rv.values(),
+                &want_rv,
+                1e-5,
+            );
+            assert_close(
+                &format!("{what}: inverse deviation"),
+                &inv_std.values(),
+                &saved.inv_std,
+                1e-5,
+            );
+            assert_close(
+                &format!("{what}: input gradient"),
+                &to_nchw(&dx.values(), shape),
+                &want_dx,
+                tol,
+            );
+            assert_close(&format!("{what}: dγ"), &dg.values(), &want_dg, grad_tol);
+            assert_close(&format!("{what}: dβ"), &db.values(), &want_db, grad_tol);
+            if then == Then::AddRelu {
+                assert_close(
+                    &format!("{what}: residual gradient"),
+                    &to_nchw(&dz.values(), shape),
+                    &want_dz,
+                    0.0,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn our_batch_norm_matches_the_cpu_in_training_and_backward_with_each_epilogue() {
+    // Small; 6 channels (cuDNN's fused kernels want multiples of 4, ours do not); 5000 rows,
+    // 79 chunks of partial sums folded twice (79 → 3 → 1); 66 000 rows, folded three times
+    // (1032 → 33 → 2 → 1), so the second region is written twice.
+    for dims in [(4, 16, 25), (3, 6, 7), (5, 8, 1000), (2, 4, 33_000)] {
+        let len = dims.0 * dims.1 * dims.2;
+        for dtype in DTYPES {
             // Shifted and scaled, so the statistics are not the trivial ones.
             let x: Vec<f32> = random(len, 20, DType::F32)
                 .iter()
                 .map(|v| in_type(3.0 * v + 0.5, dtype))
                 .collect();
-            let z = random(len, 21, dtype);
-            let dy = random(len, 22, dtype);
-            let (gamma, beta) = (random(c, 23, DType::F32), random(c, 24, DType::F32));
-            for then in [Then::Nothing, Then::Relu, Then::AddRelu] {
-                for grid in grids() {
-                    let what = format!("{dtype:?} batch norm {:?} then {then:?}", (n, c, hw));
-                    let mut xm = Mem::with(&to_nhwc(&x, shape), dtype);
-                    let mut zm = Mem::with(&to_nhwc(&z, shape), dtype);
-                    let (mut g, mut b) =
-                        (Mem::with(&gamma, DType::F32), Mem::with(&beta, DType::F32));
-                    let (mut rm, mut rv) = (
-                        Mem::with(&vec![0.0; c], DType::F32),
-                        Mem::with(&vec![1.0; c], DType::F32),
-                    );
-                    let (mut mean, mut inv_std) =
-                        (Mem::nan(c, DType::F32), Mem::nan(c, DType::F32));
-                    let mut scratch =
-                        Mem::nan(kernels::batch_norm_scratch_len(n * hw, c), DType::F32);
-                    let mut y = Mem::nan(len, dtype);
-                    let epilogue = match then {
-                        Then::Nothing => BnEpilogue::Identity,
-                        Then::Relu => BnEpilogue::Relu,
-                        Then::AddRelu => BnEpilogue::AddRelu(zm.op()),
-                    };
-                    kernels::batch_norm_forward_training(
-                        &grid,
-                        (n, c, hw),
-                        config,
-                        xm.op(),
-                        g.op(),
-                        b.op(),
-                        rm.op(),
-                        rv.op(),
-                        epilogue,
-                        y.op(),
-                        mean.op(),
-                        inv_std.op(),
-                        scratch.op(),
-                    );
-                    let (mut dym, mut dx, mut dz) = (
-                        Mem::with(&to_nhwc(&dy, shape), dtype),
-                        Mem::nan(len, dtype),
-                        Mem::nan(len, dtype),
-                    );
-                    // Gradients start non-zero: they accumulate.
-                    let (mut dg, mut db) = (
-                        Mem::with(&vec![0.5; c], DType::F32),
-                        Mem::with(&vec![0.5; c], DType::F32),
-                    );
-                    let epilogue = match then {
-                        Then::Nothing => BnEpilogueGrad::Identity,
-                        Then::Relu => BnEpilogueGrad::Relu { y: y.op() },
-                        Then::AddRelu => BnEpilogueGrad::AddRelu {
-                            y: y.op(),
-                            dz: dz.op(),
-                        },
-                    };
-                    kernels::batch_norm_backward(
-                        &grid,
-                        (n, c, hw),
-                        xm.op(),
-                        mean.op(),
-                        inv_std.op(),
-                        g.op(),
-                        epilogue,
-                        dym.op(),
-                        dx.op(),
-                        dg.op(),
-                        db.op(),
-                        scratch.op(),
-                    );
-
-                    let (mut want_rm, mut want_rv) = (vec![0.0; c], vec![1.0; c]);
-                    let mut want_y = vec![0.0; len];
-                    let epilogue = match then {
-                        Then::Nothing => BnEpilogue::Identity,
-                        Then::Relu => BnEpilogue::Relu,
-                        Then::AddRelu => BnEpilogue::AddRelu(&z[..]),
-                    };
-                    let saved = cpu.batch_norm_forward_training(
-                        (n, c, hw),
-                        config,
-                        &x,
-                        &gamma,
-                        &beta,
-                        &mut want_rm,
-                        &mut want_rv,
-                        epilogue,
-                        &mut want_y,
-                    );
-                    // Backward through the ReLU as ours decided it: where an input is within
-                    // rounding of 0 the two may decide otherwise, and that is not under test.
-                    let our_y = to_nchw(&y.values(), shape);
-                    let (mut want_dx, mut want_dz) = (vec![0.0; len], vec![0.0; len]);
-                    let (mut want_dg, mut want_db) = (vec![0.5; c], vec![0.5; c]);
-                    let epilogue = match then {
-                        Then::Nothing => BnEpilogueGrad::Identity,
-                        Then::Relu => BnEpilogueGrad::Relu { y: &our_y[..] },
-                        Then::AddRelu => BnEpilogueGrad::AddRelu {
-                            y: &our_y[..],
-                            dz: &mut want_dz[..],
-                        },
-                    };
-                    cpu.batch_norm_backward(
-                        (n, c, hw),
-                        config,
-                        &saved,
-                        &gamma,
-                        &beta,
-                        epilogue,
-                        &dy,
-                        &mut want_dx,
-                        &mut want_dg,
-                        &mut want_db,
-                    );
-
-                    assert_close(&format!("{what}: output"), &our_y, &want_y, tol);
-                    assert_close(
-                        &format!("{what}: running mean"),
-                        &rm.values(),
-                        &want_rm,
-                        1e-5,
-                    );
-                    assert_close(
-                        &format!("{what}: running variance"),
-                        &rv.values(),
-                        &want_rv,
-                        1e-5,
-                    );
-                    assert_close(
-                        &format!("{what}: inverse deviation"),
-                        &inv_std.values(),
-                        &saved.inv_std,
-                        1e-5,
-                    );
-                    assert_close(
-                        &format!("{what}: input gradient"),
-                        &to_nchw(&dx.values(), shape),
-                        &want_dx,
-                        tol,
-                    );
-                    assert_close(&format!("{what}: dγ"), &dg.values(), &want_dg, grad_tol);
-                    assert_close(&format!("{what}: dβ"), &db.values(), &want_db, grad_tol);
-                    if then == Then::AddRelu {
-                        assert_close(
-                            &format!("{what}: residual gradient"),
-                            &to_nchw(&dz.values(), shape),
-                            &want_dz,
-                            0.0,
-                        );
-                    }
-                }
-            }
+            check_our_batch_norm(dims, &x, dtype);
         }
     }
+}
+
+#[test]
+fn our_batch_norm_holds_eps_on_a_constant_channel_and_a_small_spread_round_a_large_mean() {
+    // Channel 0 is constant: its variance is 0, so 1/sqrt(eps) alone scales it, and eps
+    // dropped or misplaced shows. Channel 1 is 1000 + 0.01·v: sums of squares in f32 without
+    // the shift by its first value would lose its variance.
+    let (n, c, hw) = (4, 2, 300);
+    let v = random(n * c * hw, 25, DType::F32);
+    let x: Vec<f32> = (0..n * c * hw)
+        .map(|i| {
+            if (i / hw) % c == 0 {
+                0.75
+            } else {
+                1000.0 + 0.01 * v[i]
+            }
+        })
+        .collect();
+    check_our_batch_norm((n, c, hw), &x, DType::F32);
 }
 
 #[test]

@@ -7,8 +7,10 @@
 //
 // What it does not model: threads running at once. The kernels need none of it (no shared
 // memory, barriers or atomics; each thread writes only its own outputs), and a kernel that
-// came to need it could not be checked here. Nor CUDA's own maths library: exp and log are
-// the C library's, so results agree with a GPU's to rounding, not bit for bit.
+// came to need it could not be checked here. Nor CUDA's own maths library (exp, log and
+// sqrt are the C library's), nor NVRTC's fused multiply-adds (it contracts a*b+c by
+// default; this is built with -ffp-contract=off): results agree with a GPU's to rounding,
+// not bit for bit.
 #include <cmath>
 #include <cstddef>
 #include <cstring>

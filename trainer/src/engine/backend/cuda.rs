@@ -300,11 +300,11 @@ macro_rules! operand {
     ($($t:ty),+) => {$(
         impl $t {
             fn op(&self) -> Operand {
-                Operand {
-                    ptr: self.ptr,
-                    len: self.len,
-                    dtype: self.dtype,
-                }
+                // SAFETY: device memory of this context holding `len` elements of `dtype`
+                // (owned, an arena temporary, or a view of either), 256-byte aligned at
+                // its start and element-aligned within; work on it is ordered on our one
+                // stream.
+                unsafe { Operand::new(self.ptr, self.len, self.dtype) }
             }
         }
     )+};
@@ -460,6 +460,13 @@ impl BatchNormEngine {
 
     /// The engine [`BATCH_NORM_ENV`] names (the default when unset).
     pub fn from_env() -> Result<Self, CudaError> {
+        if let Ok(value) = std::env::var("RINGMASTER_CUDA_FUSED_BN") {
+            return Err(CudaError::Setting {
+                name: "RINGMASTER_CUDA_FUSED_BN",
+                value,
+                expected: "nothing: RINGMASTER_CUDA_BATCH_NORM=plain (or fused, or own) replaces it",
+            });
+        }
         match std::env::var(BATCH_NORM_ENV) {
             Err(_) => Ok(Self::CudnnFused),
             Ok(value) => {
@@ -606,11 +613,14 @@ impl BnPlan {
     }
 }
 
-/// Whether a cuDNN status says "not this": cuDNN 9 reports its refusals with detailed codes
-/// (`CUDNN_STATUS_NOT_SUPPORTED_SHAPE`, `…_LAYOUT`, `CUDNN_STATUS_BAD_PARAM_…`), grouped by
-/// thousands: 2xxx bad parameter, 3xxx not supported.
+/// Whether a cuDNN status says "not this": cuDNN 9 reports refusals with detailed codes in
+/// the 3xxx range (`CUDNN_STATUS_NOT_SUPPORTED`, `…_SHAPE`, `…_LAYOUT`, `…_DATA_TYPE`), and
+/// a bare `CUDNN_STATUS_BAD_PARAM` (2000) for a combination it does not take. The other
+/// 2xxx codes (null or misaligned pointers, a workspace too small, a stream mismatch) are
+/// our mistakes, and panic.
 fn is_refusal(status: cudnn::cudnnStatus_t) -> bool {
-    matches!(status as u32 / 1000, 2 | 3)
+    let code = status as u32;
+    code == 2000 || code / 1000 == 3
 }
 
 /// A batch-norm plan, as [`CudaBackend::batch_norm_plans`] reports it.
@@ -846,6 +856,16 @@ impl CudaBackend {
     /// What computes training batch norm.
     pub fn batch_norm_engine(&self) -> BatchNormEngine {
         self.inner.batch_norm.get()
+    }
+
+    /// Scratch for our batch-norm kernels over `(n, c, hw)`: the workspace, reused by every
+    /// call (the stream orders them), so the engine costs no arena per batch norm.
+    fn batch_norm_scratch(&self, (n, c, hw): (usize, usize, usize)) -> Operand {
+        let len = kernels::batch_norm_scratch_len(n * hw, c);
+        let (ws, _) = self.workspace(len * DType::F32.size());
+        // SAFETY: the workspace holds at least `len` f32s, 256-byte aligned, and nothing
+        // else uses it until the kernels queued with it have run (one stream).
+        unsafe { Operand::new(ws, len, DType::F32) }
     }
 
     /// The batch-norm plans made so far, sorted, and which of them cuDNN's fused calls run.
@@ -1663,8 +1683,7 @@ impl Backend for CudaBackend {
             reserve,
         };
         if self.inner.batch_norm.get() == BatchNormEngine::Own {
-            let (n, c, hw) = dims;
-            let scratch = self.arena_alloc(kernels::batch_norm_scratch_len(n * hw, c), DType::F32);
+            let scratch = self.batch_norm_scratch(dims);
             let epilogue = match epilogue {
                 BnEpilogue::Identity => BnEpilogue::Identity,
                 BnEpilogue::Relu => BnEpilogue::Relu,
@@ -1683,7 +1702,7 @@ impl Backend for CudaBackend {
                 y.op(),
                 mean.op(),
                 inv_var.op(),
-                scratch.op(),
+                scratch,
             );
             return saved(None);
         }
@@ -1822,8 +1841,7 @@ impl Backend for CudaBackend {
         let dtype = saved.x.dtype;
         if self.inner.batch_norm.get() == BatchNormEngine::Own {
             // From the saved mean and inverse deviation, whichever engine ran forward.
-            let (n, c, hw) = dims;
-            let scratch = self.arena_alloc(kernels::batch_norm_scratch_len(n * hw, c), DType::F32);
+            let scratch = self.batch_norm_scratch(dims);
             let epilogue = match epilogue {
                 BnEpilogueGrad::Identity => BnEpilogueGrad::Identity,
                 BnEpilogueGrad::Relu { y } => BnEpilogueGrad::Relu { y: y.op() },
@@ -1844,7 +1862,7 @@ impl Backend for CudaBackend {
                 dx.op(),
                 dgamma.op(),
                 dbeta.op(),
-                scratch.op(),
+                scratch,
             );
             return;
         }
@@ -1863,11 +1881,8 @@ impl Backend for CudaBackend {
         let param_grads = self.arena_alloc(2 * c, DType::F32);
         let (scratch_dgamma, scratch_dbeta) = (param_grads.ptr, param_grads.ptr + (c * 4) as u64);
         let accumulate = || {
-            let scratch = |ptr| Operand {
-                ptr,
-                len: c,
-                dtype: DType::F32,
-            };
+            // SAFETY: each half of `param_grads`, `c` f32s of this step's arena.
+            let scratch = |ptr| unsafe { Operand::new(ptr, c, DType::F32) };
             kernels::add_assign(self, dgamma.op(), scratch(scratch_dgamma));
             kernels::add_assign(self, dbeta.op(), scratch(scratch_dbeta));
         };

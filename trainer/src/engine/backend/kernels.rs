@@ -34,18 +34,28 @@ pub trait KernelLauncher {
 }
 
 /// Memory a kernel reads or writes: its address (on the device, for the CUDA backend), its
-/// element count and their type.
+/// element count and their type. Made only by [`Operand::new`], whose caller vouches for
+/// the memory: that is what makes the calls below safe to make.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Operand {
-    /// The address of element 0.
-    pub ptr: u64,
-    /// Elements.
-    pub len: usize,
-    /// Their type.
-    pub dtype: DType,
+    ptr: u64,
+    len: usize,
+    dtype: DType,
 }
 
 impl Operand {
+    /// `len` elements of `dtype` at `ptr`.
+    ///
+    /// # Safety
+    ///
+    /// `ptr` is the address of `len` elements of `dtype`, aligned for them (and for f64s in
+    /// the scratch of [`softmax_cross_entropy`] and the batch norms), memory the launcher's
+    /// kernels can reach (device memory for the CUDA backend, host memory for an
+    /// emulation), live and not used by anything else until the kernels given it have run.
+    pub unsafe fn new(ptr: u64, len: usize, dtype: DType) -> Self {
+        Self { ptr, len, dtype }
+    }
+
     /// The kernels' `bf` flag: 1 for bf16 elements, 0 for f32.
     fn bf(&self) -> i32 {
         i32::from(self.dtype == DType::Bf16)
@@ -161,6 +171,16 @@ fn same_len(a: &Operand, b: &Operand, what: &str) {
     );
 }
 
+/// Same length and element type: the kernels read and write both with one `bf` flag.
+fn alike(a: &Operand, b: &Operand, what: &str) {
+    same_len(a, b, what);
+    assert_eq!(
+        a.dtype, b.dtype,
+        "{what}: operands of {:?} and {:?}",
+        a.dtype, b.dtype
+    );
+}
+
 /// `y = x`, converted to `y`'s element type (bf16 rounded to nearest even).
 pub fn convert(l: &(impl KernelLauncher + ?Sized), x: Operand, y: Operand) {
     same_len(&x, &y, "convert");
@@ -256,21 +276,20 @@ pub fn add_weight_grad_to_master(
 
 /// `y = max(x, 0)`; `y` may be `x`.
 pub fn relu_forward(l: &(impl KernelLauncher + ?Sized), x: Operand, y: Operand) {
-    same_len(&x, &y, "relu_forward");
+    alike(&x, &y, "relu_forward");
     raw::relu_forward(l, x.ptr, y.ptr, x.bf(), x.len as i64);
 }
 
 /// `dx = dy` where the forward output `y` is positive, else 0.
 pub fn relu_backward(l: &(impl KernelLauncher + ?Sized), y: Operand, dy: Operand, dx: Operand) {
-    same_len(&y, &dy, "relu_backward");
-    same_len(&y, &dx, "relu_backward");
+    alike(&y, &dy, "relu_backward");
+    alike(&y, &dx, "relu_backward");
     raw::relu_backward(l, y.ptr, dy.ptr, dx.ptr, y.bf(), y.len as i64);
 }
 
 /// `a += b`, element-wise.
 pub fn add_assign(l: &(impl KernelLauncher + ?Sized), a: Operand, b: Operand) {
-    same_len(&a, &b, "add_assign");
-    assert_eq!(a.dtype, b.dtype, "add_assign types");
+    alike(&a, &b, "add_assign");
     raw::add_assign(l, a.ptr, b.ptr, a.bf(), a.len as i64);
 }
 
@@ -306,6 +325,7 @@ pub fn max_pool_forward(
 ) {
     let (oh, ow) = s.output_size();
     assert_eq!(x.len, s.planes * s.h * s.w, "max_pool_forward input shape");
+    assert_eq!(x.dtype, y.dtype, "max_pool_forward types");
     assert_eq!(y.len, s.planes * oh * ow, "max_pool_forward output shape");
     assert!(
         argmax.len == y.len && argmax.dtype.size() == 4,
@@ -345,6 +365,7 @@ pub fn max_pool_backward(
         s.planes * s.h * s.w,
         "max_pool_backward input shape"
     );
+    assert_eq!(dy.dtype, dx.dtype, "max_pool_backward types");
     assert_eq!(argmax.len, dy.len, "max_pool_backward argmax");
     let [n, c, h, w, oh, ow, k, stride, pad] = pool_dims(s);
     raw::max_pool_backward(
@@ -537,6 +558,11 @@ pub fn batch_norm_scratch_len(rows: usize, c: usize) -> usize {
 }
 
 fn batch_norm_scratch(scratch: &Operand, rows: usize, c: usize) -> usize {
+    assert_eq!(
+        scratch.ptr % 8,
+        0,
+        "batch-norm scratch holds f64s: 8-byte aligned"
+    );
     assert!(
         scratch.len * scratch.dtype.size() >= 4 * batch_norm_scratch_len(rows, c),
         "batch-norm scratch of {} elements for {rows} rows of {c} channels",
@@ -600,8 +626,8 @@ pub fn batch_norm_forward_training(
     scratch: Operand,
 ) {
     let rows = n * hw;
-    assert_eq!(x.len, rows * c, "batch-norm input shape");
-    same_len(&x, &y, "batch-norm output");
+    assert!(rows > 0 && x.len == rows * c, "batch-norm input shape");
+    alike(&x, &y, "batch-norm output");
     per_channel(
         c,
         [
@@ -643,7 +669,7 @@ pub fn batch_norm_forward_training(
         BnEpilogue::Identity => (0, 0),
         BnEpilogue::Relu => (0, 1),
         BnEpilogue::AddRelu(z) => {
-            assert_eq!((z.len, z.dtype), (x.len, x.dtype), "batch-norm residual");
+            alike(&x, &z, "batch-norm residual");
             (z.ptr, 1)
         }
     };
@@ -682,9 +708,9 @@ pub fn batch_norm_backward(
     scratch: Operand,
 ) {
     let rows = n * hw;
-    assert_eq!(x.len, rows * c, "batch-norm input shape");
-    same_len(&x, &dy, "batch-norm output gradient");
-    same_len(&x, &dx, "batch-norm input gradient");
+    assert!(rows > 0 && x.len == rows * c, "batch-norm input shape");
+    alike(&x, &dy, "batch-norm output gradient");
+    alike(&x, &dx, "batch-norm input gradient");
     per_channel(
         c,
         [
@@ -698,12 +724,12 @@ pub fn batch_norm_backward(
     let (y, dz) = match epilogue {
         BnEpilogueGrad::Identity => (0, 0),
         BnEpilogueGrad::Relu { y } => {
-            same_len(&x, &y, "batch-norm forward output");
+            alike(&x, &y, "batch-norm forward output");
             (y.ptr, 0)
         }
         BnEpilogueGrad::AddRelu { y, dz } => {
-            same_len(&x, &y, "batch-norm forward output");
-            same_len(&x, &dz, "batch-norm residual gradient");
+            alike(&x, &y, "batch-norm forward output");
+            alike(&x, &dz, "batch-norm residual gradient");
             (y.ptr, dz.ptr)
         }
     };
