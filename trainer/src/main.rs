@@ -362,7 +362,7 @@ fn bench_engine(args: &EngineArgs) -> Result<(), String> {
                 let plans = be.batch_norm_plans();
                 let fused = plans.iter().filter(|p| p.fused).count();
                 let fused = format!("{fused}/{}", plans.len());
-                let engine = be.batch_norm_engine().name().to_string();
+                let engine = be.batch_norm_engine();
                 ("cuda", figures, Some(peak as u64), Some((engine, fused)))
             }
             _ => ("cpu", measure(CpuBackend, args, arch, dtype)?, None, None),
@@ -380,9 +380,9 @@ fn bench_engine(args: &EngineArgs) -> Result<(), String> {
         peak_bytes,
         fused_batch_norms: batch_norm
             .as_ref()
-            .filter(|(engine, _)| engine == BatchNormEngine::CudnnFused.name())
+            .filter(|(engine, _)| *engine == BatchNormEngine::CudnnFused)
             .map(|(_, fused)| fused.clone()),
-        batch_norm: batch_norm.map(|(engine, _)| engine),
+        batch_norm: batch_norm.map(|(engine, _)| engine.name().to_string()),
     };
     println!("{}", serde_json::to_string(&row).expect("a row serializes"));
     Ok(())
