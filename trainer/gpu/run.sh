@@ -10,7 +10,8 @@
 #                              any failed. LOGS=DIR keeps each test's output in DIR.
 #   trainer/gpu/run.sh bench   ResNet-50 bf16 at 224 px, batch 256 and 128 (BATCHES): ours,
 #                              with each batch-norm engine (BN_ENGINES), plain and as a CUDA
-#                              graph, next to PyTorch eager and torch.compile; the image-folder
+#                              graph, then fed from host memory every step as `train` is;
+#                              next to PyTorch eager and torch.compile; the image-folder
 #                              loader alone
 #
 # CUDA's libraries are looked for on LD_LIBRARY_PATH, then in the Python environment's
@@ -75,17 +76,27 @@ case "${1:-tests}" in
   bench)
     # Each batch-norm engine (cuDNN fused where it can, cuDNN plain, ours), as it comes and
     # recorded as a CUDA graph; a run that fails or hangs costs its row only.
+    engine() {
+      timeout --kill-after=10 "${RUN_TIMEOUT:-240}" \
+        "$bundle/ringmaster-trainer" bench-engine --device cuda --precision bf16 \
+        --model resnet50 --image-size 224 --steps "${STEPS:-30}" --warmup 5 "$@" \
+        || echo "bench-engine $* (batch norm ${RINGMASTER_CUDA_BATCH_NORM:-fused}): exit $?" >&2
+    }
+    torch_batches=""
     for batch in ${BATCHES:-256 128}; do
       for bn in ${BN_ENGINES:-fused plain own}; do
         for graph in "" --cuda-graph; do
-          RINGMASTER_CUDA_BATCH_NORM=$bn timeout --kill-after=10 "${RUN_TIMEOUT:-240}" \
-            "$bundle/ringmaster-trainer" bench-engine --device cuda --precision bf16 \
-            --model resnet50 --image-size 224 --batch-size "$batch" --steps "${STEPS:-30}" \
-            --warmup 5 $graph || echo "bench-engine batch $batch, batch norm $bn $graph: exit $?" >&2
+          RINGMASTER_CUDA_BATCH_NORM=$bn engine --batch-size "$batch" $graph
         done
       done
+      # The batch uploaded from host memory behind every step, as `train` feeds it: what
+      # that costs next to the rows above.
+      for graph in "" --cuda-graph; do
+        engine --batch-size "$batch" --from-host $graph
+      done
+      torch_batches="$torch_batches --batch $batch"
     done
-    "$python" "$here/bench_torch.py" --steps "${STEPS:-30}"
+    "$python" "$here/bench_torch.py" --steps "${STEPS:-30}" $torch_batches
     data=$(mktemp -d)
     "$bundle/ringmaster-trainer" make-dataset --out "$data" --classes 8 --per-class 128 --image-size 256 >/dev/null
     "$bundle/ringmaster-trainer" bench-loader --data-dir "$data" --batch-size 256 --batches 8

@@ -124,7 +124,7 @@ mod tests {
     }
 }
 
-/// One `bench-engine` measurement: training steps on data already on the device.
+/// One `bench-engine` measurement: training steps on one synthetic batch.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct EngineRow {
@@ -143,6 +143,9 @@ pub struct EngineRow {
     /// Whether the timed steps replayed a recording (CUDA graphs; asked for with
     /// `--cuda-graph`, and never on the CPU).
     pub cuda_graph: bool,
+    /// Whether each step's batch came from host memory (`--from-host`), else it stayed on
+    /// the device.
+    pub from_host: bool,
     /// Training throughput (forward, backward, SGD step).
     pub images_per_second: f64,
     /// Mean time of one step, milliseconds.
@@ -161,35 +164,58 @@ pub struct EngineRow {
     pub fused_batch_norms: Option<String>,
 }
 
-/// Times `steps` SGD steps of `model` on one synthetic batch uploaded once, after `warmup`
-/// untimed steps (algorithm search, first allocations; at least the recorded step's own
-/// warm-up when `record`). Like a PyTorch loop that never calls `loss.item()`, a step
-/// reads nothing back. Returns images/s, milliseconds per step, and whether the timed steps
-/// replayed a recording.
+/// What [`engine`] times.
+#[derive(Clone, Copy, Debug)]
+pub struct EngineBench {
+    /// Side of the square images.
+    pub image_size: usize,
+    /// Images per step.
+    pub batch_size: usize,
+    /// Timed steps.
+    pub steps: usize,
+    /// Untimed steps first (algorithm search, first allocations; at least the recorded
+    /// step's own warm-up when `record`).
+    pub warmup: usize,
+    /// Record the step once warm and replay it.
+    pub record: bool,
+    /// Upload the batch from host memory every step, behind the step before it, as `train`
+    /// does; else it is uploaded once and stays on the device.
+    pub from_host: bool,
+}
+
+/// Times `bench.steps` SGD steps of `model` on one synthetic batch after `bench.warmup`
+/// untimed steps. Like a PyTorch loop that never calls `loss.item()`, a step reads nothing
+/// back. Returns images/s, milliseconds per step, and whether the timed steps replayed a
+/// recording.
 pub fn engine<B: crate::engine::Backend>(
     model: &mut crate::engine::Model<B>,
-    image_size: usize,
-    batch_size: usize,
-    steps: usize,
-    warmup: usize,
-    record: bool,
+    bench: &EngineBench,
 ) -> (f64, f64, bool) {
     use crate::engine::data::SyntheticData;
     use crate::engine::step::{RecordedStep, WARMUP_STEPS};
     let be = model.backend().clone();
+    let EngineBench {
+        image_size,
+        batch_size,
+        steps,
+        ..
+    } = *bench;
     let data = SyntheticData::new(model.num_classes(), image_size, batch_size, 1);
     let (images, labels) = data.batch(&(0..batch_size).collect::<Vec<_>>());
-    let mut recorded = RecordedStep::new(model, batch_size, image_size, record);
+    let mut recorded = RecordedStep::new(model, batch_size, image_size, bench.record);
     recorded.load(model, &images, &labels);
     let mut sgd = crate::engine::Sgd::on(&be, model.params(), 0.9, 5e-5);
     let mut step = |model: &mut crate::engine::Model<B>| {
         recorded.run(model, 0.0);
+        if bench.from_host {
+            recorded.load(model, &images, &labels);
+        }
         sgd.step(model.params_mut(), 0.01);
     };
-    let warmup = if record {
-        warmup.max(WARMUP_STEPS + 1)
+    let warmup = if bench.record {
+        bench.warmup.max(WARMUP_STEPS + 1)
     } else {
-        warmup
+        bench.warmup
     };
     for _ in 0..warmup {
         step(model);

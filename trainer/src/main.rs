@@ -144,6 +144,23 @@ struct EngineArgs {
     /// Record the step once warm and replay it (CUDA graphs); the CPU runs it as it comes.
     #[arg(long)]
     cuda_graph: bool,
+    /// Upload the batch from host memory every step, behind the step before it, as `train`
+    /// does (else it is uploaded once and stays on the device).
+    #[arg(long)]
+    from_host: bool,
+}
+
+impl EngineArgs {
+    fn bench(&self) -> ringmaster_trainer::bench::EngineBench {
+        ringmaster_trainer::bench::EngineBench {
+            image_size: self.image_size,
+            batch_size: self.batch_size,
+            steps: self.steps,
+            warmup: self.warmup,
+            record: self.cuda_graph,
+            from_host: self.from_host,
+        }
+    }
 }
 
 /// A failure and the exit code it leaves with ([`exit`]).
@@ -343,14 +360,7 @@ fn bench_engine(args: &EngineArgs) -> Result<(), String> {
             ));
         }
         let mut model = Model::with_backend(arch, 1000, 1, be).with_activations(dtype);
-        Ok(engine(
-            &mut model,
-            args.image_size,
-            args.batch_size,
-            args.steps,
-            args.warmup,
-            args.cuda_graph,
-        ))
+        Ok(engine(&mut model, &args.bench()))
     }
     let (engine_name, (images_per_second, step_ms, cuda_graph), peak_bytes, batch_norm) =
         match args.device {
@@ -375,6 +385,7 @@ fn bench_engine(args: &EngineArgs) -> Result<(), String> {
         precision: ringmaster_contract::trainer::flag_value(args.precision),
         steps: args.steps,
         cuda_graph,
+        from_host: args.from_host,
         images_per_second,
         step_ms,
         peak_bytes,

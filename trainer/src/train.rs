@@ -275,28 +275,46 @@ fn train_on<B: Backend>(
         // all-reduced during backward is recorded once warm and replayed.
         let mut recorded = (step::recording_requested() && args.micro_batches == 1 && !overlap)
             .then(|| RecordedStep::new(&model, micro, args.image_size, true));
+        let receive = || {
+            prefetched
+                .recv()
+                .expect("the reader thread sends every batch or an error")
+        };
+        // Each batch goes onto the device while the one before it still computes, before the
+        // host waits for that one's loss: on CUDA its copy runs beside the step, and the
+        // conversion queues behind it. The first goes on before the loop.
+        let mut upcoming = Some(receive()?);
+        let mut on_device: Option<(Tensor<B>, Vec<usize>)> = None;
         for step in 0..total_steps {
+            let last_step = step + 1 == total_steps;
             let (mut loss_sum, mut correct) = (0.0f32, 0usize);
             if let Some(recorded) = &mut recorded {
-                let (images, labels) = prefetched
-                    .recv()
-                    .expect("the reader thread sends every batch or an error")?;
-                recorded.load(&model, &images, &labels);
+                if let Some((images, labels)) = upcoming.take() {
+                    recorded.load(&model, &images, &labels);
+                }
                 recorded.run(&mut model, args.label_smoothing);
+                if !last_step {
+                    // Into the step's own inputs: the device reads them in order.
+                    let (images, labels) = receive()?;
+                    recorded.load(&model, &images, &labels);
+                }
                 let stats = recorded.stats(&model);
                 (loss_sum, correct) = (stats.loss, stats.correct);
             } else {
                 model.zero_grads();
                 for m in 0..args.micro_batches {
-                    let (images, labels) = prefetched
-                        .recv()
-                        .expect("the reader thread sends every batch or an error")?;
-                    let images = Tensor::upload(&be, &images, dtype);
+                    let (images, labels) = match (on_device.take(), upcoming.take()) {
+                        (Some(uploaded), _) => uploaded,
+                        (None, Some((images, labels))) => {
+                            (Tensor::upload(&be, &images, dtype), labels)
+                        }
+                        (None, None) => unreachable!("every micro-batch is received ahead"),
+                    };
                     // Micro-batches accumulate: only the last one's backward finishes gradients.
                     let mut buckets = (overlap && m + 1 == args.micro_batches)
                         .then(|| GradientBuckets::new(num_parameters, BUCKET_ELEMENTS));
                     let mut failed = Ok(());
-                    let stats = model.forward_backward_on_device_with(
+                    let queued = model.queue_step(
                         &images,
                         &labels,
                         args.label_smoothing,
@@ -315,6 +333,11 @@ fn train_on<B: Backend>(
                         },
                     );
                     failed?;
+                    if !(last_step && m + 1 == args.micro_batches) {
+                        let (images, labels) = receive()?;
+                        on_device = Some((Tensor::upload(&be, &images, dtype), labels));
+                    }
+                    let stats = model.stats_of(queued);
                     debug_assert!(buckets.is_none_or(|b| b.done()));
                     loss_sum += stats.loss;
                     correct += stats.correct;

@@ -48,3 +48,28 @@ fn a_batch_of_another_shape_is_refused() {
     let (images, labels) = SyntheticData::new(10, 32, 8, 1).batch(&[0, 1, 2, 3, 4, 5, 6, 7]);
     recorded.load(&model, &images, &labels);
 }
+
+/// `bench-engine --from-host` uploads its batch again behind every step, as `train` feeds
+/// its steps: the same batch, so the same training as the batch kept on the device.
+#[test]
+fn the_engine_benchmark_from_host_memory_trains_as_from_the_device() {
+    use ringmaster_trainer::bench::{EngineBench, engine};
+    let arch = Arch::CifarResNet { depth: 8, width: 8 };
+    let run = |from_host| {
+        let mut model = Model::new(arch, 10, 3);
+        let bench = EngineBench {
+            image_size: 16,
+            batch_size: 4,
+            steps: 2,
+            warmup: 1,
+            record: false,
+            from_host,
+        };
+        let (images_per_second, step_ms, recorded) = engine(&mut model, &bench);
+        assert!(images_per_second > 0.0 && step_ms > 0.0 && !recorded);
+        model.params().values.clone()
+    };
+    let (kept, uploaded) = (run(false), run(true));
+    assert_ne!(kept, Model::new(arch, 10, 3).params().values, "it trained");
+    assert_eq!(uploaded, kept);
+}

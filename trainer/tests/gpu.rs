@@ -544,6 +544,36 @@ fn uploads_and_downloads_keep_values_and_layout() {
 }
 
 #[test]
+fn batches_uploaded_back_to_back_reach_each_reader_in_order() {
+    // Batches of an ImageNet shape, uploaded into one buffer one after another without a
+    // wait, each read by a kernel before the next comes: the page-locked staging and the
+    // copy stream must hand each to its reader whole, and reuse the staging only after.
+    let be = gpu();
+    let shape = [64, 3, 224, 224];
+    let len = shape.iter().product();
+    let batches: Vec<Vec<f32>> = (0..4).map(|i| random(len, 30 + i)).collect();
+    for dtype in [DType::F32, DType::Bf16] {
+        let mut input = be.zeros(len, dtype);
+        let read: Vec<_> = batches
+            .iter()
+            .map(|batch| {
+                be.upload_into(batch, &shape, &mut input);
+                let mut copy = be.zeros(len, dtype);
+                be.add_assign(be.view_mut(&mut copy, 0..len), be.view(&input, 0..len));
+                copy
+            })
+            .collect();
+        for (i, (copy, batch)) in read.iter().zip(&batches).enumerate() {
+            // bf16-exact values: both types carry them unchanged.
+            assert!(
+                be.download(copy, &shape) == *batch,
+                "{dtype:?}: batch {i} did not reach its reader as uploaded"
+            );
+        }
+    }
+}
+
+#[test]
 fn a_cifar_step_on_the_gpu_gives_the_cpu_gradients_in_f32() {
     let data = SyntheticData::new(10, 16, 8, 3);
     let (images, labels) = data.batch(&(0..8).collect::<Vec<_>>());

@@ -8,7 +8,8 @@ use common::{json_lines, summary, trainer};
 use std::path::Path;
 
 use ringmaster_trainer::engine::checkpoint;
-use ringmaster_trainer::engine::{Arch, Model};
+use ringmaster_trainer::engine::data::{LearnableData, shard};
+use ringmaster_trainer::engine::{Arch, CpuBackend, LrKind, LrSchedule, Model, Sgd};
 
 const SMALL: &[&str] = &[
     "train",
@@ -258,5 +259,86 @@ fn the_recorded_step_path_of_train_trains_as_the_plain_one() {
     assert_eq!(plain_losses.len(), 5);
     assert_eq!(recorded_losses, plain_losses);
     assert_eq!(recorded_weights, plain_weights);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `train` uploads each micro-batch while the one before it still computes: it must still
+/// give every step the micro-batches its shards name, in order and across an epoch's end.
+/// It logs the losses, and leaves the weights, of the same steps written out by hand.
+#[test]
+fn train_gives_each_step_the_batches_its_shards_name() {
+    use ringmaster_contract::trainer::defaults;
+    let dir = std::env::temp_dir().join(format!("batch-order-{}", std::process::id()));
+    let (steps, micro_batches, micro, dataset, seed) = (6, 2, 8, 64, 7);
+    let out = trainer(
+        &[
+            SMALL,
+            &[
+                "--batch-size",
+                &(micro * micro_batches).to_string(),
+                "--micro-batches",
+                &micro_batches.to_string(),
+                "--steps",
+                &steps.to_string(),
+                "--dataset-size",
+                &dataset.to_string(),
+                "--schedule",
+                "constant",
+                "--seed",
+                &seed.to_string(),
+                "--output-dir",
+                dir.to_str().unwrap(),
+            ],
+        ]
+        .concat(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // As f32, what the trainer computed (serde_json's parse may miss the f64 by an ulp).
+    let logged: Vec<f32> = common::steps(&out.stdout)
+        .iter()
+        .map(|l| l["loss"].as_f64().unwrap() as f32)
+        .collect();
+
+    let data = LearnableData::new(4, 16, seed).with_len(dataset);
+    let mut model = Model::new(Arch::CifarResNet { depth: 8, width: 8 }, 4, seed);
+    let mut sgd = Sgd::on(
+        &CpuBackend,
+        model.params(),
+        defaults::MOMENTUM,
+        defaults::WEIGHT_DECAY,
+    );
+    let schedule = LrSchedule {
+        base_lr: 0.05,
+        warmup_steps: defaults::WARMUP_STEPS,
+        total_steps: steps,
+        kind: LrKind::Constant,
+    };
+    let steps_per_epoch = dataset / micro_batches / micro;
+    assert!(steps > steps_per_epoch, "the run crosses an epoch");
+    let mut by_hand = Vec::new();
+    for step in 0..steps {
+        let (epoch, at) = (step / steps_per_epoch, step % steps_per_epoch);
+        model.zero_grads();
+        let mut loss = 0.0f32;
+        for m in 0..micro_batches {
+            let indices = shard(dataset, m, micro_batches, epoch, seed);
+            let (images, labels) = data.batch(&indices[at * micro..(at + 1) * micro]);
+            let scale = 1.0 / micro_batches as f32;
+            loss += model
+                .forward_backward(&images, &labels, defaults::LABEL_SMOOTHING, scale)
+                .loss;
+        }
+        by_hand.push(loss / micro_batches as f32);
+        sgd.step(model.params_mut(), schedule.lr(step));
+    }
+    assert_eq!(logged, by_hand);
+    assert_eq!(
+        weights(&dir.join("model.safetensors")),
+        model.params().values
+    );
     std::fs::remove_dir_all(&dir).ok();
 }

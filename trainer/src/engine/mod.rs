@@ -18,7 +18,7 @@ pub mod step;
 pub mod tensor;
 
 pub use backend::{Backend, CpuBackend};
-pub use model::{Arch, Model, StepStats};
+pub use model::{Arch, Model, QueuedStats, StepStats};
 pub use optim::{LrKind, LrSchedule, Sgd};
 pub use params::{ParamEntry, ParamStore};
 pub use tensor::Tensor;

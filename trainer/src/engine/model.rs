@@ -44,6 +44,14 @@ pub struct StepStats {
     pub batch: usize,
 }
 
+/// A batch's loss totals while its forward and backward passes are still queued on the
+/// backend ([`Model::queue_step`]); [`Model::stats_of`] waits for them.
+#[must_use = "the totals are read with Model::stats_of"]
+pub struct QueuedStats<B: Backend> {
+    totals: B::Buf,
+    batch: usize,
+}
+
 /// Told during backward that every gradient from a parameter offset to the end of the flat
 /// gradient buffer is final, with the backend and that buffer; the offsets fall to 0.
 pub type GradientsFinal<'a, B> = &'a mut dyn FnMut(&B, &mut <B as Backend>::Buf, usize);
@@ -285,6 +293,22 @@ impl<B: Backend> Model<B> {
         grad_scale: f32,
         final_from: GradientsFinal<'_, B>,
     ) -> StepStats {
+        let queued = self.queue_step(images, labels, label_smoothing, grad_scale, final_from);
+        self.stats_of(queued)
+    }
+
+    /// [`Model::forward_backward_on_device_with`] without waiting for the loss: the caller
+    /// queues what else it can (the next batch's upload) before [`Model::stats_of`] waits,
+    /// so the device is never idle waiting for the host. The totals live until the next
+    /// step starts ([`Backend::begin_step`]).
+    pub fn queue_step(
+        &mut self,
+        images: &Tensor<B>,
+        labels: &[usize],
+        label_smoothing: f32,
+        grad_scale: f32,
+        final_from: GradientsFinal<'_, B>,
+    ) -> QueuedStats<B> {
         let be = self.backend.clone();
         be.begin_step();
         let n = labels.len();
@@ -300,8 +324,12 @@ impl<B: Backend> Model<B> {
             &mut totals,
             final_from,
         );
-        // Read once backward is queued, so the device is never idle waiting for the host.
-        self.read_totals(&totals, n)
+        QueuedStats { totals, batch: n }
+    }
+
+    /// The loss and accuracy of a [`Model::queue_step`] (waits for them).
+    pub fn stats_of(&self, queued: QueuedStats<B>) -> StepStats {
+        self.read_totals(&queued.totals, queued.batch)
     }
 
     /// The loss totals [`Model::queue_forward_backward`] left for a batch of `batch`
