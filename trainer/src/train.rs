@@ -275,6 +275,9 @@ fn train_on<B: Backend>(
         // all-reduced during backward is recorded once warm and replayed.
         let mut recorded = (step::recording_requested() && args.micro_batches == 1 && !overlap)
             .then(|| RecordedStep::new(&model, micro, args.image_size, true));
+        // Dropped with this closure, on any return or panic, so a reader blocked on a full
+        // channel stops and the scope can end.
+        let prefetched = prefetched;
         let receive = || {
             prefetched
                 .recv()
@@ -282,21 +285,26 @@ fn train_on<B: Backend>(
         };
         // Each batch goes onto the device while the one before it still computes, before the
         // host waits for that one's loss: on CUDA its copy runs beside the step, and the
-        // conversion queues behind it. The first goes on before the loop.
-        let mut upcoming = Some(receive()?);
+        // conversion queues behind it. The first is received before the loop. A batch the
+        // source failed to make is an error when its turn comes, after the step before
+        // finished (its all-reduces joined, its update made, its line logged).
+        let mut upcoming = Some(receive());
         let mut on_device: Option<(Tensor<B>, Vec<usize>)> = None;
         for step in 0..total_steps {
             let last_step = step + 1 == total_steps;
             let (mut loss_sum, mut correct) = (0.0f32, 0usize);
             if let Some(recorded) = &mut recorded {
-                if let Some((images, labels)) = upcoming.take() {
+                if let Some(batch) = upcoming.take() {
+                    let (images, labels) = batch?;
                     recorded.load(&model, &images, &labels);
                 }
                 recorded.run(&mut model, args.label_smoothing);
                 if !last_step {
                     // Into the step's own inputs: the device reads them in order.
-                    let (images, labels) = receive()?;
-                    recorded.load(&model, &images, &labels);
+                    match receive() {
+                        Ok((images, labels)) => recorded.load(&model, &images, &labels),
+                        failed => upcoming = Some(failed),
+                    }
                 }
                 let stats = recorded.stats(&model);
                 (loss_sum, correct) = (stats.loss, stats.correct);
@@ -305,7 +313,8 @@ fn train_on<B: Backend>(
                 for m in 0..args.micro_batches {
                     let (images, labels) = match (on_device.take(), upcoming.take()) {
                         (Some(uploaded), _) => uploaded,
-                        (None, Some((images, labels))) => {
+                        (None, Some(batch)) => {
+                            let (images, labels) = batch?;
                             (Tensor::upload(&be, &images, dtype), labels)
                         }
                         (None, None) => unreachable!("every micro-batch is received ahead"),
@@ -334,8 +343,12 @@ fn train_on<B: Backend>(
                     );
                     failed?;
                     if !(last_step && m + 1 == args.micro_batches) {
-                        let (images, labels) = receive()?;
-                        on_device = Some((Tensor::upload(&be, &images, dtype), labels));
+                        match receive() {
+                            Ok((images, labels)) => {
+                                on_device = Some((Tensor::upload(&be, &images, dtype), labels));
+                            }
+                            failed => upcoming = Some(failed),
+                        }
                     }
                     let stats = model.stats_of(queued);
                     debug_assert!(buckets.is_none_or(|b| b.done()));

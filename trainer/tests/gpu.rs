@@ -571,6 +571,27 @@ fn batches_uploaded_back_to_back_reach_each_reader_in_order() {
             );
         }
     }
+    // More batch shapes than the backend keeps staging for, so it lets some go while their
+    // copies may still run; then a backend dropped straight after an upload.
+    let shapes: Vec<[usize; 4]> = (1..=7).map(|n| [n * 8, 3, 64, 64]).collect();
+    let read: Vec<_> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, shape)| {
+            let host = random(shape.iter().product(), 40 + i as u64);
+            let uploaded = be.upload(&host, shape, DType::F32);
+            (host, uploaded)
+        })
+        .collect();
+    for ((host, uploaded), shape) in read.iter().zip(&shapes) {
+        assert!(
+            be.download(uploaded, shape) == *host,
+            "a batch of {shape:?} did not arrive as uploaded"
+        );
+    }
+    let short_lived = gpu();
+    let _ = short_lived.upload(&batches[0], &shape, DType::Bf16);
+    drop(short_lived);
 }
 
 #[test]

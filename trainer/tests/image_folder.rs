@@ -103,3 +103,46 @@ fn training_from_a_jpeg_folder_learns() {
     );
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// A JPEG that does not decode stops `train` with its name once its batch's turn comes,
+/// after the steps before it finished and were logged, however far ahead it was read
+/// (the reader thread and the next-batch upload both run ahead of the step).
+#[test]
+fn a_broken_jpeg_in_the_folder_stops_training_with_its_name() {
+    let dir = temp("broken-train");
+    write_learnable(&dir, 2, 16, 32, 0).unwrap();
+    std::fs::write(
+        dir.join("train/class-001/zz-broken.jpg"),
+        b"this is not a JPEG",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_ringmaster-trainer"))
+        .args(["train", "--model", "cifar8", "--width", "8"])
+        .args([
+            "--image-size",
+            "24",
+            "--batch-size",
+            "4",
+            "--micro-batches",
+            "2",
+        ])
+        .args(["--epochs", "3", "--log-every", "1", "--data-dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "it trained past the broken file");
+    assert!(stderr.contains("zz-broken.jpg"), "{stderr}");
+    // 33 images, 2 micro-batches of 2 on one rank: 8 steps an epoch.
+    let logged = common::steps(&out.stdout);
+    assert!(logged.len() < 3 * 8, "{} steps logged", logged.len());
+    for (i, line) in logged.iter().enumerate() {
+        assert_eq!(
+            line["step"],
+            i as u64 + 1,
+            "steps logged in order, none lost"
+        );
+        assert!(line["loss"].is_number(), "{line}");
+    }
+    std::fs::remove_dir_all(dir).ok();
+}

@@ -299,8 +299,8 @@ impl<B: Backend> Model<B> {
 
     /// [`Model::forward_backward_on_device_with`] without waiting for the loss: the caller
     /// queues what else it can (the next batch's upload) before [`Model::stats_of`] waits,
-    /// so the device is never idle waiting for the host. The totals live until the next
-    /// step starts ([`Backend::begin_step`]).
+    /// so that work overlaps this step's. The totals live until the next step starts
+    /// ([`Backend::begin_step`]).
     pub fn queue_step(
         &mut self,
         images: &Tensor<B>,

@@ -965,8 +965,10 @@ impl CudaBackend {
 
     /// Queues `host` onto the GPU through the [`Staging`] of its length, then `convert`
     /// on the compute stream from the staged f32 values once they have landed. Returns once
-    /// `host` is copied out (the caller may reuse it), without waiting for the GPU: the
-    /// copy runs beside whatever the compute stream still has queued.
+    /// `host` is copied out (the caller may reuse it); the copy runs beside whatever the
+    /// compute stream still has queued. The host waits only for the last copy of this
+    /// length to have been read (itself queued behind the conversion before it), so it runs
+    /// at most about two uploads ahead of the GPU.
     fn staged_upload(&self, host: &[f32], convert: impl FnOnce(Operand)) {
         fn uploading<T>(len: usize, r: Result<T, cudarc::driver::DriverError>) -> T {
             r.unwrap_or_else(|e| panic!("uploading {len} values through page-locked memory: {e}"))
