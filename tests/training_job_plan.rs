@@ -306,6 +306,73 @@ fn a_permanent_launcher_failure_fails_at_once_and_a_killed_launcher_is_retried()
     assert_eq!(s.step().phase, Phase::Restarting);
 }
 
+/// The launcher failed with `message` as its termination message.
+fn failed_launcher(code: i64, message: &str) -> Pod {
+    let mut launcher = pod("launcher", 0, 0, &format!("failed:{code}:Error"));
+    let statuses = launcher
+        .status
+        .as_mut()
+        .unwrap()
+        .container_statuses
+        .as_mut();
+    statuses.unwrap()[0]
+        .state
+        .as_mut()
+        .unwrap()
+        .terminated
+        .as_mut()
+        .unwrap()
+        .message = Some(message.into());
+    launcher
+}
+
+#[test]
+fn a_failed_job_says_the_failing_ranks_error_not_mpiruns_report() {
+    use ringmaster_contract::trainer::Failure;
+    let ready = || vec![pod("worker", 0, 0, "ready"), pod("worker", 1, 0, "ready")];
+    let broken = Failure {
+        rank: Some(2),
+        error: "decoding /data/train/n01440764/x.jpg: invalid JPEG format".into(),
+        exit_code: 1,
+    };
+    let lost = Failure {
+        rank: Some(3),
+        error: "rank 2 (previous) is gone".into(),
+        exit_code: 75,
+    };
+    let banner = "--------------------------------------------------------------------------\nmpirun detected that one or more processes exited with non-zero status, thus causing\nthe job to be terminated. The first process to do so was:\n\n  Process name: [[18831,1],2]\n  Exit code:    1\n--------------------------------------------------------------------------";
+    // What `launch` writes (the failure line alone), and the log's tail the kubelet keeps
+    // when nothing was written (the ranks' lines, then mpirun's report).
+    for message in [
+        broken.to_line(),
+        format!("{}\n{}\n{banner}", lost.to_line(), broken.to_line()),
+    ] {
+        let mut s =
+            Scenario::new(job(|_| {})).pods([ready(), vec![failed_launcher(1, &message)]].concat());
+        assert_eq!(s.step().phase, Phase::Failed);
+        let (_, reason, text) = s.condition(condition_types::FAILED);
+        assert_eq!(reason, reasons::LAUNCHER_FAILED);
+        assert_eq!(
+            text,
+            "launcher resnet18-cpu-launcher exited with code 1 (Error): rank 2: decoding /data/train/n01440764/x.jpg: invalid JPEG format (not retried: the program's own failure)"
+        );
+    }
+    // No failure line (mpirun could not reach a worker): the log's tail, as before.
+    let mut s = Scenario::new(job(|_| {})).pods(
+        [
+            ready(),
+            vec![failed_launcher(
+                1,
+                &format!("ssh: connect to host w-1 port 22: Connection refused\n{banner}"),
+            )],
+        ]
+        .concat(),
+    );
+    assert_eq!(s.step().phase, Phase::Failed);
+    let text = s.condition(condition_types::FAILED).2;
+    assert!(text.contains("Exit code:    1"), "{text}");
+}
+
 #[test]
 fn a_deleted_worker_of_a_running_gang_restarts_it() {
     let mut s = Scenario::new(job(|_| {})).pods(vec![

@@ -567,6 +567,8 @@ pub enum Line {
     Step(Progress),
     /// The run's result (rank 0, last line).
     Summary(Summary),
+    /// Why a rank stopped (its last line, on any rank that fails).
+    Failed(Failure),
 }
 
 /// Where the trainer computes.
@@ -640,6 +642,68 @@ impl Summary {
     }
 }
 
+/// Why a rank of the trainer stopped: the last line a failing rank prints on stdout.
+/// `ringmaster-trainer launch` writes the failure that caused the others (the first that is
+/// not a lost peer) to the launcher's termination message when no summary came, so the
+/// TrainingJob shows the trainer's error rather than the tail of `mpirun`'s log.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Failure {
+    /// The rank that failed; none when it failed before it knew its rank.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank: Option<u64>,
+    /// The error, as the trainer printed it (never a credential: the trainer holds none).
+    pub error: String,
+    /// The code the rank exits with ([`exit`]).
+    pub exit_code: u8,
+}
+
+impl Failure {
+    /// The most a failure line holds of the error: the termination message it goes to is
+    /// at most 4096 bytes.
+    pub const MAX_ERROR_BYTES: usize = 2048;
+
+    /// The JSON line the trainer prints, its error cut to [`Failure::MAX_ERROR_BYTES`].
+    pub fn to_line(&self) -> String {
+        let mut failure = self.clone();
+        if failure.error.len() > Self::MAX_ERROR_BYTES {
+            let mut end = Self::MAX_ERROR_BYTES - '…'.len_utf8();
+            while !failure.error.is_char_boundary(end) {
+                end -= 1;
+            }
+            failure.error.truncate(end);
+            failure.error.push('…');
+        }
+        serde_json::to_string(&Line::Failed(failure)).expect("a failure serializes")
+    }
+
+    /// The failure that caused the others among a text's lines: the first that is not a
+    /// lost peer (ranks that lose a peer fail because another failed first), else the
+    /// first.
+    pub fn find_in(text: &str) -> Option<Failure> {
+        let mut failures = text
+            .lines()
+            .filter_map(|line| match serde_json::from_str::<Line>(line.trim()) {
+                Ok(Line::Failed(failure)) => Some(failure),
+                _ => None,
+            })
+            .peekable();
+        let first = failures.peek().cloned();
+        failures
+            .find(|failure| failure.exit_code != exit::PEER_LOST)
+            .or(first)
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.rank {
+            Some(rank) => write!(f, "rank {rank}: {}", self.error),
+            None => f.write_str(&self.error),
+        }
+    }
+}
+
 /// The trainer's exit codes. `ringmaster-trainer launch` keeps them through `mpirun`.
 pub mod exit {
     /// Trained to the end.
@@ -653,6 +717,9 @@ pub mod exit {
     /// A peer rank was lost (it died, was killed, or stopped answering): the gang is
     /// incomplete and a restart of the whole gang can succeed; sysexits' EX_TEMPFAIL.
     pub const PEER_LOST: u8 = 75;
+    /// The trainer panicked (Rust's code for it): a bug, or a GPU error it does not
+    /// recover from; its message is in the rank's [`super::Failure`] line.
+    pub const PANICKED: u8 = 101;
 }
 
 #[cfg(test)]
@@ -785,6 +852,56 @@ mod tests {
         assert_eq!(Summary::find_in(&text), Some(summary));
         assert_eq!(Summary::find_in(&step), None);
         assert_eq!(Summary::find_in("not json"), None);
+    }
+
+    #[test]
+    fn the_failure_that_caused_the_others_is_found_among_mpiruns_lines() {
+        let failed = |rank, error: &str, exit_code| Failure {
+            rank,
+            error: error.into(),
+            exit_code,
+        };
+        let lost = failed(Some(1), "the ring lost rank 0", exit::PEER_LOST);
+        let cause = failed(Some(0), "decoding /data/train/a/x.jpg: invalid JPEG", 1);
+        let line = cause.to_line();
+        assert!(line.starts_with(r#"{"event":"failed","rank":0,"#), "{line}");
+        let text = format!(
+            "{}\n{}\n{}\n------\nmpirun detected that one or more processes exited\n",
+            lost.to_line(),
+            line,
+            failed(Some(2), "also", 1).to_line()
+        );
+        assert_eq!(Failure::find_in(&text), Some(cause.clone()));
+        assert_eq!(
+            cause.to_string(),
+            "rank 0: decoding /data/train/a/x.jpg: invalid JPEG"
+        );
+        // Only lost peers: the first of them.
+        assert_eq!(Failure::find_in(&lost.to_line()), Some(lost));
+        assert_eq!(Failure::find_in("mpirun: done\nnot json"), None);
+        // Before the rank is known, none is printed or shown.
+        let early = failed(None, "settings: --batch-size must be positive", 64);
+        assert!(!early.to_line().contains("rank"), "{}", early.to_line());
+        assert_eq!(early.to_string(), "settings: --batch-size must be positive");
+    }
+
+    #[test]
+    fn a_long_failure_is_cut_to_fit_the_termination_message_at_a_character() {
+        let long = Failure {
+            rank: Some(3),
+            error: "é".repeat(Failure::MAX_ERROR_BYTES),
+            exit_code: exit::PANICKED,
+        };
+        let line = long.to_line();
+        assert!(line.len() < 4096, "{} bytes", line.len());
+        let back = Failure::find_in(&line).expect("the cut line parses");
+        assert!(back.error.len() <= Failure::MAX_ERROR_BYTES);
+        assert!(
+            back.error.ends_with("é…"),
+            "{}",
+            &back.error[back.error.len() - 8..]
+        );
+        assert_eq!((back.rank, back.exit_code), (Some(3), 101));
     }
 
     #[test]

@@ -494,14 +494,19 @@ async fn a_datastage_copies_from_azurite_onto_the_node_and_a_job_trains_on_the_f
         },
     });
     apply(&client, &stage, &ns.name, false).await.unwrap();
-    let job = sample_on_real_node("fed", |spec| {
-        spec["dataStageRef"] = json!({"name": "tiny"});
-        spec["trainer"] = json!({
-            "model": "resnet18", "data": "imageFolder", "dataPath": "train",
-            "imageSize": 32, "batchSize": 8, "steps": 6,
-        });
-    });
-    apply(&client, &job, &ns.name, false).await.unwrap();
+    // A job that trains on the staged folder: 6 steps of 4 ranks × 8 images.
+    let on_the_folder = |name| {
+        sample_on_real_node(name, |spec| {
+            spec["dataStageRef"] = json!({"name": "tiny"});
+            spec["trainer"] = json!({
+                "model": "resnet18", "data": "imageFolder", "dataPath": "train",
+                "imageSize": 32, "batchSize": 8, "steps": 6,
+            });
+        })
+    };
+    apply(&client, &on_the_folder("fed"), &ns.name, false)
+        .await
+        .unwrap();
 
     // The stager pod copied every blob onto the node, reporting progress as it went.
     let status = wait_stage_phase(&client, &ns.name, "tiny", "Ready").await;
@@ -532,6 +537,24 @@ async fn a_datastage_copies_from_azurite_onto_the_node_and_a_job_trains_on_the_f
     let status = wait_phase(&client, &ns.name, "fed", TrainingJobPhase::Succeeded, 300).await;
     let summary = launcher_summary(&client, &ns.name, "fed").await;
     assert_result_is_the_trainers(&status, &summary, 6);
+
+    // A JPEG broken on the volume stops the next job on it, and the job says so in the
+    // trainer's words (the rank's failure line that `launch` kept), not in mpirun's: every
+    // epoch of 3 reads 64 of the 65 images.
+    std::fs::write(dir.join("train/class-001/zz-broken.jpg"), b"not a JPEG").unwrap();
+    apply(&client, &on_the_folder("broken"), &ns.name, false)
+        .await
+        .unwrap();
+    let status = wait_phase(&client, &ns.name, "broken", TrainingJobPhase::Failed, 300).await;
+    let failed = common::condition(&status, "Failed");
+    let message = failed["message"].as_str().unwrap_or_default();
+    assert!(
+        message.starts_with("launcher broken-launcher exited with code 1 (Error): rank ")
+            && message.contains(": decoding /")
+            && message.contains("/train/class-001/zz-broken.jpg: "),
+        "{status:#}"
+    );
+    assert!(!message.contains("mpirun"), "{message}");
 
     let volumes: Api<k8s_openapi::api::core::v1::PersistentVolume> = Api::all(client.clone());
     volumes.delete(&volume, &Default::default()).await.ok();

@@ -1,13 +1,15 @@
 //! `launch`: runs the MPI launcher (`mpirun …`), passes its output through, and writes rank
 //! 0's JSON summary line to a file (the launcher pod's termination message, which the
-//! operator turns into the TrainingJob's `status.result`), and leaves with the trainer's
-//! exit code ([`exit`]) so the operator can tell a lost peer from a verdict.
+//! operator turns into the TrainingJob's `status.result`), or, when the run failed, the
+//! failing rank's own failure line (which the operator shows on the job in place of the
+//! tail of `mpirun`'s log), and leaves with the trainer's exit code ([`exit`]) so the
+//! operator can tell a lost peer from a verdict.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use ringmaster_contract::trainer::{Line, exit};
+use ringmaster_contract::trainer::{Failure, Line, exit};
 
 /// Errors running the launcher.
 #[derive(Debug, thiserror::Error)]
@@ -27,12 +29,31 @@ pub enum LaunchError {
     Io(#[from] std::io::Error),
 }
 
-/// Whether a line is the trainer's summary.
-pub fn is_summary(line: &str) -> bool {
-    matches!(
-        serde_json::from_str::<Line>(line.trim()),
-        Ok(Line::Summary(_))
-    )
+/// What the termination message gets from the ranks' output: the trainer's summary, else
+/// the failure that caused the others ([`Failure::find_in`]), else nothing (the kubelet
+/// then keeps the log's tail).
+#[derive(Default)]
+struct Outcome {
+    summary: Option<String>,
+    failures: String,
+}
+
+impl Outcome {
+    fn read(&mut self, line: &str) {
+        match serde_json::from_str::<Line>(line.trim()) {
+            Ok(Line::Summary(_)) => self.summary = Some(line.trim().to_string()),
+            Ok(Line::Failed(_)) => {
+                self.failures.push_str(line.trim());
+                self.failures.push('\n');
+            }
+            _ => {}
+        }
+    }
+
+    fn message(self) -> Option<String> {
+        self.summary
+            .or_else(|| Failure::find_in(&self.failures).map(|failure| failure.to_line()))
+    }
 }
 
 /// The code to leave with after the MPI launcher exited with `code` (`None`: it was killed
@@ -48,8 +69,9 @@ pub fn exit_code(code: Option<i32>, signal: Option<i32>) -> u8 {
     }
 }
 
-/// Runs `command`, copies its stdout to ours, writes the last summary line to
-/// `termination_message` and returns the exit code to leave with ([`exit_code`]).
+/// Runs `command`, copies its stdout to ours, writes the last summary line (or the failure
+/// that caused the others) to `termination_message` and returns the exit code to leave with
+/// ([`exit_code`]).
 pub fn run(command: &[String], termination_message: &Path) -> Result<u8, LaunchError> {
     let (program, args) = command.split_first().ok_or(LaunchError::NoCommand)?;
     let mut child = Command::new(program)
@@ -62,20 +84,18 @@ pub fn run(command: &[String], termination_message: &Path) -> Result<u8, LaunchE
         })?;
     forward_termination(child.id())?;
     let stdout = child.stdout.take().expect("piped stdout");
-    let mut summary = None;
+    let mut outcome = Outcome::default();
     let mut out = std::io::stdout().lock();
     for line in BufReader::new(stdout).lines() {
         let line = line?;
         writeln!(out, "{line}")?;
-        if is_summary(&line) {
-            summary = Some(line);
-        }
+        outcome.read(&line);
     }
     out.flush()?;
     let status = child.wait()?;
-    if let Some(summary) = summary {
+    if let Some(message) = outcome.message() {
         // The termination message may be missing outside Kubernetes: that is not an error.
-        if let Err(error) = std::fs::write(termination_message, summary.trim()) {
+        if let Err(error) = std::fs::write(termination_message, message) {
             eprintln!(
                 "ringmaster-trainer launch: writing {}: {error}",
                 termination_message.display()
@@ -123,6 +143,35 @@ mod tests {
         assert_eq!(code, exit::PEER_LOST, "mpirun saw a rank killed");
         let code = run(&["sh".into(), "-c".into(), "exit 75".into()], &file).unwrap();
         assert_eq!(code, exit::PEER_LOST, "a rank saw its peer go");
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
+    fn without_a_summary_the_failure_that_caused_the_others_is_written() {
+        let dir = std::env::temp_dir().join(format!("launch-failed-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("termination-log");
+        // Rank 1 lost its peer, rank 0 had the error; then mpirun's banner.
+        let script = r#"echo '{"event":"failed","rank":1,"error":"the ring lost rank 0","exitCode":75}'; echo '{"event":"failed","rank":0,"error":"decoding x.jpg: invalid JPEG","exitCode":1}'; echo 'mpirun detected that one or more processes exited with non-zero status'; exit 1"#;
+        let code = run(&["sh".into(), "-c".into(), script.into()], &file).unwrap();
+        assert_eq!(code, 1);
+        let written = std::fs::read_to_string(&file).unwrap();
+        let failure = Failure::find_in(&written).expect("a failure line");
+        assert_eq!(failure.to_string(), "rank 0: decoding x.jpg: invalid JPEG");
+        assert_eq!(written.lines().count(), 1, "{written}");
+        // Nothing typed: nothing written, and the kubelet keeps the log's tail.
+        std::fs::remove_file(&file).unwrap();
+        let code = run(
+            &[
+                "sh".into(),
+                "-c".into(),
+                "echo 'ssh: connect refused'; exit 1".into(),
+            ],
+            &file,
+        )
+        .unwrap();
+        assert_eq!(code, 1);
+        assert!(!file.exists());
         std::fs::remove_dir_all(dir).ok();
     }
 }

@@ -6,11 +6,14 @@
 //! * `gpu` — the GPUs and CUDA libraries this machine offers, and what `--device auto` picks.
 //! * `bench` — `bench-allreduce`, with nccl-tests' bandwidth figures.
 //! * `train` — the training loop over the ranks.
-//! * `launch` — the launcher wrapper that turns rank 0's summary into a termination message.
+//! * `launch` — the launcher wrapper that turns rank 0's summary, or the failing rank's
+//!   failure line, into a termination message.
+//! * `failure` — a failing rank's failure line, for its errors and its panics.
 
 pub mod bench;
 pub mod collective;
 pub mod engine;
+pub mod failure;
 pub mod gpu;
 pub mod launch;
 pub mod train;

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use ringmaster_contract::trainer::{Capabilities, exit};
+use ringmaster_contract::trainer::{Capabilities, Failure as FailureLine, exit};
 use ringmaster_trainer::collective::{self, Collective, CollectiveKind, NcclProbe, RingConfig};
 use ringmaster_trainer::engine::backend::cuda::BatchNormEngine;
 use ringmaster_trainer::world::World;
@@ -163,9 +163,11 @@ impl EngineArgs {
     }
 }
 
-/// A failure and the exit code it leaves with ([`exit`]).
+/// A failure, the rank it happened on where that is known, and the exit code it leaves
+/// with ([`exit`]).
 struct Failure {
     code: u8,
+    rank: Option<usize>,
     message: String,
 }
 
@@ -173,7 +175,19 @@ impl From<String> for Failure {
     fn from(message: String) -> Self {
         Self {
             code: exit::FAILED,
+            rank: None,
             message,
+        }
+    }
+}
+
+impl Failure {
+    /// The failure as the contract's line (`launch` and the operator read it).
+    fn line(self) -> FailureLine {
+        FailureLine {
+            rank: self.rank.map(|rank| rank as u64),
+            error: self.message,
+            exit_code: self.code,
         }
     }
 }
@@ -182,7 +196,19 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result: Result<(), Failure> = match cli.command {
         Command::Info { json: _ } => info().map_err(Failure::from),
-        Command::Train(args) => run_training(&args),
+        Command::Train(args) => {
+            ringmaster_trainer::failure::report_panics();
+            return match run_training(&args) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(failure) => {
+                    // The rank's last line on stdout, for `launch`, then the same in words.
+                    let line = failure.line();
+                    println!("{}", line.to_line());
+                    eprintln!("ringmaster-trainer: {line}");
+                    ExitCode::from(line.exit_code)
+                }
+            };
+        }
         Command::BenchEngine(args) => bench_engine(&args).map_err(Failure::from),
         Command::BenchLoader {
             data_dir,
@@ -217,9 +243,10 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(Failure { code, message }) => {
-            eprintln!("ringmaster-trainer: {message}");
-            ExitCode::from(code)
+        Err(failure) => {
+            let line = failure.line();
+            eprintln!("ringmaster-trainer: {line}");
+            ExitCode::from(line.exit_code)
         }
     }
 }
@@ -233,7 +260,8 @@ fn collective(world: &World, kind: CollectiveKind) -> Result<Box<dyn Collective>
         } else {
             exit::FAILED
         },
-        message: format!("rank {} of {}: {e}", world.rank, world.size),
+        rank: Some(world.rank),
+        message: e.to_string(),
     })
 }
 
@@ -244,15 +272,18 @@ fn run_training(args: &train::TrainArgs) -> Result<(), Failure> {
             let error = train::TrainError::InvalidSettings(errors);
             Failure {
                 code: error.exit_code(),
+                rank: None,
                 message: error.to_string(),
             }
         })?;
     let world = World::from_env().map_err(|e| Failure::from(e.to_string()))?;
+    ringmaster_trainer::failure::set_rank(world.rank);
     let mut collective = collective(&world, args.collective)?;
     let summary =
         train::run(args, collective.as_mut(), world.gpu_ordinal()).map_err(|e| Failure {
             code: e.exit_code(),
-            message: format!("rank {}: {e}", world.rank),
+            rank: Some(world.rank),
+            message: e.to_string(),
         })?;
     if world.rank == 0 {
         println!("{}", summary.to_line());
@@ -297,7 +328,8 @@ fn bench_allreduce(args: BenchArgs) -> Result<(), Failure> {
         } else {
             exit::FAILED
         },
-        message: format!("rank {}: {e}", world.rank),
+        rank: Some(world.rank),
+        message: e.to_string(),
     })?;
     let wrong = rows.iter().filter(|r| r.correct == Some(false)).count();
     if world.rank == 0 {

@@ -400,6 +400,9 @@ fn train_on<B: Backend>(
         }
         _ => (total_steps * global_batch) as f64 / started.elapsed().as_secs_f64(),
     };
+    // To a tenth: the job's status and `kubectl get` show it as it is, and the digits past
+    // that are noise.
+    let images_per_second = (images_per_second * 10.0).round() / 10.0;
     if rank == 0
         && let Some(dir) = &args.output_dir
     {

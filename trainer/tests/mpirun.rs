@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 use common::mpirun;
-use ringmaster_contract::trainer::exit;
+use ringmaster_contract::trainer::{Failure, Summary, exit};
 
 #[test]
 fn four_ranks_under_mpirun_sum_correctly() {
@@ -156,9 +156,59 @@ fn a_rank_killed_under_mpirun_leaves_the_launcher_with_the_lost_peer_code() {
         "took {:?}",
         started.elapsed()
     );
+    // No summary for a run that did not finish: the survivors' word that they lost a peer.
+    let written = std::fs::read_to_string(&termination).expect("a termination message");
+    let failure = Failure::find_in(&written).expect("a failure line");
+    assert_eq!(failure.exit_code, exit::PEER_LOST, "{written}");
+    assert!(failure.rank.is_some_and(|rank| rank < 2), "{written}");
+    assert!(Summary::find_in(&written).is_none(), "{written}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// A rank that fails (here on a broken JPEG its shard reaches) stops the gang, and the
+/// termination message `launch` leaves holds that rank's own error: the first failure that
+/// is not a lost peer, whatever the other ranks and `mpirun` print after it.
+#[test]
+fn the_failing_ranks_own_error_is_left_in_the_termination_message() {
+    let dir = std::env::temp_dir().join(format!("failed-rank-{}", std::process::id()));
+    let data = dir.join("data");
+    ringmaster_trainer::engine::image_folder::write_learnable(&data, 2, 12, 16, 0).unwrap();
+    std::fs::write(data.join("train/class-001/zz-broken.jpg"), b"not a JPEG").unwrap();
+    let termination = dir.join("termination-log");
+    let trainer = env!("CARGO_BIN_EXE_ringmaster-trainer");
+    let out = std::process::Command::new(trainer)
+        .arg("launch")
+        .arg("--termination-message")
+        .arg(&termination)
+        .arg("--")
+        .args(common::mpirun_command(3))
+        .args([
+            trainer,
+            "train",
+            "--model=cifar8",
+            "--width=4",
+            "--image-size=16",
+        ])
+        .args(["--batch-size=2", "--epochs=2", "--data-dir"])
+        .arg(&data)
+        .envs(common::mpirun_env())
+        .env("RINGMASTER_COLLECTIVE_TIMEOUT", "20")
+        .output()
+        .expect("launch runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(i32::from(exit::FAILED)), "{stderr}");
     assert!(
-        !termination.exists(),
-        "no summary is written for a run that did not finish"
+        stderr.contains("mpirun"),
+        "mpirun's own report follows: {stderr}"
+    );
+    let written = std::fs::read_to_string(&termination).expect("a termination message");
+    assert_eq!(written.lines().count(), 1, "{written}");
+    let failure = Failure::find_in(&written).expect("a failure line");
+    assert_eq!(failure.exit_code, exit::FAILED, "{written}");
+    assert!(failure.rank.is_some_and(|rank| rank < 3), "{written}");
+    assert!(
+        failure.error.starts_with("decoding ") && failure.error.contains("zz-broken.jpg"),
+        "{written}"
     );
     std::fs::remove_dir_all(dir).ok();
 }

@@ -59,7 +59,13 @@ fn training_on_learnable_data_drives_the_loss_down() {
     );
     assert!(accuracy > 0.7, "accuracy {accuracy} (chance is 0.25)");
     assert_eq!(summary["steps"], 60);
-    assert!(summary["imagesPerSecond"].as_f64().unwrap() > 0.0);
+    let images_per_second = summary["imagesPerSecond"].as_f64().unwrap();
+    assert!(images_per_second > 0.0);
+    assert_eq!(
+        (images_per_second * 10.0).round() / 10.0,
+        images_per_second,
+        "to a tenth, as the job's status shows it"
+    );
     assert!(steps.iter().all(|l| l["learningRate"].is_number()));
     assert_eq!(
         json_lines(&out.stdout)[0]["event"],

@@ -239,13 +239,18 @@ pub fn launcher_exit_is_retryable(exit: &Exit) -> bool {
         || matches!(exit.reason.as_str(), "Evicted" | "OOMKilled" | "Preempting")
 }
 
+/// A pod's exit in words: the failing rank's own error when the termination message holds
+/// the trainer's failure line (`ringmaster-trainer launch` leaves it), else the message's
+/// last 300 characters (the log's tail, `mpirun`'s report as often as not).
 fn describe(pod: &PodState, exit: &Exit) -> String {
     let mut text = format!(
         "{} exited with code {} ({})",
         pod.name, exit.code, exit.reason
     );
     let tail = exit.message.trim();
-    if !tail.is_empty() {
+    if let Some(failure) = ringmaster_contract::trainer::Failure::find_in(tail) {
+        text.push_str(&format!(": {failure}"));
+    } else if !tail.is_empty() {
         let tail: String = tail
             .chars()
             .rev()
