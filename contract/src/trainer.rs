@@ -659,39 +659,39 @@ pub struct Failure {
 }
 
 impl Failure {
-    /// The most a failure line holds of the error: the termination message it goes to is
-    /// at most 4096 bytes.
-    pub const MAX_ERROR_BYTES: usize = 2048;
+    /// The most a failure line takes, escapes included: the termination message it goes to
+    /// holds 4096 bytes.
+    pub const MAX_LINE_BYTES: usize = 4000;
 
-    /// The JSON line the trainer prints, its error cut to [`Failure::MAX_ERROR_BYTES`].
+    /// The JSON line the trainer prints, its error shortened ([`crate::shorten`]) until the
+    /// line fits [`Failure::MAX_LINE_BYTES`] (JSON escapes can make a byte six).
     pub fn to_line(&self) -> String {
-        let mut failure = self.clone();
-        if failure.error.len() > Self::MAX_ERROR_BYTES {
-            let mut end = Self::MAX_ERROR_BYTES - '…'.len_utf8();
-            while !failure.error.is_char_boundary(end) {
-                end -= 1;
+        let mut keep = Self::MAX_LINE_BYTES;
+        loop {
+            let failure = Failure {
+                error: crate::shorten(&self.error, keep),
+                ..self.clone()
+            };
+            let line = serde_json::to_string(&Line::Failed(failure)).expect("a failure serializes");
+            if line.len() <= Self::MAX_LINE_BYTES || keep == 0 {
+                return line;
             }
-            failure.error.truncate(end);
-            failure.error.push('…');
+            // In proportion to how far over it is (escapes grow the error evenly), and by at
+            // least a byte, so it ends.
+            keep = (keep * Self::MAX_LINE_BYTES / line.len()).min(keep - 1);
         }
-        serde_json::to_string(&Line::Failed(failure)).expect("a failure serializes")
     }
 
     /// The failure that caused the others among a text's lines: the first that is not a
-    /// lost peer (ranks that lose a peer fail because another failed first), else the
-    /// first.
+    /// lost peer. None when every rank that spoke only lost a peer: the cause is elsewhere
+    /// (a rank killed by a signal, which `mpirun`'s own report names).
     pub fn find_in(text: &str) -> Option<Failure> {
-        let mut failures = text
-            .lines()
+        text.lines()
             .filter_map(|line| match serde_json::from_str::<Line>(line.trim()) {
                 Ok(Line::Failed(failure)) => Some(failure),
                 _ => None,
             })
-            .peekable();
-        let first = failures.peek().cloned();
-        failures
             .find(|failure| failure.exit_code != exit::PEER_LOST)
-            .or(first)
     }
 }
 
@@ -876,8 +876,8 @@ mod tests {
             cause.to_string(),
             "rank 0: decoding /data/train/a/x.jpg: invalid JPEG"
         );
-        // Only lost peers: the first of them.
-        assert_eq!(Failure::find_in(&lost.to_line()), Some(lost));
+        // Only lost peers: none is the cause.
+        assert_eq!(Failure::find_in(&lost.to_line()), None);
         assert_eq!(Failure::find_in("mpirun: done\nnot json"), None);
         // Before the rank is known, none is printed or shown.
         let early = failed(None, "settings: --batch-size must be positive", 64);
@@ -886,22 +886,29 @@ mod tests {
     }
 
     #[test]
-    fn a_long_failure_is_cut_to_fit_the_termination_message_at_a_character() {
-        let long = Failure {
-            rank: Some(3),
-            error: "é".repeat(Failure::MAX_ERROR_BYTES),
-            exit_code: exit::PANICKED,
-        };
-        let line = long.to_line();
-        assert!(line.len() < 4096, "{} bytes", line.len());
-        let back = Failure::find_in(&line).expect("the cut line parses");
-        assert!(back.error.len() <= Failure::MAX_ERROR_BYTES);
-        assert!(
-            back.error.ends_with("é…"),
-            "{}",
-            &back.error[back.error.len() - 8..]
-        );
-        assert_eq!((back.rank, back.exit_code), (Some(3), 101));
+    fn a_long_failure_is_cut_to_fit_the_termination_message_escapes_included() {
+        for error in ["é".repeat(4000), "\"\u{1}".repeat(3000)] {
+            let long = Failure {
+                rank: Some(3),
+                error: error.clone(),
+                exit_code: exit::PANICKED,
+            };
+            let line = long.to_line();
+            assert!(
+                line.len() <= Failure::MAX_LINE_BYTES,
+                "{} bytes",
+                line.len()
+            );
+            let back = Failure::find_in(&line).expect("the cut line parses");
+            assert!(back.error.ends_with("..."), "{}", back.error);
+            let kept = back.error.trim_end_matches("...");
+            assert!(
+                error.starts_with(kept) && kept.len() > 500,
+                "{} bytes kept",
+                kept.len()
+            );
+            assert_eq!((back.rank, back.exit_code), (Some(3), 101));
+        }
     }
 
     #[test]

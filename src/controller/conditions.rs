@@ -92,7 +92,8 @@ pub fn transition_events(
                 EventType::Normal
             },
             reason: c.reason.clone(),
-            note: Some(truncate(
+            // Events carry at most 1 kB of note.
+            note: Some(ringmaster_contract::shorten(
                 &format!("{}={}: {}", c.type_, c.status, c.message),
                 1000,
             )),
@@ -100,18 +101,6 @@ pub fn transition_events(
             secondary: None,
         })
         .collect()
-}
-
-/// Events carry at most 1 kB of note.
-fn truncate(text: &str, max: usize) -> String {
-    if text.len() <= max {
-        return text.to_string();
-    }
-    let mut end = max - 3;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}...", &text[..end])
 }
 
 /// The conditions of an object one of whose children the API server refused: Stalled=True
@@ -207,8 +196,20 @@ mod tests {
 
     #[test]
     fn long_notes_are_cut_on_a_char_boundary() {
-        let text = "é".repeat(600);
-        let cut = truncate(&text, 1000);
-        assert!(cut.len() <= 1000 && cut.ends_with("..."));
+        let mut new = Vec::new();
+        set(
+            &mut new,
+            DesiredCondition::new("Failed", true, "LauncherFailed", "é".repeat(600)),
+            None,
+            &at(1),
+        );
+        let events = transition_events(&[], &new, |_| true);
+        let note = events[0].note.as_deref().unwrap();
+        assert!(
+            note.len() <= 1000 && note.ends_with("..."),
+            "{}",
+            note.len()
+        );
+        assert!(note.starts_with("Failed=True: éé"), "{note}");
     }
 }

@@ -31,14 +31,14 @@ pub enum LaunchError {
 
 /// What the termination message gets from the ranks' output: the trainer's summary, else
 /// the failure that caused the others ([`Failure::find_in`]), else nothing (the kubelet
-/// then keeps the log's tail).
+/// then keeps the log's tail, where `mpirun` names a rank killed by a signal).
 #[derive(Default)]
-struct Outcome {
+struct TerminationMessage {
     summary: Option<String>,
     failures: String,
 }
 
-impl Outcome {
+impl TerminationMessage {
     fn read(&mut self, line: &str) {
         match serde_json::from_str::<Line>(line.trim()) {
             Ok(Line::Summary(_)) => self.summary = Some(line.trim().to_string()),
@@ -50,7 +50,7 @@ impl Outcome {
         }
     }
 
-    fn message(self) -> Option<String> {
+    fn text(self) -> Option<String> {
         self.summary
             .or_else(|| Failure::find_in(&self.failures).map(|failure| failure.to_line()))
     }
@@ -84,16 +84,16 @@ pub fn run(command: &[String], termination_message: &Path) -> Result<u8, LaunchE
         })?;
     forward_termination(child.id())?;
     let stdout = child.stdout.take().expect("piped stdout");
-    let mut outcome = Outcome::default();
+    let mut message = TerminationMessage::default();
     let mut out = std::io::stdout().lock();
     for line in BufReader::new(stdout).lines() {
         let line = line?;
         writeln!(out, "{line}")?;
-        outcome.read(&line);
+        message.read(&line);
     }
     out.flush()?;
     let status = child.wait()?;
-    if let Some(message) = outcome.message() {
+    if let Some(message) = message.text() {
         // The termination message may be missing outside Kubernetes: that is not an error.
         if let Err(error) = std::fs::write(termination_message, message) {
             eprintln!(
@@ -159,8 +159,13 @@ mod tests {
         let failure = Failure::find_in(&written).expect("a failure line");
         assert_eq!(failure.to_string(), "rank 0: decoding x.jpg: invalid JPEG");
         assert_eq!(written.lines().count(), 1, "{written}");
-        // Nothing typed: nothing written, and the kubelet keeps the log's tail.
+        // Only lost peers, or nothing typed: nothing written, and the kubelet keeps the
+        // log's tail.
         std::fs::remove_file(&file).unwrap();
+        let script = r#"echo '{"event":"failed","rank":1,"error":"rank 2 (next) is gone","exitCode":75}'; echo 'rank 2 exited on signal 9 (Killed)'; exit 75"#;
+        let code = run(&["sh".into(), "-c".into(), script.into()], &file).unwrap();
+        assert_eq!(code, exit::PEER_LOST);
+        assert!(!file.exists());
         let code = run(
             &[
                 "sh".into(),

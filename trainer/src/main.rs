@@ -198,16 +198,10 @@ fn main() -> ExitCode {
         Command::Info { json: _ } => info().map_err(Failure::from),
         Command::Train(args) => {
             ringmaster_trainer::failure::report_panics();
-            return match run_training(&args) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(failure) => {
-                    // The rank's last line on stdout, for `launch`, then the same in words.
-                    let line = failure.line();
-                    println!("{}", line.to_line());
-                    eprintln!("ringmaster-trainer: {line}");
-                    ExitCode::from(line.exit_code)
-                }
-            };
+            match run_training(&args) {
+                Ok(()) => return ExitCode::SUCCESS,
+                Err(failure) => ringmaster_trainer::failure::leave(&failure.line()),
+            }
         }
         Command::BenchEngine(args) => bench_engine(&args).map_err(Failure::from),
         Command::BenchLoader {
@@ -279,12 +273,15 @@ fn run_training(args: &train::TrainArgs) -> Result<(), Failure> {
     let world = World::from_env().map_err(|e| Failure::from(e.to_string()))?;
     ringmaster_trainer::failure::set_rank(world.rank);
     let mut collective = collective(&world, args.collective)?;
-    let summary =
-        train::run(args, collective.as_mut(), world.gpu_ordinal()).map_err(|e| Failure {
-            code: e.exit_code(),
-            rank: Some(world.rank),
-            message: e.to_string(),
-        })?;
+    let summary = match train::run(args, collective.as_mut(), world.gpu_ordinal()) {
+        Ok(summary) => summary,
+        // Before the collective is dropped: the others lose this rank once it has exited.
+        Err(e) => ringmaster_trainer::failure::leave(&FailureLine {
+            rank: Some(world.rank as u64),
+            error: e.to_string(),
+            exit_code: e.exit_code(),
+        }),
+    };
     if world.rank == 0 {
         println!("{}", summary.to_line());
     }

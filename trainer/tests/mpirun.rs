@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 use common::mpirun;
-use ringmaster_contract::trainer::{Failure, Summary, exit};
+use ringmaster_contract::trainer::{Failure, exit};
 
 #[test]
 fn four_ranks_under_mpirun_sum_correctly() {
@@ -156,12 +156,13 @@ fn a_rank_killed_under_mpirun_leaves_the_launcher_with_the_lost_peer_code() {
         "took {:?}",
         started.elapsed()
     );
-    // No summary for a run that did not finish: the survivors' word that they lost a peer.
-    let written = std::fs::read_to_string(&termination).expect("a termination message");
-    let failure = Failure::find_in(&written).expect("a failure line");
-    assert_eq!(failure.exit_code, exit::PEER_LOST, "{written}");
-    assert!(failure.rank.is_some_and(|rank| rank < 2), "{written}");
-    assert!(Summary::find_in(&written).is_none(), "{written}");
+    // No summary for a run that did not finish, and no failure: the survivors only lost a
+    // peer, so the kubelet keeps the log's tail, where mpirun names the rank it saw killed.
+    assert!(
+        !termination.exists(),
+        "{:?}",
+        std::fs::read_to_string(&termination)
+    );
     std::fs::remove_dir_all(dir).ok();
 }
 

@@ -239,9 +239,10 @@ pub fn launcher_exit_is_retryable(exit: &Exit) -> bool {
         || matches!(exit.reason.as_str(), "Evicted" | "OOMKilled" | "Preempting")
 }
 
-/// A pod's exit in words: the failing rank's own error when the termination message holds
-/// the trainer's failure line (`ringmaster-trainer launch` leaves it), else the message's
-/// last 300 characters (the log's tail, `mpirun`'s report as often as not).
+/// A pod's exit in words: the failing rank's own error (its first 500 bytes) when the
+/// termination message holds the trainer's failure line (`ringmaster-trainer launch`
+/// leaves it), else the message's last 300 characters (the log's tail, `mpirun`'s report as
+/// often as not).
 fn describe(pod: &PodState, exit: &Exit) -> String {
     let mut text = format!(
         "{} exited with code {} ({})",
@@ -249,6 +250,8 @@ fn describe(pod: &PodState, exit: &Exit) -> String {
     );
     let tail = exit.message.trim();
     if let Some(failure) = ringmaster_contract::trainer::Failure::find_in(tail) {
+        // Short enough that the Event's note (1 kB) keeps what follows it.
+        let failure = ringmaster_contract::shorten(&failure.to_string(), 500);
         text.push_str(&format!(": {failure}"));
     } else if !tail.is_empty() {
         let tail: String = tail
