@@ -41,6 +41,73 @@ fn a_generated_folder_is_indexed_decoded_and_augmented() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// What ImageNet's train set holds besides plain colour JPEGs (grayscale and CMYK JPEGs, a
+/// PNG named `.JPEG`), a `.png`, and a photo large enough to be decoded at a reduced scale:
+/// every one becomes a normalized crop.
+#[test]
+fn imagenets_odd_files_and_large_photos_are_read() {
+    let dir = temp("odd");
+    let class = dir.join("train/n01440764");
+    std::fs::create_dir_all(&class).unwrap();
+    let jpeg = |name: &str, pixels: &[u8], (w, h): (usize, usize), color| {
+        jpeg_encoder::Encoder::new_file(class.join(name), 90)
+            .unwrap()
+            .encode(pixels, w as u16, h as u16, color)
+            .unwrap();
+    };
+    use jpeg_encoder::ColorType::{CmykAsYcck, Luma, Rgb};
+    let (w, h) = (320usize, 240usize);
+    let gray: Vec<u8> = (0..w * h).map(|i| (i % 251) as u8).collect();
+    jpeg("a-gray.JPEG", &gray, (w, h), Luma);
+    let cmyk: Vec<u8> = (0..w * h)
+        .flat_map(|i| [(i % 256) as u8, 40, 200, 30])
+        .collect();
+    jpeg("b-cmyk.JPEG", &cmyk, (w, h), CmykAsYcck);
+    let (big_w, big_h) = (2400usize, 1800usize);
+    let big: Vec<u8> = (0..big_w * big_h)
+        .flat_map(|i| [(i % big_w / 10) as u8, (i / big_w / 8) as u8, 128])
+        .collect();
+    jpeg("c-large.JPEG", &big, (big_w, big_h), Rgb);
+    let rgb: Vec<u8> = (0..w * h)
+        .flat_map(|i| [(i % 256) as u8, 100, 50])
+        .collect();
+    for name in ["d-png-named.JPEG", "e-real.png"] {
+        let file = std::fs::File::create(class.join(name)).unwrap();
+        let mut encoder = png::Encoder::new(file, w as u32, h as u32);
+        encoder.set_color(png::ColorType::Rgb);
+        encoder
+            .write_header()
+            .unwrap()
+            .write_image_data(&rgb)
+            .unwrap();
+    }
+    std::fs::write(class.join("notes.txt"), b"not an image, not indexed").unwrap();
+    let folder = ImageFolder::open(&dir, 64, 3).unwrap();
+    assert_eq!(folder.len(), 5, "four .JPEG and one .png");
+    for epoch in 0..4 {
+        let (images, labels) = folder.batch(&[0, 1, 2, 3, 4], epoch).unwrap();
+        assert_eq!(labels, vec![0; 5]);
+        for (i, image) in images.data.chunks(3 * 64 * 64).enumerate() {
+            assert!(
+                image.iter().all(|v| v.is_finite() && v.abs() < 3.0),
+                "image {i}, epoch {epoch}"
+            );
+            let spread = image.iter().fold(f32::INFINITY, |m, &v| m.min(v))
+                ..image.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            assert!(spread.end > spread.start, "image {i} has content");
+        }
+        let gray = &images.data[..3 * 64 * 64];
+        let planes: Vec<&[f32]> = gray.chunks(64 * 64).collect();
+        // Each plane is normalized with its own mean and deviation: back to 0..1 they agree.
+        let level = |c: usize, v: f32| v * [0.229, 0.224, 0.225][c] + [0.485, 0.456, 0.406][c];
+        assert!(
+            (0..64 * 64).all(|p| (level(0, planes[0][p]) - level(1, planes[1][p])).abs() < 1e-5),
+            "a grayscale JPEG is gray in RGB"
+        );
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
+
 #[test]
 fn broken_and_empty_folders_are_clear_errors() {
     let dir = temp("broken");

@@ -1,22 +1,22 @@
-//! ImageNet-style folders of JPEGs: `DIR/train/<class>/*.jpg` (or `DIR/<class>/*.jpg`),
-//! classes in sorted order. Training augmentation as for ResNets on ImageNet: a random
-//! resized crop (8–100 % of the area, aspect 3/4–4/3), a horizontal flip, bilinear resize to
-//! the model's input, and per-channel normalization. Every random choice is a function of
-//! `(seed, epoch, index)`, so runs repeat.
+//! ImageNet-style folders of images: `DIR/train/<class>/*.jpg` (or `DIR/<class>/*.jpg`; JPEG
+//! or PNG, whatever the name says: [`decode`]), classes in sorted order. Training
+//! augmentation as torchvision's for ResNets on ImageNet: a random resized crop (8–100 % of
+//! the area, aspect 3/4–4/3), a horizontal flip, an antialiased bilinear resize to the
+//! model's input, and per-channel normalization ([`resample`]). Every random choice is a
+//! function of `(seed, epoch, index)` and the image's size, so runs repeat.
 
-use std::fs::File;
-use std::io::BufReader;
+pub mod decode;
+pub mod resample;
+
 use std::path::{Path, PathBuf};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
+use self::decode::{DecodeError, Encoded};
+use self::resample::Region;
 use super::tensor::Tensor;
-
-/// ImageNet's per-channel mean and standard deviation (of values in 0..1).
-const MEAN: [f32; 3] = [0.485, 0.456, 0.406];
-const STD: [f32; 3] = [0.229, 0.224, 0.225];
 
 /// Errors reading an image folder.
 #[derive(Debug, thiserror::Error)]
@@ -28,17 +28,28 @@ pub enum ImageFolderError {
         #[source]
         source: std::io::Error,
     },
-    /// No class folders with JPEGs in them.
+    /// No class folders with images in them.
     #[error(
-        "{0} has no class folders with .jpg/.jpeg files (expected DIR/train/<class>/*.jpg or DIR/<class>/*.jpg)"
+        "{0} has no class folders with .jpg/.jpeg/.png files (expected DIR/train/<class>/*.jpg or DIR/<class>/*.jpg)"
     )]
     Empty(String),
-    /// A file could not be opened or decoded.
-    #[error("decoding {path}: {message}")]
-    Decode { path: String, message: String },
+    /// A file could not be read.
+    #[error("reading {path}: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file could not be decoded.
+    #[error("decoding {path}: {source}")]
+    Decode {
+        path: String,
+        #[source]
+        source: DecodeError,
+    },
 }
 
-/// A folder of labelled JPEGs.
+/// A folder of labelled images.
 #[derive(Clone, Debug)]
 pub struct ImageFolder {
     /// Class names, sorted; a label is an index into this.
@@ -60,10 +71,12 @@ fn list(dir: &Path) -> Result<Vec<PathBuf>, ImageFolderError> {
     Ok(entries)
 }
 
-fn is_jpeg(path: &Path) -> bool {
-    path.extension()
-        .and_then(|e| e.to_str())
-        .is_some_and(|e| e.eq_ignore_ascii_case("jpg") || e.eq_ignore_ascii_case("jpeg"))
+fn is_image(path: &Path) -> bool {
+    path.extension().and_then(|e| e.to_str()).is_some_and(|e| {
+        ["jpg", "jpeg", "png"]
+            .iter()
+            .any(|x| e.eq_ignore_ascii_case(x))
+    })
 }
 
 impl ImageFolder {
@@ -79,7 +92,7 @@ impl ImageFolder {
         for class_dir in list(&root)?.into_iter().filter(|p| p.is_dir()) {
             let files: Vec<PathBuf> = list(&class_dir)?
                 .into_iter()
-                .filter(|p| is_jpeg(p))
+                .filter(|p| is_image(p))
                 .collect();
             if files.is_empty() {
                 continue;
@@ -133,42 +146,41 @@ impl ImageFolder {
         Ok((images, indices.iter().map(|&i| self.samples[i].1).collect()))
     }
 
+    /// Image `index` as the model sees it in `epoch`: the crop is chosen on the full-size
+    /// image, which is decoded only as large as the crop needs ([`Encoded::decode`]).
     fn sample(&self, index: usize, epoch: usize, out: &mut [f32]) -> Result<(), ImageFolderError> {
         let (path, _) = &self.samples[index];
-        let (width, height, rgb) = decode(path)?;
+        let bytes = std::fs::read(path).map_err(|source| ImageFolderError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let decode_error = |source| ImageFolderError::Decode {
+            path: path.display().to_string(),
+            source,
+        };
+        let image = Encoded::new(&bytes).map_err(decode_error)?;
+        let (width, height) = image.dimensions();
         let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ 0x1a6e_f01d);
         rng.set_stream(epoch as u64);
         rng.set_word_pos(index as u128 * 64);
         let (x0, y0, cw, ch) = random_resized_crop(width, height, &mut rng);
         let flip = rng.random_bool(0.5);
-        resize_normalize(&rgb, width, (x0, y0, cw, ch), flip, self.image_size, out);
+        let rgb = image
+            .decode(self.image_size as f64 / cw.min(ch) as f64)
+            .map_err(decode_error)?;
+        let (fx, fy) = (
+            rgb.width as f64 / width as f64,
+            rgb.height as f64 / height as f64,
+        );
+        let region = Region {
+            x: x0 as f64 * fx,
+            y: y0 as f64 * fy,
+            width: cw as f64 * fx,
+            height: ch as f64 * fy,
+        };
+        resample::resize_normalize(&rgb, region, flip, self.image_size, out);
         Ok(())
     }
-}
-
-/// Decodes a JPEG to RGB bytes.
-pub fn decode(path: &Path) -> Result<(usize, usize, Vec<u8>), ImageFolderError> {
-    let error = |message: String| ImageFolderError::Decode {
-        path: path.display().to_string(),
-        message,
-    };
-    let file = File::open(path).map_err(|e| error(e.to_string()))?;
-    let mut decoder = jpeg_decoder::Decoder::new(BufReader::new(file));
-    let pixels = decoder.decode().map_err(|e| error(e.to_string()))?;
-    let info = decoder
-        .info()
-        .ok_or_else(|| error("no image header".into()))?;
-    let (w, h) = (usize::from(info.width), usize::from(info.height));
-    let rgb = match info.pixel_format {
-        jpeg_decoder::PixelFormat::RGB24 => pixels,
-        jpeg_decoder::PixelFormat::L8 => pixels.iter().flat_map(|&g| [g, g, g]).collect(),
-        other => {
-            return Err(error(format!(
-                "pixel format {other:?} is not supported (use RGB or grayscale JPEGs)"
-            )));
-        }
-    };
-    Ok((w, h, rgb))
 }
 
 /// A crop `(x, y, width, height)` covering 8–100 % of the image with aspect 3/4–4/3;
@@ -197,39 +209,6 @@ fn random_resized_crop(
     }
     let side = width.min(height);
     ((width - side) / 2, (height - side) / 2, side, side)
-}
-
-/// Bilinear resize of `crop` from `rgb` (interleaved, `width` wide) to `size`², flipped when
-/// asked, normalized into planar `out`.
-fn resize_normalize(
-    rgb: &[u8],
-    width: usize,
-    crop: (usize, usize, usize, usize),
-    flip: bool,
-    size: usize,
-    out: &mut [f32],
-) {
-    let (x0, y0, cw, ch) = crop;
-    let scale_x = cw as f32 / size as f32;
-    let scale_y = ch as f32 / size as f32;
-    for oy in 0..size {
-        let fy = ((oy as f32 + 0.5) * scale_y - 0.5).clamp(0.0, (ch - 1) as f32);
-        let (y_lo, wy) = (fy.floor() as usize, fy - fy.floor());
-        let y_hi = (y_lo + 1).min(ch - 1);
-        for ox in 0..size {
-            let sx = if flip { size - 1 - ox } else { ox };
-            let fx = ((sx as f32 + 0.5) * scale_x - 0.5).clamp(0.0, (cw - 1) as f32);
-            let (x_lo, wx) = (fx.floor() as usize, fx - fx.floor());
-            let x_hi = (x_lo + 1).min(cw - 1);
-            for c in 0..3 {
-                let at = |x: usize, y: usize| f32::from(rgb[((y0 + y) * width + x0 + x) * 3 + c]);
-                let top = at(x_lo, y_lo) * (1.0 - wx) + at(x_hi, y_lo) * wx;
-                let bottom = at(x_lo, y_hi) * (1.0 - wx) + at(x_hi, y_hi) * wx;
-                let value = (top * (1.0 - wy) + bottom * wy) / 255.0;
-                out[(c * size + oy) * size + ox] = (value - MEAN[c]) / STD[c];
-            }
-        }
-    }
 }
 
 /// Writes a learnable dataset as an image folder: `per_class` JPEGs of each of `classes`
