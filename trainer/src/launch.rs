@@ -50,9 +50,15 @@ impl TerminationMessage {
         }
     }
 
+    /// The failure that caused the others, if a rank printed one.
+    fn cause(&self) -> Option<Failure> {
+        Failure::find_in(&self.failures)
+    }
+
     fn text(self) -> Option<String> {
+        let cause = self.cause();
         self.summary
-            .or_else(|| Failure::find_in(&self.failures).map(|failure| failure.to_line()))
+            .or_else(|| cause.map(|failure| failure.to_line()))
     }
 }
 
@@ -69,9 +75,20 @@ pub fn exit_code(code: Option<i32>, signal: Option<i32>) -> u8 {
     }
 }
 
+/// The code to leave with when a rank printed the failure that caused the others: its own,
+/// where `mpirun` reported a lost peer ([`exit::PEER_LOST`] itself, not a rank killed by a
+/// signal). Which rank's exit `mpirun` reports is a race between the failing rank and the
+/// peers it takes down; a program's failure must not become a restart of the gang.
+pub fn exit_code_after(mpirun: Option<i32>, signal: Option<i32>, cause: Option<&Failure>) -> u8 {
+    match cause {
+        Some(cause) if mpirun == Some(i32::from(exit::PEER_LOST)) => cause.exit_code,
+        _ => exit_code(mpirun, signal),
+    }
+}
+
 /// Runs `command`, copies its stdout to ours, writes the last summary line (or the failure
 /// that caused the others) to `termination_message` and returns the exit code to leave with
-/// ([`exit_code`]).
+/// ([`exit_code_after`]).
 pub fn run(command: &[String], termination_message: &Path) -> Result<u8, LaunchError> {
     let (program, args) = command.split_first().ok_or(LaunchError::NoCommand)?;
     let mut child = Command::new(program)
@@ -93,6 +110,7 @@ pub fn run(command: &[String], termination_message: &Path) -> Result<u8, LaunchE
     }
     out.flush()?;
     let status = child.wait()?;
+    let cause = message.cause();
     if let Some(message) = message.text() {
         // The termination message may be missing outside Kubernetes: that is not an error.
         if let Err(error) = std::fs::write(termination_message, message) {
@@ -103,7 +121,11 @@ pub fn run(command: &[String], termination_message: &Path) -> Result<u8, LaunchE
         }
     }
     use std::os::unix::process::ExitStatusExt;
-    Ok(exit_code(status.code(), status.signal()))
+    Ok(exit_code_after(
+        status.code(),
+        status.signal(),
+        cause.as_ref(),
+    ))
 }
 
 /// Passes SIGTERM and SIGINT on to the MPI launcher, which stops its ranks and exits, and
@@ -177,6 +199,34 @@ mod tests {
         .unwrap();
         assert_eq!(code, 1);
         assert!(!file.exists());
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    /// `mpirun` reported a peer's lost-peer exit before the failing rank's own: the job
+    /// still leaves with the cause's code (a verdict), not 75 (a restart).
+    #[test]
+    fn the_causes_code_wins_over_a_lost_peer_reported_first() {
+        let dir = std::env::temp_dir().join(format!("launch-race-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("termination-log");
+        let lines = r#"echo '{"event":"failed","rank":1,"error":"rank 0 (previous) is gone","exitCode":75}'; echo '{"event":"failed","rank":0,"error":"decoding x.jpg: invalid JPEG","exitCode":1}'"#;
+        let code = run(
+            &["sh".into(), "-c".into(), format!("{lines}; exit 75")],
+            &file,
+        )
+        .unwrap();
+        assert_eq!(code, 1, "the rank's own code");
+        // A rank killed by a signal is what `mpirun` saw first: the gang is incomplete
+        // whatever else a rank said.
+        let code = run(
+            &["sh".into(), "-c".into(), format!("{lines}; exit 137")],
+            &file,
+        )
+        .unwrap();
+        assert_eq!(code, exit::PEER_LOST);
+        let only_lost = r#"echo '{"event":"failed","rank":1,"error":"rank 0 (previous) is gone","exitCode":75}'; exit 75"#;
+        let code = run(&["sh".into(), "-c".into(), only_lost.into()], &file).unwrap();
+        assert_eq!(code, exit::PEER_LOST);
         std::fs::remove_dir_all(dir).ok();
     }
 }
