@@ -7,7 +7,8 @@
 //! pay for its full-size IDCT and colour conversion, and the DCT's own averaging does part of
 //! the downscaling. Two decoders, each where it is faster: `jpeg-decoder`, which has the
 //! reduced-size IDCT, for a reduced scale; `zune-jpeg` (SIMD, about 1.6× faster on one core
-//! at ImageNet's sizes) for the full size, which is what ImageNet-sized images mostly need.
+//! at ImageNet's sizes) for the full size, which is what ImageNet-sized images mostly need,
+//! with `jpeg-decoder` again for what `zune-jpeg` refuses (lossless JPEGs, for one).
 
 /// Why an image could not be decoded.
 #[derive(Debug, thiserror::Error)]
@@ -15,9 +16,6 @@ pub enum DecodeError {
     /// The JPEG is broken or uses what the decoder does not support.
     #[error("{0}")]
     Jpeg(#[from] jpeg_decoder::Error),
-    /// The JPEG is broken (found decoding it at full size).
-    #[error("{0}")]
-    JpegFull(#[from] zune_jpeg::errors::DecodeErrors),
     /// The PNG is broken.
     #[error("PNG: {0}")]
     Png(#[from] png::DecodingError),
@@ -89,39 +87,48 @@ impl<'a> Encoded<'a> {
         (self.width, self.height)
     }
 
-    /// Decodes to RGB, at least `min_scale` times the full size in both directions (a JPEG
-    /// may come out at 1/2, 1/4 or 1/8 of it; anything else at full size).
-    pub fn decode(self, min_scale: f64) -> Result<Rgb, DecodeError> {
+    /// Decodes to RGB, at least `min_scale` times the full size in both directions, and
+    /// says at what scale: a JPEG may come out at 1/2, 1/4 or 1/8 of it (each 8×8 block
+    /// becoming 4×4, 2×2 or 1×1 pixels; a partial block at the right or bottom edge still
+    /// gives a whole pixel), anything else at full size (1).
+    pub fn decode(self, min_scale: f64) -> Result<(Rgb, f64), DecodeError> {
         match self.format {
             Format::Jpeg(decoder, bytes) => {
                 decode_jpeg(decoder, bytes, self.width, self.height, min_scale)
             }
-            Format::Png(reader) => decode_png(reader),
+            Format::Png(reader) => Ok((decode_png(reader)?, 1.0)),
         }
     }
 }
 
-/// The JPEG's pixels at the smallest DCT scale (in eighths) that keeps `min_scale`.
+/// The JPEG's pixels at the smallest DCT scale (in eighths) that keeps `min_scale`, and
+/// that scale.
 fn decode_jpeg(
     mut decoder: jpeg_decoder::Decoder<&[u8]>,
     bytes: &[u8],
     width: usize,
     height: usize,
     min_scale: f64,
-) -> Result<Rgb, DecodeError> {
+) -> Result<(Rgb, f64), DecodeError> {
+    // An image under one block a side keeps its size (its one block's pixels).
     let eighths = [1, 2, 4, 8]
         .into_iter()
-        .find(|&e| e as f64 / 8.0 >= min_scale)
+        .find(|&e| e as f64 / 8.0 >= min_scale || width.min(height) < 8)
         .unwrap_or(8);
     if eighths == 8 {
-        return decode_jpeg_full(bytes);
+        // What zune-jpeg refuses, jpeg-decoder may still read (below, at full size).
+        if let Some(rgb) = decode_jpeg_full(bytes) {
+            return Ok((rgb, 1.0));
+        }
     }
     // The decoder picks the smallest scale reaching the requested size in *either*
     // direction, and rounds up: ask for this scale's own size, and check what it gave.
     let scaled = |len: usize| ((len * eighths).div_ceil(8)).min(usize::from(u16::MAX)) as u16;
     let (mut w, mut h) = decoder.scale(scaled(width), scaled(height))?;
-    if (f64::from(w) / width as f64) < min_scale || (f64::from(h) / height as f64) < min_scale {
+    let mut scale = eighths as f64 / 8.0;
+    if (w, h) != (scaled(width), scaled(height)) {
         (w, h) = decoder.scale(width as u16, height as u16)?;
+        scale = 1.0;
     }
     let pixels = decoder.decode()?;
     let (w, h) = (usize::from(w), usize::from(h));
@@ -142,30 +149,31 @@ fn decode_jpeg(
             pixels.len()
         )));
     }
-    Ok(Rgb {
-        width: w,
-        height: h,
-        pixels,
-    })
+    Ok((
+        Rgb {
+            width: w,
+            height: h,
+            pixels,
+        },
+        scale,
+    ))
 }
 
-/// The JPEG's pixels at full size, converted to RGB by the decoder (from grayscale, YCbCr,
-/// CMYK or YCCK).
-fn decode_jpeg_full(bytes: &[u8]) -> Result<Rgb, DecodeError> {
+/// The JPEG's pixels at full size by `zune-jpeg`, converted to RGB by it (from grayscale,
+/// YCbCr, CMYK or YCCK); none when it refuses the file.
+fn decode_jpeg_full(bytes: &[u8]) -> Option<Rgb> {
     use zune_jpeg::zune_core::{
         bytestream::ZCursor, colorspace::ColorSpace, options::DecoderOptions,
     };
-    let options = DecoderOptions::default().jpeg_set_out_colorspace(ColorSpace::RGB);
+    // Its default limit is 16,384 pixels a side; a JPEG's is 65,535.
+    let options = DecoderOptions::default()
+        .jpeg_set_out_colorspace(ColorSpace::RGB)
+        .set_max_width(usize::from(u16::MAX))
+        .set_max_height(usize::from(u16::MAX));
     let mut decoder = zune_jpeg::JpegDecoder::new_with_options(ZCursor::new(bytes), options);
-    let pixels = decoder.decode()?;
-    let (width, height) = decoder.dimensions().expect("decoded");
-    if pixels.len() != width * height * 3 {
-        return Err(DecodeError::Unsupported(format!(
-            "{} bytes decoded for {width}×{height} pixels",
-            pixels.len()
-        )));
-    }
-    Ok(Rgb {
+    let pixels = decoder.decode().ok()?;
+    let (width, height) = decoder.dimensions()?;
+    (pixels.len() == width * height * 3).then_some(Rgb {
         width,
         height,
         pixels,
@@ -292,7 +300,7 @@ mod tests {
         ] {
             let bytes = cmyk_jpeg(color);
             for min_scale in [1.0, 0.25] {
-                let image = Encoded::new(&bytes).unwrap().decode(min_scale).unwrap();
+                let image = Encoded::new(&bytes).unwrap().decode(min_scale).unwrap().0;
                 let (w, h) = (image.width, image.height);
                 assert_eq!(w, (64.0 * min_scale) as usize, "{color:?} at {min_scale}");
                 let cyan = pixel(&image, w / 4, h / 2);
@@ -311,32 +319,32 @@ mod tests {
 
     #[test]
     fn a_jpeg_is_decoded_at_the_smallest_scale_that_keeps_what_is_asked() {
-        let (w, h) = (1024usize, 768usize);
+        // Sides that are not whole blocks: the last block's part still gives a pixel.
+        let (w, h) = (1030usize, 771usize);
         // A smooth picture: each 8×8 block's average survives the reduced-size IDCT.
         let rgb: Vec<u8> = (0..w * h)
             .flat_map(|i| {
                 let (x, y) = (i % w, i / w);
-                [(x / 4) as u8, (y / 3) as u8, ((x + y) / 8) as u8]
+                [(x / 5) as u8, (y / 4) as u8, ((x + y) / 8) as u8]
             })
             .collect();
         let bytes = jpeg(&rgb, w as u16, h as u16, jpeg_encoder::ColorType::Rgb);
-        let full = Encoded::new(&bytes).unwrap().decode(1.0).unwrap();
-        assert_eq!((full.width, full.height), (w, h));
+        let (full, scale) = Encoded::new(&bytes).unwrap().decode(1.0).unwrap();
+        assert_eq!((full.width, full.height, scale), (w, h, 1.0));
         for (min_scale, eighths) in [(0.6, 8), (0.5, 4), (0.3, 4), (0.25, 2), (0.2, 2), (0.1, 1)] {
-            let image = Encoded::new(&bytes).unwrap().decode(min_scale).unwrap();
+            let (image, scale) = Encoded::new(&bytes).unwrap().decode(min_scale).unwrap();
+            assert_eq!(scale, eighths as f64 / 8.0, "asked for {min_scale}");
             assert_eq!(
                 (image.width, image.height),
-                (w * eighths / 8, h * eighths / 8),
+                ((w * eighths).div_ceil(8), (h * eighths).div_ceil(8)),
                 "asked for {min_scale}"
             );
-            // Each reduced pixel is about the mean of the full-size pixels it stands for.
+            // Each reduced pixel is about the mean of the full-size pixels it stands for,
+            // at `scale` (not at the rounded-up size's ratio), up to the last whole block.
             let block = 8 / eighths;
             let mut worst = 0f64;
-            for (y, x) in [
-                (10, 10),
-                (image.height / 2, image.width / 3),
-                (image.height - 3, image.width - 5),
-            ] {
+            let (last_x, last_y) = (w / block - 1, h / block - 1);
+            for (y, x) in [(10, 10), (last_y / 2, last_x / 3), (last_y, last_x)] {
                 for c in 0..3 {
                     let mean = (0..block * block)
                         .map(|k| {
@@ -359,7 +367,7 @@ mod tests {
             .collect();
         let bytes = jpeg(&gray, w, h, jpeg_encoder::ColorType::Luma);
         for min_scale in [1.0, 0.5] {
-            let image = Encoded::new(&bytes).unwrap().decode(min_scale).unwrap();
+            let image = Encoded::new(&bytes).unwrap().decode(min_scale).unwrap().0;
             assert!(
                 image
                     .pixels
@@ -377,7 +385,7 @@ mod tests {
             .encode(&rgb, w, h, jpeg_encoder::ColorType::Rgb)
             .unwrap();
         for min_scale in [1.0, 0.5] {
-            let image = Encoded::new(&bytes).unwrap().decode(min_scale).unwrap();
+            let image = Encoded::new(&bytes).unwrap().decode(min_scale).unwrap().0;
             assert!(
                 near(pixel(&image, 3, 3), [200, 30, 60], 4),
                 "{:?}",
@@ -390,7 +398,7 @@ mod tests {
     fn pngs_are_told_by_their_bytes_and_come_out_as_rgb() {
         let rgba = [10, 20, 30, 0, 40, 50, 60, 255, 70, 80, 90, 128];
         let bytes = png(&rgba, 3, 1, png::ColorType::Rgba, png::BitDepth::Eight);
-        let image = Encoded::new(&bytes).unwrap().decode(0.1).unwrap();
+        let image = Encoded::new(&bytes).unwrap().decode(0.1).unwrap().0;
         assert_eq!(
             (image.width, image.height),
             (3, 1),
@@ -409,7 +417,7 @@ mod tests {
             png::ColorType::Grayscale,
             png::BitDepth::Sixteen,
         );
-        let image = Encoded::new(&bytes).unwrap().decode(1.0).unwrap();
+        let image = Encoded::new(&bytes).unwrap().decode(1.0).unwrap().0;
         assert_eq!(image.pixels, [0x12, 0x12, 0x12, 0xff, 0xff, 0xff]);
     }
 

@@ -165,22 +165,29 @@ impl ImageFolder {
         rng.set_word_pos(index as u128 * 64);
         let (x0, y0, cw, ch) = random_resized_crop(width, height, &mut rng);
         let flip = rng.random_bool(0.5);
-        let rgb = image
-            .decode(self.image_size as f64 / cw.min(ch) as f64)
-            .map_err(decode_error)?;
-        let (fx, fy) = (
-            rgb.width as f64 / width as f64,
-            rgb.height as f64 / height as f64,
-        );
-        let region = Region {
-            x: x0 as f64 * fx,
-            y: y0 as f64 * fy,
-            width: cw as f64 * fx,
-            height: ch as f64 * fy,
-        };
-        resample::resize_normalize(&rgb, region, flip, self.image_size, out);
-        Ok(())
+        resized_crop(image, (x0, y0, cw, ch), flip, self.image_size, out).map_err(decode_error)
     }
+}
+
+/// `crop` (in the full-size image's pixels) of `image`, decoded only as large as the crop
+/// needs to keep `size` pixels a side, resized to `size²` ([`resample::resize_normalize`]).
+fn resized_crop(
+    image: Encoded,
+    crop: (usize, usize, usize, usize),
+    flip: bool,
+    size: usize,
+    out: &mut [f32],
+) -> Result<(), DecodeError> {
+    let (x, y, width, height) = crop;
+    let (rgb, scale) = image.decode(size as f64 / width.min(height) as f64)?;
+    let region = Region {
+        x: x as f64 * scale,
+        y: y as f64 * scale,
+        width: width as f64 * scale,
+        height: height as f64 * scale,
+    };
+    resample::resize_normalize(&rgb, region, flip, size, out);
+    Ok(())
 }
 
 /// A crop `(x, y, width, height)` covering 8–100 % of the image with aspect 3/4–4/3;
@@ -247,4 +254,62 @@ pub fn write_learnable(
         written += 1;
     }
     Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Where the red plane of row `y` (of `size`) crosses half way from black to white,
+    /// in output pixels, interpolated.
+    fn edge(out: &[f32], size: usize, y: usize) -> f64 {
+        let level = |x: usize| f64::from(out[y * size + x] * 0.229 + 0.485);
+        let x = (1..size).find(|&x| level(x) >= 0.5).expect("an edge");
+        let (a, b) = (level(x - 1), level(x));
+        (x - 1) as f64 + (0.5 - a) / (b - a) + 0.5
+    }
+
+    /// A crop decoded at 1/8 lands where it does at full size, on an image whose sides are
+    /// not whole blocks (its reduced size rounds up, its scale stays 1/8).
+    #[test]
+    fn a_crop_lands_in_the_same_place_at_a_reduced_scale() {
+        let (w, h) = (1201usize, 1201usize);
+        let gray: Vec<u8> = (0..w * h)
+            .map(|i| if i % w < 1190 { 0 } else { 255 })
+            .collect();
+        let mut bytes = Vec::new();
+        jpeg_encoder::Encoder::new(&mut bytes, 95)
+            .encode(&gray, w as u16, h as u16, jpeg_encoder::ColorType::Luma)
+            .unwrap();
+        let (size, crop) = (64, (600, 300, 600, 600));
+        let mut reduced = vec![0.0; 3 * size * size];
+        resized_crop(
+            Encoded::new(&bytes).unwrap(),
+            crop,
+            false,
+            size,
+            &mut reduced,
+        )
+        .unwrap();
+        let (full, scale) = Encoded::new(&bytes).unwrap().decode(1.0).unwrap();
+        assert_eq!(scale, 1.0);
+        let region = Region {
+            x: 600.0,
+            y: 300.0,
+            width: 600.0,
+            height: 600.0,
+        };
+        let mut reference = vec![0.0; 3 * size * size];
+        resample::resize_normalize(&full, region, false, size, &mut reference);
+        // The edge at x = 1190 is (1190 − 600) / 600 of the way across.
+        let want = 590.0 / 600.0 * size as f64;
+        for y in [5, 32, 60] {
+            let (at, at_full) = (edge(&reduced, size, y), edge(&reference, size, y));
+            assert!(
+                (at_full - want).abs() < 0.1,
+                "full size: {at_full} for {want}"
+            );
+            assert!((at - want).abs() < 0.25, "at 1/8: {at} for {want}");
+        }
+    }
 }

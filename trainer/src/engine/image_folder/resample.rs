@@ -1,9 +1,12 @@
 //! A region of an RGB image resized to the model's input, flipped when asked, and
 //! normalized into planar floats: the tail of torchvision's `RandomResizedCrop`,
-//! `RandomHorizontalFlip` and `Normalize`, with the resize as PIL computes it (bilinear,
-//! antialiased: when shrinking, the triangle filter widens with the scale, so every source
-//! pixel counts and a fine pattern averages out instead of aliasing). Separable: a
-//! horizontal pass over the rows the region needs, then a vertical one.
+//! `RandomHorizontalFlip` and `Normalize`, with PIL's bilinear filter (antialiased: when
+//! shrinking, the triangle widens with the scale, so every source pixel counts and a fine
+//! pattern averages out instead of aliasing). Close to torchvision on PIL images, not equal:
+//! the taps may read up to the filter's reach past the region (PIL's `resize(box=…)`, where
+//! torchvision crops first), and the sums stay in f32 where PIL rounds to 8 bits between
+//! its passes. Separable: a horizontal pass over the rows the region needs, then a
+//! vertical one.
 
 use super::decode::Rgb;
 
