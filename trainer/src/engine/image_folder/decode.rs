@@ -111,10 +111,14 @@ fn decode_jpeg(
     min_scale: f64,
 ) -> Result<(Rgb, f64), DecodeError> {
     // An image under one block a side keeps its size (its one block's pixels).
-    let eighths = [1, 2, 4, 8]
-        .into_iter()
-        .find(|&e| e as f64 / 8.0 >= min_scale || width.min(height) < 8)
-        .unwrap_or(8);
+    let eighths = if width.min(height) < 8 {
+        8
+    } else {
+        [1, 2, 4, 8]
+            .into_iter()
+            .find(|&e| e as f64 / 8.0 >= min_scale)
+            .unwrap_or(8)
+    };
     if eighths == 8 {
         // What zune-jpeg refuses, jpeg-decoder may still read (below, at full size).
         if let Some(rgb) = decode_jpeg_full(bytes) {
@@ -357,6 +361,14 @@ mod tests {
             }
             assert!(worst <= 3.0, "asked for {min_scale}: off by {worst}");
         }
+    }
+
+    #[test]
+    fn an_image_under_a_block_a_side_keeps_its_size() {
+        let rgb: Vec<u8> = (0..5 * 20).flat_map(|i| [i as u8 * 2, 100, 50]).collect();
+        let bytes = jpeg(&rgb, 5, 20, jpeg_encoder::ColorType::Rgb);
+        let (image, scale) = Encoded::new(&bytes).unwrap().decode(0.1).unwrap();
+        assert_eq!((image.width, image.height, scale), (5, 20, 1.0));
     }
 
     #[test]
