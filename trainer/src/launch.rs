@@ -55,10 +55,9 @@ impl TerminationMessage {
         Failure::find_in(&self.failures)
     }
 
-    fn text(self) -> Option<String> {
-        let cause = self.cause();
-        self.summary
-            .or_else(|| cause.map(|failure| failure.to_line()))
+    /// The summary, else `cause`'s line.
+    fn text(self, cause: Option<&Failure>) -> Option<String> {
+        self.summary.or_else(|| cause.map(Failure::to_line))
     }
 }
 
@@ -111,7 +110,7 @@ pub fn run(command: &[String], termination_message: &Path) -> Result<u8, LaunchE
     out.flush()?;
     let status = child.wait()?;
     let cause = message.cause();
-    if let Some(message) = message.text() {
+    if let Some(message) = message.text(cause.as_ref()) {
         // The termination message may be missing outside Kubernetes: that is not an error.
         if let Err(error) = std::fs::write(termination_message, message) {
             eprintln!(
@@ -148,22 +147,27 @@ fn forward_termination(child: u32) -> std::io::Result<()> {
 mod tests {
     use super::*;
 
+    /// `launch` over `sh -c script`.
+    fn run_sh(script: &str, file: &Path) -> u8 {
+        run(&["sh".into(), "-c".into(), script.into()], file).unwrap()
+    }
+
     #[test]
     fn the_summary_line_is_written_and_the_exit_code_kept() {
         let dir = std::env::temp_dir().join(format!("launch-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("termination-log");
         let script = r#"echo '{"event":"step","step":1,"loss":7.0,"accuracy":0.0,"learningRate":0.1,"imagesPerSecond":null}'; echo '{"event":"summary","imagesPerSecond":12.5,"steps":3,"finalLoss":0.5,"finalAccuracy":0.25,"worldSize":2,"globalBatch":8,"parameters":100,"seconds":1.0}'; exit 3"#;
-        let code = run(&["sh".into(), "-c".into(), script.into()], &file).unwrap();
+        let code = run_sh(script, &file);
         assert_eq!(code, 3);
         let written: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
         assert_eq!(written["imagesPerSecond"], 12.5);
-        let code = run(&["sh".into(), "-c".into(), "kill -9 $$".into()], &file).unwrap();
+        let code = run_sh("kill -9 $$", &file);
         assert_eq!(code, 137, "the launcher itself killed");
-        let code = run(&["sh".into(), "-c".into(), "exit 137".into()], &file).unwrap();
+        let code = run_sh("exit 137", &file);
         assert_eq!(code, exit::PEER_LOST, "mpirun saw a rank killed");
-        let code = run(&["sh".into(), "-c".into(), "exit 75".into()], &file).unwrap();
+        let code = run_sh("exit 75", &file);
         assert_eq!(code, exit::PEER_LOST, "a rank saw its peer go");
         std::fs::remove_dir_all(dir).ok();
     }
@@ -175,7 +179,7 @@ mod tests {
         let file = dir.join("termination-log");
         // Rank 1 lost its peer, rank 0 had the error; then mpirun's banner.
         let script = r#"echo '{"event":"failed","rank":1,"error":"the ring lost rank 0","exitCode":75}'; echo '{"event":"failed","rank":0,"error":"decoding x.jpg: invalid JPEG","exitCode":1}'; echo 'mpirun detected that one or more processes exited with non-zero status'; exit 1"#;
-        let code = run(&["sh".into(), "-c".into(), script.into()], &file).unwrap();
+        let code = run_sh(script, &file);
         assert_eq!(code, 1);
         let written = std::fs::read_to_string(&file).unwrap();
         let failure = Failure::find_in(&written).expect("a failure line");
@@ -185,18 +189,10 @@ mod tests {
         // log's tail.
         std::fs::remove_file(&file).unwrap();
         let script = r#"echo '{"event":"failed","rank":1,"error":"rank 2 (next) is gone","exitCode":75}'; echo 'rank 2 exited on signal 9 (Killed)'; exit 75"#;
-        let code = run(&["sh".into(), "-c".into(), script.into()], &file).unwrap();
+        let code = run_sh(script, &file);
         assert_eq!(code, exit::PEER_LOST);
         assert!(!file.exists());
-        let code = run(
-            &[
-                "sh".into(),
-                "-c".into(),
-                "echo 'ssh: connect refused'; exit 1".into(),
-            ],
-            &file,
-        )
-        .unwrap();
+        let code = run_sh("echo 'ssh: connect refused'; exit 1", &file);
         assert_eq!(code, 1);
         assert!(!file.exists());
         std::fs::remove_dir_all(dir).ok();
@@ -210,22 +206,14 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("termination-log");
         let lines = r#"echo '{"event":"failed","rank":1,"error":"rank 0 (previous) is gone","exitCode":75}'; echo '{"event":"failed","rank":0,"error":"decoding x.jpg: invalid JPEG","exitCode":1}'"#;
-        let code = run(
-            &["sh".into(), "-c".into(), format!("{lines}; exit 75")],
-            &file,
-        )
-        .unwrap();
+        let code = run_sh(&format!("{lines}; exit 75"), &file);
         assert_eq!(code, 1, "the rank's own code");
         // A rank killed by a signal is what `mpirun` saw first: the gang is incomplete
         // whatever else a rank said.
-        let code = run(
-            &["sh".into(), "-c".into(), format!("{lines}; exit 137")],
-            &file,
-        )
-        .unwrap();
+        let code = run_sh(&format!("{lines}; exit 137"), &file);
         assert_eq!(code, exit::PEER_LOST);
         let only_lost = r#"echo '{"event":"failed","rank":1,"error":"rank 0 (previous) is gone","exitCode":75}'; exit 75"#;
-        let code = run(&["sh".into(), "-c".into(), only_lost.into()], &file).unwrap();
+        let code = run_sh(only_lost, &file);
         assert_eq!(code, exit::PEER_LOST);
         std::fs::remove_dir_all(dir).ok();
     }
