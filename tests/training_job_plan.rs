@@ -32,8 +32,8 @@ fn at(seconds: i64) -> Time {
 }
 
 /// A pod of role `role` in `attempt`, in `state`: "pending", "unschedulable", "running",
-/// "ready", "deleting", "succeeded:<json>", "failed:<code>:<reason>[:<finished at>]" or
-/// "evicted".
+/// "ready", "deleting", "succeeded:<json>", "failed:<code>:<reason>[:<finished at>]",
+/// "evicted" or "waiting:<kubelet's reason>:<message>" (pending, its container waiting).
 fn pod(role: &str, index: u32, attempt: i32, state: &str) -> Pod {
     let name = match role {
         "launcher" => "resnet18-cpu-launcher".to_string(),
@@ -70,6 +70,11 @@ fn pod(role: &str, index: u32, attempt: i32, state: &str) -> Pod {
             statuses[0]["state"]["terminated"]["finishedAt"] =
                 json!(at(finished.parse().unwrap()).0.to_string());
             json!({"phase": "Failed", "containerStatuses": statuses})
+        }
+        ["waiting", reason, message @ ..] => {
+            json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}],
+                   "containerStatuses": [{"name": "c", "image": "i", "ready": false, "restartCount": 0,
+                       "state": {"waiting": {"reason": reason, "message": message.join(":")}}}]})
         }
         ["evicted"] => {
             json!({"phase": "Failed", "reason": "Evicted", "containerStatuses": terminated(137, "ContainerStatusUnknown", "")})
@@ -441,6 +446,24 @@ fn the_deadline_fails_a_running_job_and_the_ttl_deletes_it() {
 }
 
 #[test]
+fn the_result_keeps_images_per_second_to_a_tenth_as_kubectl_shows_it() {
+    let line = ringmaster_contract::trainer::Summary {
+        images_per_second: 23.382011933831738,
+        steps: 20,
+        final_loss: Some(2.125),
+        final_accuracy: None,
+        world_size: 4,
+        global_batch: 64,
+        parameters: 11_689_512,
+        seconds: 12.0,
+    }
+    .to_line();
+    let result = plan::parse_result(&line).unwrap();
+    assert_eq!(result.images_per_second, Some(23.4));
+    assert_eq!(result.final_loss, Some(2.125), "the loss is left as it is");
+}
+
+#[test]
 fn unschedulable_workers_say_why() {
     let mut s = Scenario::new(job(|_| {})).pods(vec![
         pod("worker", 0, 0, "ready"),
@@ -458,11 +481,142 @@ fn unschedulable_workers_say_why() {
     );
 }
 
+/// The kubelet's words for an image it cannot pull, first and on retry.
+const PULL_FAILED: &str = "waiting:ErrImagePull:failed to pull and unpack image \"ringmaster.local/trainer:typo\": not found";
+const PULL_BACKOFF: &str =
+    "waiting:ImagePullBackOff:Back-off pulling image \"ringmaster.local/trainer:typo\"";
+
+#[test]
+fn a_worker_whose_image_cannot_be_pulled_blocks_the_job_and_says_which_image() {
+    let mut s = Scenario::new(job(|_| {})).pods(vec![
+        pod("worker", 0, 0, "ready"),
+        pod("worker", 1, 0, PULL_FAILED),
+    ]);
+    let p = s.step();
+    assert_eq!((p.phase, p.create_launcher), (Phase::Starting, false));
+    let (status, reason, message) = s.condition(condition_types::WORKERS_READY);
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("False", reasons::IMAGE_PULL_FAILED)
+    );
+    assert!(
+        message.starts_with("worker resnet18-cpu-worker-1 cannot start (ErrImagePull): ")
+            && message.contains("ringmaster.local/trainer:typo"),
+        "{message}"
+    );
+    // Ready says the same, so `kubectl get`, `kubectl wait` and Flux show the block.
+    let (ready, ready_reason, ready_message) = s.condition(condition_types::READY);
+    assert_eq!(
+        (
+            ready.as_str(),
+            ready_reason.as_str(),
+            ready_message.as_str()
+        ),
+        ("False", reasons::IMAGE_PULL_FAILED, message.as_str())
+    );
+    assert_eq!(
+        s.condition(condition_types::STALLED).0,
+        "False",
+        "the kubelet keeps trying"
+    );
+
+    // The kubelet's retries alternate its reason; the condition's reason holds still, so
+    // only the words move (progress, written with the next write).
+    let blocked = s.status.clone();
+    s.pods[1] = pod("worker", 1, 0, PULL_BACKOFF);
+    s.step();
+    assert_eq!(
+        s.condition(condition_types::WORKERS_READY).1,
+        reasons::IMAGE_PULL_FAILED
+    );
+    assert!(status::is_progress_only(&blocked, &s.status));
+
+    // Fixed (the image pushed): the worker runs and the block is gone.
+    s.pods[1] = pod("worker", 1, 0, "ready");
+    let p = s.step();
+    assert!(p.create_launcher);
+    assert_eq!(s.condition(condition_types::READY).1, reasons::STARTING);
+}
+
+#[test]
+fn a_container_that_cannot_start_blocks_the_job_the_normal_waits_do_not() {
+    let missing = "waiting:CreateContainerConfigError:secret \"wandb\" not found";
+    let mut s = Scenario::new(job(|_| {})).pods(vec![
+        pod("worker", 0, 0, missing),
+        pod("worker", 1, 0, "waiting:ContainerCreating:"),
+    ]);
+    let before = s.status.clone();
+    s.step();
+    let (_, reason, message) = s.condition(condition_types::WORKERS_READY);
+    assert_eq!(reason, reasons::CONTAINER_CANNOT_START);
+    assert!(
+        message.contains("resnet18-cpu-worker-0")
+            && message.contains("CreateContainerConfigError")
+            && message.contains(r#"secret "wandb" not found"#),
+        "{message}"
+    );
+    assert!(
+        !status::is_progress_only(&before, &s.status),
+        "a block is written at once"
+    );
+
+    // Creating containers is the normal way to Running: no block.
+    let mut normal = Scenario::new(job(|_| {})).pods(vec![
+        pod("worker", 0, 0, "waiting:ContainerCreating:"),
+        pod("worker", 1, 0, "waiting:PodInitializing:"),
+    ]);
+    normal.step();
+    assert_eq!(
+        normal.condition(condition_types::WORKERS_READY).1,
+        reasons::STARTING
+    );
+    assert_eq!(
+        normal.condition(condition_types::READY).1,
+        reasons::STARTING
+    );
+}
+
+#[test]
+fn a_launcher_that_cannot_start_blocks_the_job_with_its_name() {
+    let mut s = Scenario::new(job(|_| {})).pods(vec![
+        pod("worker", 0, 0, "ready"),
+        pod("worker", 1, 0, "ready"),
+        pod(
+            "launcher",
+            0,
+            0,
+            "waiting:CreateContainerConfigError:couldn't find key token in Secret ml/hub",
+        ),
+    ]);
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Starting);
+    assert_eq!(s.condition(condition_types::WORKERS_READY).0, "True");
+    let (ready, reason, message) = s.condition(condition_types::READY);
+    assert_eq!(
+        (ready.as_str(), reason.as_str()),
+        ("False", reasons::CONTAINER_CANNOT_START)
+    );
+    assert!(
+        message.starts_with("launcher resnet18-cpu-launcher cannot start (CreateContainerConfigError): couldn't find key token"),
+        "{message}"
+    );
+    // An unschedulable launcher says so too.
+    s.pods[2] = pod("launcher", 0, 0, "unschedulable");
+    s.step();
+    let (_, reason, message) = s.condition(condition_types::READY);
+    assert_eq!(reason, reasons::UNSCHEDULABLE);
+    assert!(
+        message.starts_with("launcher resnet18-cpu-launcher cannot be scheduled: 0/6 nodes"),
+        "{message}"
+    );
+}
+
 #[test]
 fn a_job_waits_for_its_data() {
     let mut s = Scenario::new(job(|_| {}));
     s.data = DataState::Waiting {
         message: "DataStage imagenet is Copying".into(),
+        failed: false,
     };
     let p = s.step();
     assert_eq!(
@@ -473,6 +627,26 @@ fn a_job_waits_for_its_data() {
         s.condition(condition_types::DATA_READY).2,
         "DataStage imagenet is Copying"
     );
+    assert_eq!(
+        s.condition(condition_types::READY).1,
+        reasons::WAITING_FOR_DATA
+    );
+    // A failed DataStage blocks the job until a person makes it again: Ready says so.
+    let copying = s.status.clone();
+    s.data = DataState::Waiting {
+        message: "DataStage imagenet failed (the copy failed: the credential was refused)".into(),
+        failed: true,
+    };
+    let p = s.step();
+    assert_eq!(p.phase, Phase::WaitingForData);
+    let (_, reason, message) = s.condition(condition_types::READY);
+    assert_eq!(reason, reasons::DATA_STAGE_FAILED);
+    assert!(message.contains("credential was refused"), "{message}");
+    assert_eq!(
+        s.condition(condition_types::DATA_READY).1,
+        reasons::DATA_STAGE_FAILED
+    );
+    assert!(!status::is_progress_only(&copying, &s.status));
     s.data = DataState::Ready {
         claim: "imagenet".into(),
     };
@@ -636,6 +810,8 @@ fn a_cached_pod_stripped_of_what_the_controller_never_reads_reads_the_same() {
         "succeeded:{\"done\": true}",
         "failed:137:OOMKilled:30",
         "evicted",
+        PULL_FAILED,
+        "waiting:ContainerCreating:",
     ];
     for state in states {
         let mut full = serde_json::to_value(pod("worker", 1, 2, state)).unwrap();

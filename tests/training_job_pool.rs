@@ -31,12 +31,78 @@ fn seen(pool: Result<Option<AgentPool>, ArmError>) -> PoolSeen {
     }
 }
 
+/// The job's own pool (tagged with its UID, as the request tags it), in `state`.
 fn pool(state: &str) -> Option<AgentPool> {
+    let job = job();
+    let plan = job.node_pool.clone().unwrap();
+    let request = ringmaster::controller::training_job::pool::request(
+        &job,
+        &plan,
+        plan.pool_name.as_deref().unwrap(),
+    );
     Some(AgentPool {
         provisioning_state: state.into(),
         count: 2,
         vm_size: "Standard_ND96asr_v4".into(),
+        tags: request.tags,
     })
+}
+
+fn tagged(tags: &[(&str, &str)]) -> AgentPool {
+    AgentPool {
+        tags: tags
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        ..pool("Succeeded").unwrap()
+    }
+}
+
+#[test]
+fn a_pool_of_that_name_that_is_not_the_jobs_is_neither_used_nor_deleted() {
+    use ringmaster::controller::training_job::pool::is_jobs_pool;
+    let job = job();
+    let plan = job.node_pool.clone().unwrap();
+    let name = plan.pool_name.clone().unwrap();
+    let ours = |p: &AgentPool| is_jobs_pool(p, &job.namespace, &job.name, &job.uid);
+    assert!(
+        ours(&pool("Succeeded").unwrap()),
+        "the job's own request tags it"
+    );
+    // Made by an operator before the UID tag: its namespace and name say.
+    assert!(ours(&tagged(&[(
+        "ringmaster.dev-job",
+        "ml.resnet50-imagenet"
+    )])));
+    for foreign in [
+        tagged(&[]),
+        tagged(&[("team", "vision")]),
+        tagged(&[("ringmaster.dev-job", "other.resnet50-imagenet")]),
+        // A job of the same namespace and name, deleted and made again: another UID.
+        tagged(&[
+            ("ringmaster.dev-job", "ml.resnet50-imagenet"),
+            (
+                "ringmaster.dev-job-uid",
+                "0b0e0000-0000-4000-8000-000000000001",
+            ),
+        ]),
+    ] {
+        assert!(!ours(&foreign), "{:?}", foreign.tags);
+        let with_nodes = PoolSeen {
+            ready_nodes: Some(2),
+            ..seen(Ok(Some(foreign.clone())))
+        };
+        let decision = decide(&job, &plan, &name, &NodePoolStatus::default(), with_nodes);
+        assert!(decision.create.is_none());
+        match decision.look.state {
+            PoolState::Failed { message } => assert!(
+                message.contains(&format!("agent pool {name} exists and is not this job's"))
+                    && message.contains("nodePool.poolName"),
+                "{message}"
+            ),
+            other => panic!("{:?}: {other:?}", foreign.tags),
+        }
+    }
 }
 
 #[test]

@@ -42,6 +42,7 @@ struct Pool {
     state: String,
     vm_size: String,
     count: u32,
+    tags: BTreeMap<String, String>,
 }
 
 #[derive(Default)]
@@ -51,6 +52,8 @@ struct Inner {
     puts: HashMap<String, usize>,
     deletes: HashMap<String, usize>,
     fail_next_put: Option<ArmFailure>,
+    fail_deletes: usize,
+    delete_failure: Option<ArmFailure>,
     fail_next_async: Option<ArmFailure>,
     throttle_next: usize,
     throttled: usize,
@@ -99,6 +102,7 @@ fn pool_body(name: &str, pool: &Pool) -> serde_json::Value {
             "count": pool.count,
             "vmSize": pool.vm_size,
             "mode": "User",
+            "tags": pool.tags,
         }
     })
 }
@@ -158,6 +162,14 @@ impl SimulatedAks {
         self.shared.inner.lock().unwrap().fail_next_put = Some(failure);
     }
 
+    /// The next `n` DELETEs of a pool fail at once with `failure` (e.g. 403 when the
+    /// operator's identity lost its role).
+    pub fn fail_next_deletes(&self, n: usize, failure: ArmFailure) {
+        let mut inner = self.shared.inner.lock().unwrap();
+        inner.fail_deletes = n;
+        inner.delete_failure = Some(failure);
+    }
+
     /// The next pool made fails while being made (its operation carries `failure`).
     pub fn fail_next_async(&self, failure: ArmFailure) {
         self.shared.inner.lock().unwrap().fail_next_async = Some(failure);
@@ -195,6 +207,20 @@ impl SimulatedAks {
             .deletes
             .get(pool)
             .unwrap_or(&0)
+    }
+
+    /// A pool made outside Ringmaster (a person's, with no tags), already Succeeded. Its
+    /// nodes are not added: no job may use it.
+    pub fn made_by_hand(&self, name: &str, vm_size: &str, count: u32) {
+        self.shared.inner.lock().unwrap().pools.insert(
+            name.into(),
+            Pool {
+                state: "Succeeded".into(),
+                vm_size: vm_size.into(),
+                count,
+                tags: BTreeMap::new(),
+            },
+        );
     }
 
     /// Pools and their states.
@@ -316,6 +342,7 @@ async fn put_pool(
             state: "Creating".into(),
             vm_size,
             count,
+            tags: serde_json::from_value(p["tags"].clone()).unwrap_or_default(),
         };
         inner.pools.insert(name.clone(), pool.clone());
         let fail = inner.fail_next_async.take();
@@ -386,6 +413,12 @@ async fn delete_pool(
     }
     let id = {
         let mut inner = shared.inner.lock().unwrap();
+        if inner.fail_deletes > 0 && inner.pools.contains_key(&name) {
+            inner.fail_deletes -= 1;
+            if let Some(failure) = &inner.delete_failure {
+                return arm_error(failure.status, &failure.code, &failure.message);
+            }
+        }
         let Some(pool) = inner.pools.get_mut(&name) else {
             return StatusCode::NO_CONTENT.into_response();
         };

@@ -367,4 +367,22 @@ async fn a_failed_copy_makes_the_datastage_failed_with_the_stagers_reason() {
     );
     assert_eq!(condition(&status, "Stalled")["status"], "True");
     assert!(!status.to_string().contains("sig=wrong"));
+    // A failed copy waits for a person: a Warning says so (the Copied condition's).
+    eventually(
+        Duration::from_secs(10),
+        "a CopyFailed Warning Event",
+        || async {
+            common::events_for(&client, &ns.name, "broken")
+                .await
+                .iter()
+                .any(|e| {
+                    e.type_.as_deref() == Some("Warning")
+                        && e.reason.as_deref() == Some("CopyFailed")
+                        && e.note.as_deref().is_some_and(|n| {
+                            n.starts_with("Copied=False") && n.contains("credential was refused")
+                        })
+                })
+        },
+    )
+    .await;
 }

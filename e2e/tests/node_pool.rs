@@ -9,7 +9,7 @@ use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use common::{Operator, TestNamespace, apply, client, ensure_crds, eventually};
+use common::{Operator, TestNamespace, apply, client, ensure_crds, eventually, pods};
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
 use kube::api::{DeleteParams, ListParams};
 use kube::{Api, Client, ResourceExt};
@@ -294,6 +294,211 @@ async fn quota_failure_fails_the_job_with_azures_message() {
         "{message}"
     );
     assert_token_nowhere(&client, &ns.name, &s.token).await;
+}
+
+#[tokio::test]
+async fn a_job_naming_a_pool_it_did_not_make_fails_and_leaves_the_pool_alone() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "pool-foreign").await;
+    let s = setup(&client, &ns.name, Duration::from_secs(1)).await;
+
+    // A person's pool of the name the job asks for.
+    s.aks.made_by_hand("teampool", "Standard_ND96asr_v4", 2);
+    apply(
+        &client,
+        &gpu_job("byhand", |spec| {
+            spec["nodePool"]["poolName"] = json!("teampool")
+        }),
+        &ns.name,
+        false,
+    )
+    .await
+    .unwrap();
+    let st = wait_phase(&client, &ns.name, "byhand", "Failed", 30).await;
+    let failed = condition(&st, "Failed");
+    assert_eq!(failed["reason"], "NodePoolFailed");
+    let message = failed["message"].as_str().unwrap();
+    assert!(
+        message.contains(
+            "agent pool teampool exists and is not this job's (Ringmaster did not make it)"
+        ) && message.contains("nodePool.poolName"),
+        "{message}"
+    );
+    assert!(pods(&client, &ns.name, "byhand").await.is_empty());
+
+    // Another job's pool: the second job of the name fails, the first runs on.
+    apply(
+        &client,
+        &gpu_job("first", |spec| {
+            spec["nodePool"]["poolName"] = json!("shared");
+            spec["launcher"] = json!({});
+        }),
+        &ns.name,
+        false,
+    )
+    .await
+    .unwrap();
+    wait_phase(&client, &ns.name, "first", "Running", 60).await;
+    apply(
+        &client,
+        &gpu_job("second", |spec| {
+            spec["nodePool"]["poolName"] = json!("shared")
+        }),
+        &ns.name,
+        false,
+    )
+    .await
+    .unwrap();
+    let st = wait_phase(&client, &ns.name, "second", "Failed", 30).await;
+    let message = condition(&st, "Failed")["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        message.contains(&format!("(TrainingJob {}.first made it)", ns.name)),
+        "{message}"
+    );
+
+    // Deleting the failed jobs deletes neither pool; the first job's pool is its own.
+    let jobs: Api<TrainingJob> = Api::namespaced(client.clone(), &ns.name);
+    for job in ["byhand", "second"] {
+        jobs.delete(job, &DeleteParams::default()).await.unwrap();
+    }
+    eventually(Duration::from_secs(30), "the failed jobs gone", || async {
+        jobs.get_opt("byhand").await.unwrap().is_none()
+            && jobs.get_opt("second").await.unwrap().is_none()
+    })
+    .await;
+    assert_eq!((s.aks.deletes("teampool"), s.aks.deletes("shared")), (0, 0));
+    assert_eq!(
+        s.aks.pools().get("teampool").map(String::as_str),
+        Some("Succeeded")
+    );
+    assert_eq!(
+        status(&client, &ns.name, "first").await["phase"],
+        "Running",
+        "the pool's own job runs on"
+    );
+    jobs.delete("first", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(60),
+        "the first job's pool given back",
+        || async { !s.aks.pools().contains_key("shared") },
+    )
+    .await;
+    assert_eq!(s.aks.deletes("shared"), 1);
+}
+
+/// Warning Events of `reason` about `job`, by their notes.
+async fn warnings(client: &Client, ns: &str, job: &str, reason: &str) -> Vec<String> {
+    common::events_for(client, ns, job)
+        .await
+        .into_iter()
+        .filter(|e| e.type_.as_deref() == Some("Warning") && e.reason.as_deref() == Some(reason))
+        .filter_map(|e| e.note)
+        .collect()
+}
+
+#[tokio::test]
+async fn a_deleted_jobs_pool_that_azure_will_not_delete_or_no_one_can_is_a_warning() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "pool-undeleted").await;
+    let Setup {
+        aks,
+        operator,
+        token: _,
+        _token_file: token_file,
+    } = setup(&client, &ns.name, Duration::from_secs(1)).await;
+    let jobs: Api<TrainingJob> = Api::namespaced(client.clone(), &ns.name);
+    let running = |name: &'static str| gpu_job(name, |spec| spec["launcher"] = json!({}));
+
+    // Azure refuses the deletion twice (the identity lost its role, then got it back): the
+    // job stays, says why, and goes once the pool is deleted.
+    apply(&client, &running("refused"), &ns.name, false)
+        .await
+        .unwrap();
+    let st = wait_phase(&client, &ns.name, "refused", "Running", 60).await;
+    let pool = st["nodePool"]["name"].as_str().unwrap().to_string();
+    aks.fail_next_deletes(
+        2,
+        ArmFailure {
+            status: 403,
+            code: "AuthorizationFailed".into(),
+            message: "The client does not have authorization to perform action 'Microsoft.ContainerService/managedClusters/agentPools/delete'.".into(),
+        },
+    );
+    jobs.delete("refused", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(20),
+        "a NodePoolDeleteFailed Warning",
+        || async {
+            warnings(&client, &ns.name, "refused", "NodePoolDeleteFailed")
+                .await
+                .iter()
+                .any(|n| {
+                    n.contains(&format!("deleting agent pool {pool}"))
+                        && n.contains("AuthorizationFailed")
+                })
+        },
+    )
+    .await;
+    assert!(
+        jobs.get_opt("refused").await.unwrap().is_some(),
+        "held by its finalizer"
+    );
+    eventually(
+        Duration::from_secs(60),
+        "the pool deleted and the job gone",
+        || async {
+            !aks.pools().contains_key(&pool) && jobs.get_opt("refused").await.unwrap().is_none()
+        },
+    )
+    .await;
+    assert_eq!(aks.deletes(&pool), 1);
+
+    // The operator comes back without its AKS settings: it cannot delete the pool, lets the
+    // job go, and warns that the pool may be left in Azure.
+    apply(&client, &running("orphan"), &ns.name, false)
+        .await
+        .unwrap();
+    let st = wait_phase(&client, &ns.name, "orphan", "Running", 60).await;
+    let pool = st["nodePool"]["name"].as_str().unwrap().to_string();
+    operator.kill();
+    let _without_aks = Operator::start_with(
+        &client,
+        &ns.name,
+        OperatorConfig {
+            restart_backoff: Duration::from_millis(500),
+            ..OperatorConfig::default()
+        },
+    )
+    .await;
+    jobs.delete("orphan", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(20),
+        "the job gone with a NodePoolLeftBehind Warning",
+        || async {
+            jobs.get_opt("orphan").await.unwrap().is_none()
+                && warnings(&client, &ns.name, "orphan", "NodePoolLeftBehind")
+                    .await
+                    .iter()
+                    .any(|n| n.contains(&format!("agent pool {pool} was not deleted")))
+        },
+    )
+    .await;
+    assert_eq!(
+        aks.pools().get(&pool).map(String::as_str),
+        Some("Succeeded")
+    );
+    drop(token_file);
 }
 
 #[tokio::test]

@@ -266,6 +266,100 @@ async fn mpich_trains_across_real_pods_as_root() {
 
 /// Kills a container through containerd (SIGKILL to its task), as the OOM killer or a crash
 /// would end it: the kubelet sees it exit.
+/// The job's Ready condition once its reason is `reason`, and the Warning Events of that
+/// reason published by then.
+async fn blocked_with(
+    client: &kube::Client,
+    ns: &str,
+    job: &str,
+    reason: &str,
+) -> (Value, Vec<k8s_openapi::api::events::v1::Event>) {
+    eventually(
+        Duration::from_secs(120),
+        &format!("{job}: Ready=False, {reason}, and a Warning Event"),
+        || async {
+            let status = common::job_status(client, ns, job).await;
+            common::condition(&status, "Ready")["reason"] == reason
+                && events_for(client, ns, job).await.iter().any(|e| {
+                    e.type_.as_deref() == Some("Warning") && e.reason.as_deref() == Some(reason)
+                })
+        },
+    )
+    .await;
+    let status = common::job_status(client, ns, job).await;
+    let warnings = events_for(client, ns, job)
+        .await
+        .into_iter()
+        .filter(|e| e.type_.as_deref() == Some("Warning") && e.reason.as_deref() == Some(reason))
+        .collect();
+    (common::condition(&status, "Ready").clone(), warnings)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_the_kubelet_cannot_start_blocks_the_job_visibly_until_it_is_fixed() {
+    let _node = REAL_NODE_IN_USE.lock().await;
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "real-blocked").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+
+    // An image the node does not have and cannot pull (no registry answers here): the
+    // kubelet's ErrImagePull / ImagePullBackOff, on the job.
+    let typo = format!("{IMAGE}-typo");
+    let job = sample_on_real_node("typo", |spec| spec["image"] = json!(typo));
+    apply(&client, &job, &ns.name, false).await.unwrap();
+    let (ready, warnings) = blocked_with(&client, &ns.name, "typo", "ImagePullFailed").await;
+    let message = ready["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("worker typo-worker-") && message.contains(&typo),
+        "{ready:#}"
+    );
+    let status = common::job_status(&client, &ns.name, "typo").await;
+    assert_eq!(
+        common::condition(&status, "WorkersReady")["reason"],
+        "ImagePullFailed"
+    );
+    assert!(
+        common::phase_is(&status, TrainingJobPhase::Starting),
+        "{status:#}"
+    );
+    // The kubelet retries (ErrImagePull, then ImagePullBackOff): one Event for the block.
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let again = events_for(&client, &ns.name, "typo")
+        .await
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("ImagePullFailed"))
+        .count();
+    assert_eq!((warnings.len(), again), (1, 1), "one Warning for one block");
+    let jobs: Api<ringmaster::api::TrainingJob> = Api::namespaced(client.clone(), &ns.name);
+    jobs.delete("typo", &Default::default()).await.unwrap();
+
+    // A Secret the workers' environment names, not there yet: CreateContainerConfigError.
+    // Once it exists the kubelet starts the containers and the job runs: nothing was lost.
+    let job = sample_on_real_node("secret", |spec| {
+        spec["worker"]["env"] = json!([{"name": "HUB_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": "hub", "key": "token"}}}]);
+    });
+    apply(&client, &job, &ns.name, false).await.unwrap();
+    let (ready, _) = blocked_with(&client, &ns.name, "secret", "ContainerCannotStart").await;
+    let message = ready["message"].as_str().unwrap();
+    assert!(
+        message.contains("CreateContainerConfigError") && message.contains("hub"),
+        "{ready:#}"
+    );
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+        Api::namespaced(client.clone(), &ns.name);
+    let secret = serde_json::from_value(json!({
+        "metadata": {"name": "hub"},
+        "stringData": {"token": "not-a-real-token"},
+    }))
+    .unwrap();
+    secrets.create(&Default::default(), &secret).await.unwrap();
+    let status = wait_phase(&client, &ns.name, "secret", TrainingJobPhase::Running, 180).await;
+    assert_eq!(common::condition(&status, "Ready")["reason"], "Running");
+    assert_eq!(status["restarts"], 0, "{status:#}");
+}
+
 fn kill_container(container_id: &str) {
     let id = container_id
         .strip_prefix("containerd://")

@@ -82,6 +82,8 @@ pub struct AgentPool {
     pub count: u32,
     /// VM size.
     pub vm_size: String,
+    /// Tags on the pool (the job that made it, for one Ringmaster made).
+    pub tags: std::collections::BTreeMap<String, String>,
 }
 
 /// A long-running operation's outcome.
@@ -297,6 +299,7 @@ impl ArmClient {
                 .to_string(),
             count: p["count"].as_u64().unwrap_or(0) as u32,
             vm_size: p["vmSize"].as_str().unwrap_or_default().to_string(),
+            tags: serde_json::from_value(p["tags"].clone()).unwrap_or_default(),
         }))
     }
 

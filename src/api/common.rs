@@ -43,4 +43,9 @@ pub mod condition_reasons {
     /// PriorityClass, a quota, an admission webhook); the message is the API server's, with
     /// the child's kind and name. The operator keeps retrying with backoff.
     pub const CHILD_REJECTED: &str = "ChildRejected";
+    /// (Event) Azure refused to delete a deleted job's agent pool, or could not be asked;
+    /// the job stays until the pool is gone, and the deletion is retried.
+    pub const NODE_POOL_DELETE_FAILED: &str = "NodePoolDeleteFailed";
+    /// (Event) A deleted job's agent pool was not deleted: the operator has no AKS settings.
+    pub const NODE_POOL_LEFT_BEHIND: &str = "NodePoolLeftBehind";
 }

@@ -13,6 +13,7 @@ pub mod validate;
 use std::sync::Arc;
 use std::time::Duration;
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::Resource;
 use kube::core::error_boundary::DeserializeGuard;
 use kube::runtime::controller::Action;
@@ -163,7 +164,75 @@ async fn write(
         &new.conditions,
         value,
         super::StatusWrite::Apply,
-        is_warning,
+        is_stage_warning,
     )
     .await
+}
+
+/// Warning Events for what stops a DataStage until a person acts: an invalid spec, a claim
+/// that does not exist, a copy that failed. The other transitions are Normal.
+pub fn is_stage_warning(condition: &Condition) -> bool {
+    is_warning(condition)
+        || (condition.status == "False"
+            && matches!(
+                (condition.type_.as_str(), condition.reason.as_str()),
+                (
+                    status::types::VOLUME_BOUND,
+                    status::reasons::CLAIM_NOT_FOUND
+                ) | (status::types::COPIED, status::reasons::COPY_FAILED)
+            ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn condition(type_: &str, status: &str, reason: &str) -> Condition {
+        Condition {
+            type_: type_.into(),
+            status: status.into(),
+            reason: reason.into(),
+            message: String::new(),
+            last_transition_time: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+            ),
+            observed_generation: None,
+        }
+    }
+
+    #[test]
+    fn a_missing_claim_and_a_failed_copy_are_warnings_waiting_is_not() {
+        use status::{reasons, types};
+        assert!(is_stage_warning(&condition(
+            types::VOLUME_BOUND,
+            "False",
+            reasons::CLAIM_NOT_FOUND
+        )));
+        assert!(is_stage_warning(&condition(
+            types::COPIED,
+            "False",
+            reasons::COPY_FAILED
+        )));
+        assert!(is_stage_warning(&condition(
+            "SpecValid",
+            "False",
+            "InvalidSpec"
+        )));
+        assert!(!is_stage_warning(&condition(
+            types::VOLUME_BOUND,
+            "False",
+            reasons::BINDING
+        )));
+        assert!(!is_stage_warning(&condition(
+            types::COPIED,
+            "False",
+            reasons::COPYING
+        )));
+        // The kstatus conditions that repeat the reason stay Normal: one Warning per failure.
+        assert!(!is_stage_warning(&condition(
+            "Ready",
+            "False",
+            reasons::COPY_FAILED
+        )));
+    }
 }

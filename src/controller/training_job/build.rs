@@ -428,6 +428,9 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
                     "periodSeconds": 5,
                     "timeoutSeconds": 4,
                 },
+                // sshd's own words (a port it cannot bind, a key it refuses) reach the
+                // job's status when the worker exits.
+                "terminationMessagePolicy": "FallbackToLogsOnError",
                 "resources": {"limits": limits},
                 "securityContext": {"capabilities": {"add": capabilities}},
                 "env": rank_env(job),

@@ -59,16 +59,26 @@ pub async fn reconcile(
             report_invalid(&ctx, &object, &errors).await?
         }
         Ok(job) if job.meta().deletion_timestamp.is_some() => {
-            let waiting = pool::finalize(&ctx.client, ctx.config.arm.as_ref(), job)
+            let finalized = pool::finalize(&ctx.client, ctx.config.arm.as_ref(), job)
                 .await
                 .map_err(|source| Error::Pool {
                     name: key.clone(),
                     source,
                 })?;
-            if waiting {
-                Action::requeue(std::time::Duration::from_secs(10))
-            } else {
-                Action::await_change()
+            match finalized {
+                pool::Finalized::Done => Action::await_change(),
+                pool::Finalized::Waiting => Action::requeue(std::time::Duration::from_secs(10)),
+                pool::Finalized::Stuck(problem) => {
+                    // Why the job does not go away, on it (the recorder counts repeats).
+                    ctx.warn(job, condition_reasons::NODE_POOL_DELETE_FAILED, &problem)
+                        .await;
+                    Action::requeue(std::time::Duration::from_secs(10))
+                }
+                pool::Finalized::LeftBehind(problem) => {
+                    ctx.warn(job, condition_reasons::NODE_POOL_LEFT_BEHIND, &problem)
+                        .await;
+                    Action::await_change()
+                }
             }
         }
         Ok(job) => match validate::validate(job) {
@@ -120,14 +130,29 @@ fn data_state(ctx: &Context, job: &validate::ValidatedTrainingJob) -> DataState 
                 claim: status.claim_name.unwrap_or_default(),
             }
         }
+        Some(status) if status.phase == DataStagePhase::Failed => DataState::Waiting {
+            message: format!(
+                "DataStage {} failed ({}): fix it and make it again; the job starts once it is Ready",
+                reference.name,
+                status
+                    .conditions
+                    .iter()
+                    .find(|c| c.type_ == crate::api::condition_types::READY)
+                    .map(|c| c.message.as_str())
+                    .unwrap_or("no reason given")
+            ),
+            failed: true,
+        },
         Some(status) => DataState::Waiting {
             message: format!("DataStage {} is {:?}", reference.name, status.phase),
+            failed: false,
         },
         None => DataState::Waiting {
             message: format!(
                 "DataStage {} does not exist yet (or has no status)",
                 reference.name
             ),
+            failed: false,
         },
     }
 }
@@ -429,7 +454,33 @@ async fn write_status(
         std::time::Instant::now(),
     );
     publish_phase_event(ctx, object, old.phase, new.phase, message).await;
+    publish_blocked_event(ctx, object, old, new).await;
     Ok(())
+}
+
+/// A Warning Event when the job becomes blocked on something a person must fix (a pod that
+/// cannot be scheduled, an image that cannot be pulled, a container that cannot start, a
+/// DataStage that failed), once per kind of block: the kubelet's and the scheduler's retries
+/// do not repeat it.
+async fn publish_blocked_event(
+    ctx: &Context,
+    object: &DeserializeGuard<TrainingJob>,
+    old: &TrainingJobStatus,
+    new: &TrainingJobStatus,
+) {
+    let ready = |status: &TrainingJobStatus| {
+        status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == crate::api::condition_types::READY)
+            .cloned()
+    };
+    let Some(now) = ready(new) else { return };
+    if plan::reasons::BLOCKING.contains(&now.reason.as_str())
+        && ready(old).is_none_or(|before| before.reason != now.reason)
+    {
+        ctx.warn(object, &now.reason, &now.message).await;
+    }
 }
 
 /// One Event per phase change: Warning for Restarting and Failed.

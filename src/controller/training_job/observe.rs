@@ -32,6 +32,57 @@ pub enum PodLife {
     Failed(Exit),
 }
 
+/// Why a pod's container cannot start, as the kubelet reports it while it keeps trying: a
+/// wrong image, a Secret or ConfigMap key the container's environment names that does not
+/// exist, a command the runtime cannot run. The job waits for the fix, which must show on it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stuck {
+    /// What kind of problem: [`StuckKind::ImagePull`] or [`StuckKind::Container`].
+    pub kind: StuckKind,
+    /// The kubelet's reason (ErrImagePull, ImagePullBackOff, CreateContainerConfigError, ...).
+    pub reason: String,
+    /// The kubelet's message (which image, which Secret, what the runtime said).
+    pub message: String,
+}
+
+/// The kinds of [`Stuck`], each a condition reason: the kubelet alternates between reasons
+/// of one kind (ErrImagePull and ImagePullBackOff) while it retries, and the condition must
+/// not flap with it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StuckKind {
+    /// The image cannot be pulled (or its name is invalid).
+    ImagePull,
+    /// The container cannot be created or run.
+    Container,
+}
+
+impl Stuck {
+    /// The kubelet's waiting state of a container, when it says the container cannot start;
+    /// `None` for the waits of a normal start (ContainerCreating, PodInitializing).
+    pub fn of(reason: &str, message: &str) -> Option<Self> {
+        let kind = match reason {
+            "ErrImagePull"
+            | "ImagePullBackOff"
+            | "InvalidImageName"
+            | "ErrImageNeverPull"
+            | "RegistryUnavailable"
+            | "SignatureValidationFailed" => StuckKind::ImagePull,
+            "CreateContainerConfigError"
+            | "CreateContainerError"
+            | "RunContainerError"
+            | "PreStartHookError"
+            | "PostStartHookError"
+            | "CrashLoopBackOff" => StuckKind::Container,
+            _ => return None,
+        };
+        Some(Self {
+            kind,
+            reason: reason.to_string(),
+            message: message.to_string(),
+        })
+    }
+}
+
 /// One pod of the job.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PodState {
@@ -41,6 +92,8 @@ pub struct PodState {
     pub attempt: Option<i32>,
     /// Its life.
     pub life: PodLife,
+    /// Why its container cannot start, while the kubelet retries.
+    pub stuck: Option<Stuck>,
     /// Being deleted.
     pub deleting: bool,
     /// When the API server made it.
@@ -52,12 +105,18 @@ impl PodState {
     pub fn of(pod: &Pod) -> Self {
         let attempt = pod.labels().get(ATTEMPT_LABEL).and_then(|a| a.parse().ok());
         let status = pod.status.clone().unwrap_or_default();
-        let terminated = status
+        let state = status
             .container_statuses
             .as_ref()
             .and_then(|s| s.first())
-            .and_then(|s| s.state.as_ref())
-            .and_then(|s| s.terminated.clone());
+            .and_then(|s| s.state.as_ref());
+        let terminated = state.and_then(|s| s.terminated.clone());
+        let stuck = state.and_then(|s| s.waiting.as_ref()).and_then(|w| {
+            Stuck::of(
+                w.reason.as_deref().unwrap_or_default(),
+                w.message.as_deref().unwrap_or_default(),
+            )
+        });
         let exit = |default_reason: &str| {
             let t = terminated.clone().unwrap_or_default();
             Exit {
@@ -94,6 +153,7 @@ impl PodState {
             name: pod.name_any(),
             attempt,
             life,
+            stuck,
             deleting: pod.metadata.deletion_timestamp.is_some(),
             created: pod.metadata.creation_timestamp.clone(),
         }
@@ -113,7 +173,7 @@ impl PodState {
 /// Drops from a pod what the controller never reads, before it reaches the shared cache: the
 /// spec, annotations, managed fields, and every part of the status but the phase, the
 /// pod-level reason, the Ready and PodScheduled conditions and the first container's
-/// termination. What is kept is what [`PodState::of`] and the job's pod lookup read
+/// termination or why it waits. What is kept is what [`PodState::of`] and the job's pod lookup read
 /// (namespace, name, labels, owners, UID, resourceVersion, timestamps); a cached pod gives
 /// the same [`PodState`] as the whole pod. Thousands of pods are cached: most of a pod's
 /// bytes are its spec and managed fields.
@@ -138,7 +198,7 @@ pub fn strip_for_cache(pod: &mut Pod) {
                 })
                 .collect()
         });
-        let terminated = status
+        let first_container = status
             .container_statuses
             .take()
             .and_then(|cs| cs.into_iter().next())
@@ -146,6 +206,7 @@ pub fn strip_for_cache(pod: &mut Pod) {
                 name: c.name,
                 state: c.state.map(|s| k8s_openapi::api::core::v1::ContainerState {
                     terminated: s.terminated,
+                    waiting: s.waiting,
                     ..Default::default()
                 }),
                 ..Default::default()
@@ -154,7 +215,7 @@ pub fn strip_for_cache(pod: &mut Pod) {
             phase,
             reason,
             conditions,
-            container_statuses: terminated.map(|c| vec![c]),
+            container_statuses: first_container.map(|c| vec![c]),
             ..Default::default()
         };
     }

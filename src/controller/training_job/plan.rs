@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-use super::observe::{Exit, Observed, PodLife, PodState};
+use super::observe::{Exit, Observed, PodLife, PodState, StuckKind};
 use super::queue::QueueState;
 use super::validate::ValidatedTrainingJob;
 use crate::api::{CleanPodPolicy, TrainingJobPhase, TrainingJobStatus, TrainingResult};
@@ -39,10 +39,26 @@ pub mod reasons {
     pub const RUNNING: &str = "Running";
     /// Workers are starting.
     pub const STARTING: &str = "Starting";
-    /// A worker cannot be scheduled.
+    /// A worker (or the launcher) cannot be scheduled.
     pub const UNSCHEDULABLE: &str = "Unschedulable";
+    /// A pod's image cannot be pulled (the kubelet keeps trying).
+    pub const IMAGE_PULL_FAILED: &str = "ImagePullFailed";
+    /// A pod's container cannot be created or run: a missing Secret or ConfigMap key in its
+    /// environment, a command the runtime refuses (the kubelet keeps trying).
+    pub const CONTAINER_CANNOT_START: &str = "ContainerCannotStart";
+
+    /// The reasons that say the job waits on something a person must fix: each is written at
+    /// once and comes with a Warning Event.
+    pub const BLOCKING: [&str; 4] = [
+        UNSCHEDULABLE,
+        IMAGE_PULL_FAILED,
+        CONTAINER_CANNOT_START,
+        DATA_STAGE_FAILED,
+    ];
     /// Waiting for the DataStage.
     pub const WAITING_FOR_DATA: &str = "WaitingForData";
+    /// The DataStage failed: the job waits until it is made again and copies.
+    pub const DATA_STAGE_FAILED: &str = "DataStageFailed";
     /// The DataStage is Ready.
     pub const DATA_READY: &str = "DataReady";
     /// Waiting for nodes.
@@ -88,8 +104,9 @@ pub enum DataState {
     NotNeeded,
     /// Ready; its claim.
     Ready { claim: String },
-    /// Not ready (or missing); why, for the condition.
-    Waiting { message: String },
+    /// Not ready (or missing); why, for the condition. `failed`: the DataStage failed, and
+    /// waits for a person (a fixed Secret and a new DataStage).
+    Waiting { message: String, failed: bool },
 }
 
 /// The job's nodes, when it brings its own (an AKS agent pool).
@@ -271,10 +288,41 @@ fn describe(pod: &PodState, exit: &Exit) -> String {
 /// trainer writes) from the last line of a termination message that parses as one.
 pub fn parse_result(message: &str) -> Option<TrainingResult> {
     ringmaster_contract::trainer::Summary::find_in(message).map(|s| TrainingResult {
-        images_per_second: Some(s.images_per_second),
+        // To a tenth, as the trainer prints it (an older trainer, or a program of the
+        // user's writing the same line, may not): `kubectl get` shows it whole.
+        images_per_second: Some((s.images_per_second * 10.0).round() / 10.0),
         steps: i64::try_from(s.steps).ok(),
         final_loss: s.final_loss,
     })
+}
+
+/// What keeps a pod that is not running from starting, as a condition reason and words: the
+/// scheduler's reason it fits no node, or the kubelet's reason its container cannot start.
+/// `None` for a pod on its normal way (or running, or gone).
+fn blocked(role: &str, pod: &PodState) -> Option<(&'static str, String)> {
+    if pod.deleting {
+        return None;
+    }
+    if let PodLife::Pending {
+        unschedulable: Some(why),
+    } = &pod.life
+    {
+        return Some((
+            reasons::UNSCHEDULABLE,
+            format!("{role} {} cannot be scheduled: {why}", pod.name),
+        ));
+    }
+    let stuck = pod.stuck.as_ref()?;
+    let reason = match stuck.kind {
+        StuckKind::ImagePull => reasons::IMAGE_PULL_FAILED,
+        StuckKind::Container => reasons::CONTAINER_CANNOT_START,
+    };
+    let mut message = format!("{role} {} cannot start ({})", pod.name, stuck.reason);
+    if !stuck.message.is_empty() {
+        message.push_str(": ");
+        message.push_str(&ringmaster_contract::shorten(&stuck.message, 500));
+    }
+    Some((reason, message))
 }
 
 /// Pods to delete when the job finishes, by cleanPodPolicy.
@@ -484,15 +532,19 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
     let gang_exists = observed.gang_exists();
 
     match inputs.data {
-        DataState::Waiting { message } if !gang_exists => {
+        DataState::Waiting { message, failed } if !gang_exists => {
             plan.phase = P::WaitingForData;
-            plan.say(
-                condition_types::DATA_READY,
-                false,
-                reasons::WAITING_FOR_DATA,
-                message.clone(),
-            );
+            let reason = if *failed {
+                reasons::DATA_STAGE_FAILED
+            } else {
+                reasons::WAITING_FOR_DATA
+            };
+            plan.say(condition_types::DATA_READY, false, reason, message.clone());
             phase_conditions(&mut plan, &format!("waiting for data: {message}"));
+            if *failed {
+                // A block a person must lift: Ready says so, with a Warning.
+                set_ready_reason(&mut plan, reason);
+            }
             return plan;
         }
         DataState::Ready { .. } => plan.say(
@@ -755,6 +807,15 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
         .as_ref()
         .is_some_and(|l| matches!(l.life, PodLife::Running { .. }) && !l.deleting);
     plan.say(condition_types::RESTARTING, false, reasons::RUNNING, "");
+    let worker_blocked = observed
+        .workers
+        .iter()
+        .flatten()
+        .find_map(|w| blocked("worker", w));
+    let launcher_blocked = observed
+        .launcher
+        .as_ref()
+        .and_then(|l| blocked("launcher", l));
     if all_ready {
         plan.say(
             condition_types::WORKERS_READY,
@@ -762,24 +823,8 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
             reasons::RUNNING,
             format!("{ready}/{} workers ready", job.workers),
         );
-    } else if let Some((name, why)) =
-        observed
-            .workers
-            .iter()
-            .flatten()
-            .find_map(|w| match &w.life {
-                PodLife::Pending {
-                    unschedulable: Some(why),
-                } => Some((w.name.clone(), why.clone())),
-                _ => None,
-            })
-    {
-        plan.say(
-            condition_types::WORKERS_READY,
-            false,
-            reasons::UNSCHEDULABLE,
-            format!("worker {name} cannot be scheduled: {why}"),
-        );
+    } else if let Some((reason, message)) = worker_blocked.clone() {
+        plan.say(condition_types::WORKERS_READY, false, reason, message);
     } else {
         plan.say(
             condition_types::WORKERS_READY,
@@ -809,6 +854,25 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
             })
             .unwrap_or_default()
     };
-    phase_conditions(&mut plan, &detail);
+    // What blocks the start is also why the job is not Ready.
+    match worker_blocked.or(launcher_blocked) {
+        Some((reason, message)) => {
+            phase_conditions(&mut plan, &message);
+            set_ready_reason(&mut plan, reason);
+        }
+        None => phase_conditions(&mut plan, &detail),
+    }
     plan
+}
+
+/// Puts what blocks the job as the reason of Ready (and Reconciling), for `kubectl get`,
+/// `kubectl wait` and Flux alike.
+fn set_ready_reason(plan: &mut Plan, reason: &'static str) {
+    for condition in plan.conditions.iter_mut() {
+        if condition.type_ == condition_types::READY
+            || condition.type_ == condition_types::RECONCILING
+        {
+            condition.reason = reason;
+        }
+    }
 }

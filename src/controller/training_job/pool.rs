@@ -29,6 +29,28 @@ pub const POOL_KEY: &str = "ringmaster.dev/pool";
 const DELETED: &str = "Deleted";
 /// AKS's label naming a node's agent pool.
 pub const AGENT_POOL_LABEL: &str = "kubernetes.azure.com/agentpool";
+/// Tag on a pool Ringmaster made: `<namespace>.<name>` of the job.
+pub const JOB_TAG: &str = "ringmaster.dev-job";
+/// Tag on a pool Ringmaster made: the job's UID (names come back; UIDs do not).
+pub const JOB_UID_TAG: &str = "ringmaster.dev-job-uid";
+
+/// Whether `pool` is the one this job made: tagged with its UID (or, made before the UID
+/// tag, with its namespace and name). A pool of another job, or one made by hand, is never
+/// adopted and never deleted: a `poolName` that names it is a mistake to report.
+pub fn is_jobs_pool(pool: &AgentPool, namespace: &str, name: &str, uid: &str) -> bool {
+    match pool.tags.get(JOB_UID_TAG) {
+        Some(tagged) => tagged == uid,
+        None => pool.tags.get(JOB_TAG) == Some(&format!("{namespace}.{name}")),
+    }
+}
+
+/// Who a pool belongs to, in words, for a job that found it in its way.
+fn owner_of(pool: &AgentPool) -> String {
+    match pool.tags.get(JOB_TAG) {
+        Some(job) => format!("TrainingJob {job} made it"),
+        None => "Ringmaster did not make it".to_string(),
+    }
+}
 
 /// What a look at the pool found.
 #[derive(Debug)]
@@ -82,10 +104,13 @@ pub fn request(job: &ValidatedTrainingJob, pool: &NodePoolPlan, name: &str) -> A
         node_taints: vec![format!("{POOL_KEY}={name}:NoSchedule")],
         spot: pool.spot,
         gpu_driver_install: pool.gpu_driver != GpuDriver::None,
-        tags: BTreeMap::from([(
-            "ringmaster.dev-job".to_string(),
-            format!("{}.{}", job.namespace, job.name),
-        )]),
+        tags: BTreeMap::from([
+            (
+                JOB_TAG.to_string(),
+                format!("{}.{}", job.namespace, job.name),
+            ),
+            (JOB_UID_TAG.to_string(), job.uid.clone()),
+        ]),
     }
 }
 
@@ -135,15 +160,16 @@ pub async fn look(
             });
         }
         let requeue = match release(client, arm, object, name).await? {
-            Some(state) => {
+            Release::Pending { state, .. } => {
                 status.provisioning_state = Some(state);
                 Some(Duration::from_secs(10))
             }
-            None => {
+            Release::Gone => {
                 status.provisioning_state = Some(DELETED.into());
                 status.ready_nodes = 0;
                 None
             }
+            Release::NotOurs => None,
         };
         return Ok(PoolLook {
             state: PoolState::NotNeeded,
@@ -262,6 +288,18 @@ pub fn decide(
             );
         }
     };
+    if !is_jobs_pool(&current, &job.namespace, &job.name, &job.uid) {
+        return look(
+            PoolState::Failed {
+                message: format!(
+                    "agent pool {name} exists and is not this job's ({}): it is neither used nor deleted; name another nodePool.poolName, or leave it out for a pool of the job's own",
+                    owner_of(&current)
+                ),
+            },
+            status,
+            None,
+        );
+    }
     status.provisioning_state = Some(current.provisioning_state.clone());
     match current.provisioning_state.as_str() {
         "Succeeded" => {
@@ -443,47 +481,103 @@ async fn set_pool_finalizer(
         })
 }
 
-/// Deletes the pool; `Some(state)` while it still exists, `None` once it is gone (and the
-/// finalizer released).
+/// Where giving a job's pool back stands.
+enum Release {
+    /// Still there (being deleted, or the delete is to be retried): the state in words, and
+    /// what went wrong when Azure refused or could not be asked.
+    Pending {
+        state: String,
+        problem: Option<String>,
+    },
+    /// Gone, and the finalizer released.
+    Gone,
+    /// The pool of that name is not this job's: left alone, and the finalizer released.
+    NotOurs,
+}
+
+/// Deletes the job's pool, and releases the finalizer once it is gone. A pool of that name
+/// that another job (or a person) made is left alone.
 async fn release(
     client: &Client,
     arm: &ArmClient,
     object: &TrainingJob,
     name: &str,
-) -> Result<Option<String>, PoolError> {
+) -> Result<Release, PoolError> {
     match arm.get_pool(name).await {
         Ok(None) => {
             set_pool_finalizer(client, object, false).await?;
-            Ok(None)
+            Ok(Release::Gone)
         }
-        Ok(Some(pool)) if pool.provisioning_state == "Deleting" => Ok(Some("Deleting".into())),
+        Ok(Some(pool))
+            if !is_jobs_pool(
+                &pool,
+                &object.namespace().unwrap_or_default(),
+                &object.name_any(),
+                &object.uid().unwrap_or_default(),
+            ) =>
+        {
+            tracing::warn!(job = %object.name_any(), pool = name, owner = %owner_of(&pool), "agent pool is not this job's: left alone");
+            set_pool_finalizer(client, object, false).await?;
+            Ok(Release::NotOurs)
+        }
+        Ok(Some(pool)) if pool.provisioning_state == "Deleting" => Ok(Release::Pending {
+            state: "Deleting".into(),
+            problem: None,
+        }),
         Ok(Some(_)) => match arm.delete_pool(name).await {
             Ok(_) => {
                 tracing::info!(job = %object.name_any(), pool = name, "agent pool deletion accepted");
-                Ok(Some("Deleting".into()))
+                Ok(Release::Pending {
+                    state: "Deleting".into(),
+                    problem: None,
+                })
             }
             Err(e) => {
                 tracing::warn!(job = %object.name_any(), pool = name, error = %e, "deleting the agent pool; will retry");
-                Ok(Some(format!("delete pending: {e}")))
+                Ok(Release::Pending {
+                    state: format!("delete pending: {e}"),
+                    problem: Some(format!(
+                        "deleting agent pool {name}: {e}; retried every 10 s"
+                    )),
+                })
             }
         },
         Err(e) => {
             tracing::warn!(job = %object.name_any(), pool = name, error = %e, "reading the agent pool; will retry");
-            Ok(Some(format!("unknown: {e}")))
+            Ok(Release::Pending {
+                state: format!("unknown: {e}"),
+                problem: Some(format!(
+                    "reading agent pool {name}: {e}; retried every 10 s"
+                )),
+            })
         }
     }
 }
 
+/// Where the deletion of a job with a pool stands.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Finalized {
+    /// Nothing (more) to delete: the finalizer is off.
+    Done,
+    /// The pool is being deleted; look again.
+    Waiting,
+    /// Azure refused the deletion or could not be asked; retried. The words, for a Warning.
+    Stuck(String),
+    /// The finalizer was released without deleting the pool (this operator has no AKS
+    /// settings): the pool may be left in Azure. The words, for a Warning.
+    LeftBehind(String),
+}
+
 /// For a job being deleted: deletes its pool (even when it asked to keep it after
 /// completion: a deleted job's pool has no owner left) and releases the finalizer once it
-/// is gone. `true` while waiting.
+/// is gone.
 pub async fn finalize(
     client: &Client,
     arm: Option<&ArmClient>,
     object: &TrainingJob,
-) -> Result<bool, PoolError> {
+) -> Result<Finalized, PoolError> {
     if !object.finalizers().iter().any(|f| f == FINALIZER) {
-        return Ok(false);
+        return Ok(Finalized::Done);
     }
     let name = object
         .spec
@@ -498,12 +592,26 @@ pub async fn finalize(
                 )
             })
         });
-    let (Some(arm), Some(name)) = (arm, name) else {
-        // Nothing Ringmaster can delete: let the job go.
+    let Some(name) = name else {
+        // The spec names no pool of its own (any more): nothing to delete.
         set_pool_finalizer(client, object, false).await?;
-        return Ok(false);
+        return Ok(Finalized::Done);
     };
-    Ok(release(client, arm, object, &name).await?.is_some())
+    let Some(arm) = arm else {
+        // Nothing Ringmaster can delete with: let the job go, and say what may be left.
+        set_pool_finalizer(client, object, false).await?;
+        return Ok(Finalized::LeftBehind(format!(
+            "agent pool {name} was not deleted: this operator runs without AKS settings (--aks-subscription, --aks-resource-group, --aks-cluster; Helm aks.*); delete the pool in Azure if it is still there"
+        )));
+    };
+    Ok(match release(client, arm, object, &name).await? {
+        Release::Pending { problem: None, .. } => Finalized::Waiting,
+        Release::Pending {
+            problem: Some(problem),
+            ..
+        } => Finalized::Stuck(problem),
+        Release::Gone | Release::NotOurs => Finalized::Done,
+    })
 }
 
 #[cfg(test)]

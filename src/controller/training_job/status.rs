@@ -101,7 +101,7 @@ pub fn from_plan(
 /// the start time (the launcher pod holds it too), condition messages and timestamps, and
 /// WorkersReady going from Starting to ready. Such a change can wait a little and go out with
 /// the next one; a new phase, restart, result, generation, node pool, or any other condition
-/// moving (an unschedulable worker among them) is written at once.
+/// moving (a worker that cannot be scheduled or cannot start among them) is written at once.
 pub fn is_progress_only(old: &TrainingJobStatus, new: &TrainingJobStatus) -> bool {
     fn gist(status: &TrainingJobStatus) -> (TrainingJobStatus, Vec<(String, String, String)>) {
         let conditions = status
@@ -109,7 +109,7 @@ pub fn is_progress_only(old: &TrainingJobStatus, new: &TrainingJobStatus) -> boo
             .iter()
             .filter(|c| {
                 c.type_ != super::plan::condition_types::WORKERS_READY
-                    || c.reason == super::plan::reasons::UNSCHEDULABLE
+                    || super::plan::reasons::BLOCKING.contains(&c.reason.as_str())
             })
             .map(|c| (c.type_.clone(), c.status.clone(), c.reason.clone()))
             .collect();
