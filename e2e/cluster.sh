@@ -65,7 +65,9 @@ up() {
   # the list: a component's first argument must come before any second argument of another,
   # so the API server's and KWOK's later arguments go last. The real node's kubelet is reached
   # at its InternalIP (its hostname resolves nowhere); the API server advertises the address
-  # node.sh relays to it for pods; KWOK plays only the nodes annotated as its own. bench-operator counts
+  # node.sh relays to it for pods; KWOK plays only the nodes annotated as its own. Owner
+# references are enforced as on OpenShift: blockOwnerDeletion needs the right to update the
+# owner's finalizers (the chart's RBAC is tested under it). bench-operator counts
   # the requests of the ServiceAccounts of namespace ringmaster-bench (kwok/audit-policy.yaml).
   "$bin/kwokctl" create cluster --name "$name" --runtime binary \
     --kube-apiserver-binary "$bin/kube-apiserver" \
@@ -97,6 +99,7 @@ up() {
     --extra-args "kube-apiserver=audit-policy-file=$here/kwok/audit-policy.yaml" \
     --extra-args "kube-apiserver=audit-log-path=$state/audit.log" \
     --extra-args "kube-apiserver=audit-log-maxsize=100000" \
+    --extra-args "kube-apiserver=enable-admission-plugins=OwnerReferencesPermissionEnforcement" \
     --wait 120s -v WARN
   log "control plane ready after $((SECONDS - start)) s; adding simulated AKS nodes"
   kwok_nodes add --pool system --vm-size Standard_D4s_v5 --count 2 --mode system

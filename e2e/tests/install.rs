@@ -46,12 +46,17 @@ async fn helm(args: &[&str]) -> (bool, String) {
 
 /// `(kind, namespace, name)` of every object in a multi-document YAML stream.
 fn objects(yaml: &str) -> BTreeSet<(String, String, String)> {
+    whole_objects(yaml).into_keys().collect()
+}
+
+/// Each object of a YAML stream by kind, namespace and name.
+fn whole_objects(yaml: &str) -> std::collections::BTreeMap<(String, String, String), Value> {
     serde_saphyr::from_multiple::<Value>(yaml)
         .unwrap()
         .into_iter()
         .filter(|o| o.is_object())
         .map(|o| {
-            (
+            let key = (
                 o["kind"].as_str().unwrap_or_default().to_string(),
                 o["metadata"]["namespace"]
                     .as_str()
@@ -61,7 +66,8 @@ fn objects(yaml: &str) -> BTreeSet<(String, String, String)> {
                     .as_str()
                     .unwrap_or_default()
                     .to_string(),
-            )
+            );
+            (key, o)
         })
         .collect()
 }
@@ -119,9 +125,10 @@ async fn the_chart_lints_refuses_bad_values_and_matches_the_kustomize_bases() {
         kustomize_objects.push_str(&std::fs::read_to_string(root.join(file)).unwrap());
         kustomize_objects.push_str("\n---\n");
     }
+    // Whole objects, not only their names: a changed flag or rule must show.
     assert_eq!(
-        objects(&kustomize_objects),
-        objects(&out),
+        whole_objects(&kustomize_objects),
+        whole_objects(&out),
         "config/ is stale: run `make manifests`"
     );
 
