@@ -555,6 +555,40 @@ fn the_flagship_samples_trainer_flags_are_the_ones_the_gpu_tests_run() {
     );
 }
 
+/// The learning rate the operator scales with the global batch comes with Goyal et al.'s
+/// 5-epoch warm-up; a small batch gets none, and the user's own setting (or warm-up flags
+/// in `extraArgs`) wins.
+#[test]
+fn a_scaled_learning_rate_comes_with_a_warm_up_the_user_can_change() {
+    let warmup = |edit: fn(&mut Value)| {
+        let job = sample("trainingjob-resnet50-nd96asr-v4.yaml", edit);
+        let command = build::launcher_command(&job);
+        train_flags(&command)
+            .iter()
+            .filter(|f| f.starts_with("--warmup-"))
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    // 2 workers × 8 GPUs × 256 images: learning rate 1.6, warmed up over 5 epochs.
+    assert_eq!(warmup(|_| {}), ["--warmup-epochs=5"]);
+    assert_eq!(
+        warmup(|o| o["spec"]["trainer"]["warmupEpochs"] = json!(0.5)),
+        ["--warmup-epochs=0.5"]
+    );
+    assert_eq!(
+        warmup(|o| o["spec"]["trainer"]["extraArgs"] = json!(["--warmup-steps=500"])),
+        ["--warmup-steps=500"]
+    );
+    // One worker, one GPU, 256 images a step: the rate is the base one, with no warm-up.
+    assert!(
+        warmup(|o| {
+            o["spec"]["workers"] = json!(1);
+            o["spec"]["gpusPerWorker"] = json!(1);
+        })
+        .is_empty()
+    );
+}
+
 #[test]
 fn the_launchers_hostfile_and_ssh_program_are_its_own_annotations_projected_into_files() {
     let job = gpu_job();

@@ -201,6 +201,10 @@ pub struct TrainArgs {
     /// Warm-up steps of the learning rate.
     #[arg(long, default_value_t = defaults::WARMUP_STEPS)]
     pub warmup_steps: usize,
+    /// Warm-up of the learning rate in passes over the dataset (instead of --warmup-steps):
+    /// Goyal et al. warm up for 5 epochs when the linear scaling rule raises the rate.
+    #[arg(long, conflicts_with = "warmup_steps")]
+    pub warmup_epochs: Option<f32>,
     /// Schedule after warm-up.
     #[arg(long, value_enum, default_value_t = defaults::SCHEDULE)]
     pub schedule: Schedule,
@@ -216,7 +220,7 @@ pub struct TrainArgs {
     /// Random images (the reference architecture's benchmark mode). The default.
     #[arg(long, conflicts_with_all = ["data_dir", "learnable_classes"])]
     pub synthetic: bool,
-    /// An ImageNet-style folder of JPEG class folders.
+    /// An ImageNet-style folder of class folders of JPEG and PNG images.
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
     /// A generated dataset of this many classes that a small network can learn (tests, demos).
@@ -255,6 +259,7 @@ impl Default for TrainArgs {
             epochs: None,
             learning_rate: None,
             warmup_steps: defaults::WARMUP_STEPS,
+            warmup_epochs: None,
             schedule: defaults::SCHEDULE,
             momentum: defaults::MOMENTUM,
             weight_decay: defaults::WEIGHT_DECAY,
@@ -325,6 +330,9 @@ impl TrainArgs {
         if self.warmup_steps != d.warmup_steps {
             flag("warmup-steps", self.warmup_steps.to_string());
         }
+        if let Some(epochs) = self.warmup_epochs {
+            flag("warmup-epochs", epochs.to_string());
+        }
         if self.schedule != d.schedule {
             flag("schedule", self.schedule.to_string());
         }
@@ -386,7 +394,7 @@ impl TrainArgs {
                 Setting::Precision,
                 match self.precision {
                     Precision::Bf16 => format!(
-                        "bf16 needs the CUDA engine, which this release of ringmaster-trainer has not yet verified on a GPU; it computes in {}",
+                        "bf16 needs the CUDA engine, which this release of ringmaster-trainer has not yet verified on a GPU; it computes in {} (set precision: fp32 with gpusPerWorker: 0)",
                         list(&capabilities.precisions)
                     ),
                     other => format!(
@@ -440,6 +448,14 @@ impl TrainArgs {
                 format!("{lr} is not a learning rate (a finite number ≥ 0)"),
             );
         }
+        if let Some(epochs) = self.warmup_epochs
+            && !(epochs.is_finite() && epochs >= 0.0)
+        {
+            refuse(
+                Setting::Warmup,
+                format!("{epochs} is not a number of epochs (a finite number ≥ 0)"),
+            );
+        }
         if self.classes == 0 || self.learnable_classes == Some(0) {
             refuse(Setting::Classes, "must be at least 1".into());
         }
@@ -487,6 +503,8 @@ pub enum Setting {
     Length,
     /// `--learning-rate`.
     LearningRate,
+    /// `--warmup-steps` / `--warmup-epochs`.
+    Warmup,
     /// `--classes` / `--learnable-classes`.
     Classes,
     /// `--dataset-size`.
@@ -507,6 +525,7 @@ impl Setting {
             Setting::ImageSize => &["--image-size"],
             Setting::Length => &["--steps", "--epochs"],
             Setting::LearningRate => &["--learning-rate"],
+            Setting::Warmup => &["--warmup-steps", "--warmup-epochs"],
             Setting::Classes => &["--classes", "--learnable-classes"],
             Setting::DatasetSize => &["--dataset-size"],
             Setting::Width => &["--width"],
@@ -740,6 +759,7 @@ mod tests {
             epochs: Some(7),
             learning_rate: Some(0.0375),
             warmup_steps: 5,
+            warmup_epochs: None,
             schedule: Schedule::Step,
             momentum: 0.8,
             weight_decay: 1e-4,
@@ -768,7 +788,17 @@ mod tests {
             learning_rate: Some(1.6),
             ..TrainArgs::default()
         };
-        for args in [TrainArgs::default(), everything_set(), synthetic, learnable] {
+        let warmed_by_epochs = TrainArgs {
+            warmup_epochs: Some(2.5),
+            ..TrainArgs::default()
+        };
+        for args in [
+            TrainArgs::default(),
+            everything_set(),
+            synthetic,
+            learnable,
+            warmed_by_epochs,
+        ] {
             let flags = args.to_args();
             let parsed =
                 TrainArgs::parse_flags(&flags).unwrap_or_else(|e| panic!("{flags:?}: {e}"));

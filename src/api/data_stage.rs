@@ -93,8 +93,10 @@ pub struct DataStageSpec {
     #[serde(default = "default_parallelism")]
     #[schemars(range(min = 1, max = 512))]
     pub parallelism: i32,
-    /// How a file already on the share is checked before it is skipped: `Size`, or `MD5`
-    /// (size, then the blob's Content-MD5 when it has one). Default: MD5.
+    /// How a file already on the share is checked before it is skipped: `Size` (its size
+    /// and the blob's ETag match what the stager's manifest recorded when it copied it), or
+    /// `MD5` (that, and the file's MD5 matches the one recorded while downloading it: a file
+    /// changed on the share since is fetched again). Default: MD5.
     #[serde(default)]
     pub verify: Verification,
     /// Retries of the copy Job's pod before the DataStage is Failed. Default: 3.
@@ -158,6 +160,8 @@ pub struct AzureBlobSource {
     /// Default: https://ACCOUNT.blob.core.windows.net.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 2048), regex(pattern = r"^https?://[^\s]+$"))]
+    #[x_kube(validation = Rule::new("!self.contains('?') && !self.contains('#')")
+        .message("endpoint is the blob service's URL alone: a SAS token (a query such as ?sv=...&sig=...) goes in a Secret named by auth.sasTokenSecretRef"))]
     pub endpoint: Option<String>,
     /// How the stager signs in: exactly one of sasTokenSecretRef, workloadIdentity and
     /// accountKeySecretRef.
@@ -281,9 +285,9 @@ pub struct ExistingClaim {
 /// How files already on the share are checked.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub enum Verification {
-    /// Same size as the blob.
+    /// Same size and ETag as recorded in the stager's manifest when it copied the file.
     Size,
-    /// Same size, and the same MD5 as the blob's Content-MD5 when it has one.
+    /// As `Size`, and the file's MD5 is the one recorded while downloading it.
     #[default]
     MD5,
 }

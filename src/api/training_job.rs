@@ -92,7 +92,9 @@ fn immutable(field: &str) -> Rule {
 #[serde(rename_all = "camelCase")]
 #[x_kube(
     validation = Rule::new(vm_sizes::gpus_fit_vm_size_rule())
-        .message("gpusPerWorker is more than the GPUs of nodePool.vmSize")
+        // A static message: the API server refuses a messageExpression over the size table
+        // as too costly.
+        .message("gpusPerWorker is more than the GPUs one VM of nodePool.vmSize has (8 on the ND96 sizes such as Standard_ND96asr_v4): ask for at most that many, or pick a larger size")
         .field_path(".gpusPerWorker"),
     validation = Rule::new(vm_sizes::infiniband_fits_vm_size_rule())
         .message("infiniband is enabled but nodePool.vmSize has no InfiniBand NIC (use an ND or NC*r size, or set infiniband.enabled: false)")
@@ -229,12 +231,18 @@ pub struct TrainerSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0.0, max = 100.0))]
     pub learning_rate: Option<f64>,
+    /// Passes over the dataset during which the learning rate rises linearly to its peak
+    /// (Goyal et al.'s gradual warm-up, which goes with the linear scaling rule). Default: 5
+    /// when the global batch is larger than 256 (and `extraArgs` sets no warm-up), else 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0, max = 1000.0))]
+    pub warmup_epochs: Option<f64>,
     /// Arithmetic on the GPU. Default: bf16 on GPUs, fp32 on CPUs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub precision: Option<Precision>,
     /// Further flags passed to `ringmaster-trainer train` as they are, after the ones
     /// Ringmaster sets (model, device, precision, batch and image size, steps or epochs,
-    /// learning rate, data and output folders), which they cannot repeat. Checked with the
+    /// learning rate and its warm-up, data and output folders), which they cannot repeat. Checked with the
     /// trainer's own parser and settings check when the job is validated.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64))]
@@ -468,6 +476,8 @@ pub struct MpiSpec {
     /// Port the workers' sshd listens on (not 22, so sshd runs without root). Default: 2222.
     #[serde(default = "default_ssh_port")]
     #[schemars(range(min = 1, max = 65535))]
+    #[x_kube(validation = Rule::new("self != 29500")
+        .message("29500 is the trainers' rendezvous port on every worker: pick another sshPort"))]
     pub ssh_port: i32,
     /// Further arguments for mpirun (or mpiexec), placed before the program. The process
     /// count and the hosts are Ringmaster's to set.
@@ -545,13 +555,20 @@ pub struct PodOverrides {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     #[schemars(length(max = 64))]
     pub annotations: BTreeMap<String, String>,
-    /// Volumes added to the pod.
+    /// Volumes added to the pod (not named data, output, ssh, ssh-secret, dshm or hostfile:
+    /// those are Ringmaster's own).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 32))]
+    #[x_kube(validation = Rule::new(
+        "self.all(v, !(v.name in ['data', 'output', 'ssh', 'ssh-secret', 'dshm', 'hostfile']))"
+    )
+    .message("volumes named data, output, ssh, ssh-secret, dshm and hostfile are Ringmaster's own: name yours differently"))]
     pub volumes: Vec<Volume>,
-    /// Mounts added to the main container.
+    /// Mounts added to the main container (not under /etc/ringmaster, which is Ringmaster's).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 32))]
+    #[x_kube(validation = Rule::new("self.all(m, !m.mountPath.startsWith('/etc/ringmaster'))")
+        .message("/etc/ringmaster holds the job's SSH keys and hostfile: mount elsewhere"))]
     pub volume_mounts: Vec<VolumeMount>,
     /// PriorityClass of the pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]

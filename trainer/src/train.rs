@@ -220,7 +220,7 @@ fn train_on<B: Backend>(
         base_lr: args
             .learning_rate
             .unwrap_or(0.1 * global_batch as f32 / 256.0),
-        warmup_steps: args.warmup_steps,
+        warmup_steps: warmup_steps(args, steps_per_epoch, total_steps),
         total_steps,
         kind: match args.schedule {
             Schedule::Cosine => LrKind::Cosine,
@@ -433,4 +433,15 @@ fn train_on<B: Backend>(
 /// A number for the JSON lines; NaN and infinities (a diverged run) are `null`.
 fn finite(value: f32) -> Option<f64> {
     value.is_finite().then_some(f64::from(value))
+}
+
+/// The learning rate's warm-up in steps: `--warmup-epochs` passes over the dataset when given
+/// (rounded, at least one step), else `--warmup-steps`; never past the end of training.
+pub fn warmup_steps(args: &TrainArgs, steps_per_epoch: usize, total_steps: usize) -> usize {
+    let steps = match args.warmup_epochs {
+        Some(epochs) if epochs > 0.0 => ((epochs * steps_per_epoch as f32).round() as usize).max(1),
+        Some(_) => 0,
+        None => args.warmup_steps,
+    };
+    steps.min(total_steps)
 }

@@ -179,6 +179,11 @@ fn settings_that_cannot_work_say_why() {
             "--learning-rate: -1 is not a learning rate",
             exit::INVALID_SETTINGS,
         ),
+        (
+            vec!["--warmup-epochs=-1"],
+            "-1 is not a number of epochs",
+            exit::INVALID_SETTINGS,
+        ),
     ] {
         let out = trainer(
             &[
@@ -198,6 +203,49 @@ fn settings_that_cannot_work_say_why() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(i32::from(code)), "{stderr}");
         assert!(stderr.contains(expected), "{stderr}");
+    }
+}
+
+/// `--warmup-epochs` ramps the rate linearly over that many passes over the dataset (64
+/// images in global batches of 16: 4 steps an epoch), then holds it.
+#[test]
+fn warm_up_in_epochs_ramps_the_rate_over_that_many_passes() {
+    let out = trainer(&[
+        "train",
+        "--model",
+        "cifar8",
+        "--image-size",
+        "16",
+        "--classes",
+        "4",
+        "--dataset-size",
+        "64",
+        "--batch-size",
+        "16",
+        "--steps",
+        "8",
+        "--learning-rate",
+        "0.4",
+        "--warmup-epochs",
+        "1",
+        "--schedule",
+        "constant",
+        "--log-every",
+        "1",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rates: Vec<f64> = common::steps(&out.stdout)
+        .iter()
+        .map(|l| l["learningRate"].as_f64().unwrap())
+        .collect();
+    let expected = [0.1, 0.2, 0.3, 0.4, 0.4, 0.4, 0.4, 0.4];
+    assert_eq!(rates.len(), expected.len(), "{rates:?}");
+    for (rate, want) in rates.iter().zip(expected) {
+        assert!((rate - want).abs() < 1e-6, "{rates:?}");
     }
 }
 

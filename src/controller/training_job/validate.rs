@@ -17,6 +17,8 @@ use crate::validation::{self, FieldError, FieldErrors};
 pub const DEFAULT_SHM_SIZE: &str = "64Gi";
 /// Steps trained when neither steps nor epochs is set.
 pub const DEFAULT_STEPS: i64 = 1000;
+/// Epochs of learning-rate warm-up for a global batch above 256 (Goyal et al.).
+pub const DEFAULT_WARMUP_EPOCHS: f32 = 5.0;
 
 /// A TrainingJob whose spec passed every rule, with every default filled in.
 #[derive(Clone, Debug, PartialEq)]
@@ -65,8 +67,8 @@ impl ValidatedTrainingJob {
 /// What `mpirun` starts on every rank.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Program {
-    /// The Ringmaster trainer with these settings.
-    Trainer(TrainerSettings),
+    /// The Ringmaster trainer with these settings (boxed: they are most of the size).
+    Trainer(Box<TrainerSettings>),
     /// The user's own command.
     Command(Vec<String>),
 }
@@ -138,6 +140,7 @@ impl TrainerSettings {
             Setting::ImageSize => "spec.trainer.imageSize",
             Setting::Length => "spec.trainer.steps",
             Setting::LearningRate => "spec.trainer.learningRate",
+            Setting::Warmup => "spec.trainer.warmupEpochs",
             _ => "spec.trainer.extraArgs",
         }
     }
@@ -286,6 +289,16 @@ fn with_defaults(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors>
                 epochs,
                 // Goyal et al.'s linear scaling rule: 0.1 per 256 images.
                 learning_rate: Some(t.learning_rate.unwrap_or(0.1 * global_batch / 256.0) as f32),
+                // ... and its gradual warm-up over 5 epochs, for batches above 256.
+                warmup_epochs: match t.warmup_epochs {
+                    Some(epochs) => Some(epochs as f32),
+                    None if global_batch > 256.0
+                        && !t.extra_args.iter().any(|a| a.starts_with("--warmup-")) =>
+                    {
+                        Some(DEFAULT_WARMUP_EPOCHS)
+                    }
+                    None => None,
+                },
                 synthetic: data_dir.is_none(),
                 data_dir: data_dir.map(Into::into),
                 output_dir: spec.output.as_ref().map(|output| {
@@ -298,10 +311,10 @@ fn with_defaults(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors>
                 }),
                 ..TrainArgs::default()
             };
-            Program::Trainer(TrainerSettings {
+            Program::Trainer(Box::new(TrainerSettings {
                 args,
                 extra_args: t.extra_args,
-            })
+            }))
         }
     };
 
