@@ -8,11 +8,14 @@
 #                              (TEST_TIMEOUT seconds, default 300), so a crash or a hang
 #                              costs one test, not the run; a summary at the end, exit 1 if
 #                              any failed. LOGS=DIR keeps each test's output in DIR.
-#   trainer/gpu/run.sh bench   ResNet-50 bf16 at 224 px, batch 256 and 128 (BATCHES): ours,
+#   trainer/gpu/run.sh bench [ours|torch|loader...]
+#                              ResNet-50 bf16 at 224 px, batch 256 and 128 (BATCHES): ours,
 #                              with each batch-norm engine (BN_ENGINES), plain and as a CUDA
 #                              graph, then fed from host memory every step as `train` is;
 #                              next to PyTorch eager and torch.compile; the image-folder
-#                              loader alone
+#                              loader alone. All three parts, or those named: each of ours
+#                              runs cuDNN's Find again, so a whole bench can outlast one
+#                              10-minute device call; split it there.
 #
 # CUDA's libraries are looked for on LD_LIBRARY_PATH, then in the Python environment's
 # nvidia-* wheels (PyTorch's), whose NCCL lacks the unversioned `libnccl.so` cudarc opens:
@@ -20,7 +23,10 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 bundle=${BUNDLE:-$here/.bundle}
-python=${PYTHON:-python3}
+# PyTorch's environment on the lent GPU machines, else whatever python3 is on the path.
+default_python=python3
+[ -x /opt/torch/.venv/bin/python3 ] && default_python=/opt/torch/.venv/bin/python3
+python=${PYTHON:-$default_python}
 [ -x "$bundle/ringmaster-trainer" ] || { echo "no $bundle/ringmaster-trainer: run 'make gpu-bundle' first" >&2; exit 2; }
 
 libs=$(mktemp -d)
@@ -34,6 +40,7 @@ nccl=$(ls "$site"/nvidia/nccl/lib/libnccl.so.* 2>/dev/null | head -n1 || true)
 [ -n "$nccl" ] && ln -sf "$nccl" "$libs/libnccl.so"
 export LD_LIBRARY_PATH="$libs$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
+echo "== libraries from $python's environment: $LD_LIBRARY_PATH"
 echo "== $("$bundle/ringmaster-trainer" info | head -c 2000)"
 case "${1:-tests}" in
   tests)
@@ -74,6 +81,9 @@ case "${1:-tests}" in
     [ "$failed" -eq 0 ] || { echo "$failed test(s) failed; logs in $logs" >&2; exit 1; }
     ;;
   bench)
+    shift
+    parts=${*:-ours torch loader}
+    wants() { case " $parts " in *" $1 "*) return 0 ;; esac; return 1; }
     # Each batch-norm engine (cuDNN fused where it can, cuDNN plain, ours), as it comes and
     # recorded as a CUDA graph; a run that fails or hangs costs its row only.
     engine() {
@@ -84,6 +94,8 @@ case "${1:-tests}" in
     }
     torch_batches=""
     for batch in ${BATCHES:-256 128}; do
+      torch_batches="$torch_batches --batch $batch"
+      wants ours || continue
       for bn in ${BN_ENGINES:-fused plain own}; do
         for graph in "" --cuda-graph; do
           RINGMASTER_CUDA_BATCH_NORM=$bn engine --batch-size "$batch" $graph
@@ -94,13 +106,16 @@ case "${1:-tests}" in
       for graph in "" --cuda-graph; do
         engine --batch-size "$batch" --from-host $graph
       done
-      torch_batches="$torch_batches --batch $batch"
     done
-    "$python" "$here/bench_torch.py" --steps "${STEPS:-30}" $torch_batches
-    data=$(mktemp -d)
-    "$bundle/ringmaster-trainer" make-dataset --out "$data" --classes 8 --per-class 128 --image-size 256 >/dev/null
-    "$bundle/ringmaster-trainer" bench-loader --data-dir "$data" --batch-size 256 --batches 8
-    rm -rf "$data"
+    if wants torch; then
+      "$python" "$here/bench_torch.py" --steps "${STEPS:-30}" $torch_batches
+    fi
+    if wants loader; then
+      data=$(mktemp -d)
+      "$bundle/ringmaster-trainer" make-dataset --out "$data" --classes 8 --per-class 128 --image-size 256 >/dev/null
+      "$bundle/ringmaster-trainer" bench-loader --data-dir "$data" --batch-size 256 --batches 8
+      rm -rf "$data"
+    fi
     ;;
   *) echo "usage: $0 tests|bench" >&2; exit 2 ;;
 esac

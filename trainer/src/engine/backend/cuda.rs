@@ -597,6 +597,15 @@ struct BnPlan {
     /// Set when a fused call refused what the size queries accepted: the plain calls from
     /// then on (found in the warm-up steps, before any recording).
     refused: std::cell::Cell<bool>,
+    /// Whether the fused forward and backward call (in that order) have each succeeded once.
+    worked: std::cell::Cell<[bool; 2]>,
+}
+
+/// Which fused batch-norm call: the index into [`BnPlan::worked`].
+#[derive(Clone, Copy)]
+enum BnCall {
+    Forward = 0,
+    Backward = 1,
 }
 
 impl BnPlan {
@@ -606,16 +615,26 @@ impl BnPlan {
     }
 
     /// Whether `status` (of a fused call) is a refusal to fall back from, which switches
-    /// this plan to the plain calls; any other failure panics.
-    fn refuses(&self, status: cudnn::cudnnStatus_t, call: &str) -> bool {
+    /// this plan to the plain calls. A call's first failure is always taken as one (cuDNN's
+    /// detailed codes for what its fused kernels do not take are not all documented; the
+    /// plain calls compute the same, and the status is printed); once a call has worked, a
+    /// failure other than a refusal is a mistake of ours, and panics.
+    fn refuses(&self, status: cudnn::cudnnStatus_t, call: BnCall) -> bool {
+        let name = match call {
+            BnCall::Forward => "cudnnBatchNormalizationForwardTrainingEx",
+            BnCall::Backward => "cudnnBatchNormalizationBackwardEx",
+        };
+        let mut worked = self.worked.get();
         if status == cudnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
+            worked[call as usize] = true;
+            self.worked.set(worked);
             return false;
         }
-        if !is_refusal(status) {
-            panic!("{call} returned {status:?}");
+        if worked[call as usize] && !is_refusal(status) {
+            panic!("{name} returned {status:?}");
         }
         eprintln!(
-            "ringmaster-trainer: {call} returned {status:?}; this batch norm takes cuDNN's plain calls"
+            "ringmaster-trainer: {name} returned {status:?}; this batch norm takes cuDNN's plain calls"
         );
         self.refused.set(true);
         true
@@ -626,7 +645,7 @@ impl BnPlan {
 /// the 3xxx range (`CUDNN_STATUS_NOT_SUPPORTED`, `…_SHAPE`, `…_LAYOUT`, `…_DATA_TYPE`), and
 /// a bare `CUDNN_STATUS_BAD_PARAM` (2000) for a combination it does not take. The other
 /// 2xxx codes (null or misaligned pointers, a workspace too small, a stream mismatch) are
-/// our mistakes, and panic.
+/// our mistakes, and panic once the call has worked before.
 fn is_refusal(status: cudnn::cudnnStatus_t) -> bool {
     let code = status as u32;
     code == 2000 || code / 1000 == 3
@@ -1283,6 +1302,7 @@ impl CudaBackend {
             params,
             fused,
             refused: std::cell::Cell::new(false),
+            worked: std::cell::Cell::new([false; 2]),
         });
         self.inner.bn_plans.borrow_mut().insert(key, plan.clone());
         plan
@@ -1849,8 +1869,7 @@ impl Backend for CudaBackend {
                     fused.reserve,
                 )
             };
-            let call = "cudnnBatchNormalizationForwardTrainingEx";
-            (!plan.refuses(status, call)).then_some((reserve.ptr, fused.reserve))
+            (!plan.refuses(status, BnCall::Forward)).then_some((reserve.ptr, fused.reserve))
         });
         if reserve.is_none() {
             // SAFETY: as above, without the fused parts.
@@ -2025,7 +2044,7 @@ impl Backend for CudaBackend {
                     reserve_len,
                 )
             };
-            if !plan.refuses(status, "cudnnBatchNormalizationBackwardEx") {
+            if !plan.refuses(status, BnCall::Backward) {
                 accumulate();
                 return;
             }
