@@ -55,7 +55,10 @@ mpi: ## Install Debian's Open MPI when mpirun is missing (the trainer's multi-ra
 AZURITE_VERSION ?= 3.37.0
 azurite: ## Install Azurite (Microsoft's Blob Storage emulator, npm) into the cache; the stager's tests start it on loopback
 	@test -x $(RINGMASTER_CACHE)/azurite-$(AZURITE_VERSION)/node_modules/.bin/azurite-blob || { \
-	  command -v npm >/dev/null 2>&1 || { echo "npm is needed for Azurite: apt-get install nodejs npm" >&2; exit 1; }; \
+	  command -v npm >/dev/null 2>&1 || { \
+	    echo "installing Debian's nodejs and npm for Azurite"; \
+	    if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq nodejs npm >/dev/null; }; \
 	  echo "installing azurite@$(AZURITE_VERSION) (npm)"; \
 	  mkdir -p $(RINGMASTER_CACHE)/azurite-$(AZURITE_VERSION); \
 	  npm install --prefix $(RINGMASTER_CACHE)/azurite-$(AZURITE_VERSION) --no-audit --no-fund --loglevel=error azurite@$(AZURITE_VERSION) >/dev/null; }

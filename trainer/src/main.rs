@@ -76,9 +76,10 @@ enum Command {
         batches: usize,
     },
     /// Run an MPI launcher command, passing its output through, and write rank 0's JSON
-    /// summary to the termination-message file (what the launcher pod runs).
+    /// summary to the termination-message file, or, when a rank failed, that rank's failure
+    /// line (what the launcher pod runs).
     Launch {
-        /// File the summary line is written to.
+        /// File the summary (or failure) line is written to.
         #[arg(long, default_value = "/dev/termination-log")]
         termination_message: PathBuf,
         /// The launcher command, after `--`.
