@@ -555,11 +555,34 @@ fn the_flagship_samples_trainer_flags_are_the_ones_the_gpu_tests_run() {
     );
 }
 
-/// The learning rate the operator scales with the global batch comes with Goyal et al.'s
-/// 5-epoch warm-up; a small batch gets none, and the user's own setting (or warm-up flags
-/// in `extraArgs`) wins.
+/// A volume of the user's may take any name Ringmaster does not give the same pod: `dshm` is
+/// free on a job without InfiniBand and taken on one with it, named by its spec field.
 #[test]
-fn a_scaled_learning_rate_comes_with_a_warm_up_the_user_can_change() {
+fn a_users_volume_clashes_only_with_what_ringmaster_gives_the_same_pod() {
+    let with_dshm = |file: &str| {
+        let path = fixtures::root().join("config/samples").join(file);
+        let mut object = fixtures::ringmaster_objects(&path).remove(0);
+        object["metadata"]["namespace"] = json!("ml");
+        object["spec"]["worker"]["volumes"] =
+            json!([{"name": "dshm", "emptyDir": {"medium": "Memory"}}]);
+        validate_value_for(&object, None, &fixtures::with_cuda())
+    };
+    assert!(with_dshm("trainingjob-cpu-small.yaml").is_ok());
+    let errors = with_dshm("trainingjob-resnet50-nd96asr-v4.yaml").unwrap_err();
+    assert_eq!(errors.0.len(), 1, "{errors}");
+    assert_eq!(errors.0[0].field, "spec.worker.volumes[0].name");
+    assert!(
+        errors.0[0]
+            .message
+            .starts_with("dshm is the name of a volume Ringmaster gives the worker pod"),
+        "{errors}"
+    );
+}
+
+/// The warm-up is the trainer's default unless the spec sets one: no flag the spec did not
+/// ask for, so a trainer image older than `--warmup-epochs` runs the same jobs as before.
+#[test]
+fn the_warm_up_flag_goes_only_with_the_specs_own_setting() {
     let warmup = |edit: fn(&mut Value)| {
         let job = sample("trainingjob-resnet50-nd96asr-v4.yaml", edit);
         let command = build::launcher_command(&job);
@@ -569,8 +592,7 @@ fn a_scaled_learning_rate_comes_with_a_warm_up_the_user_can_change() {
             .cloned()
             .collect::<Vec<_>>()
     };
-    // 2 workers × 8 GPUs × 256 images: learning rate 1.6, warmed up over 5 epochs.
-    assert_eq!(warmup(|_| {}), ["--warmup-epochs=5"]);
+    assert!(warmup(|_| {}).is_empty());
     assert_eq!(
         warmup(|o| o["spec"]["trainer"]["warmupEpochs"] = json!(0.5)),
         ["--warmup-epochs=0.5"]
@@ -578,14 +600,6 @@ fn a_scaled_learning_rate_comes_with_a_warm_up_the_user_can_change() {
     assert_eq!(
         warmup(|o| o["spec"]["trainer"]["extraArgs"] = json!(["--warmup-steps=500"])),
         ["--warmup-steps=500"]
-    );
-    // One worker, one GPU, 256 images a step: the rate is the base one, with no warm-up.
-    assert!(
-        warmup(|o| {
-            o["spec"]["workers"] = json!(1);
-            o["spec"]["gpusPerWorker"] = json!(1);
-        })
-        .is_empty()
     );
 }
 

@@ -542,10 +542,12 @@ fn a_worker_whose_image_cannot_be_pulled_blocks_the_job_and_says_which_image() {
 fn a_container_that_cannot_start_blocks_the_job_the_normal_waits_do_not() {
     let missing = "waiting:CreateContainerConfigError:secret \"wandb\" not found";
     let mut s = Scenario::new(job(|_| {})).pods(vec![
-        pod("worker", 0, 0, missing),
+        pod("worker", 0, 0, "waiting:ContainerCreating:"),
         pod("worker", 1, 0, "waiting:ContainerCreating:"),
     ]);
+    s.step();
     let before = s.status.clone();
+    s.pods[0] = pod("worker", 0, 0, missing);
     s.step();
     let (_, reason, message) = s.condition(condition_types::WORKERS_READY);
     assert_eq!(reason, reasons::CONTAINER_CANNOT_START);
@@ -573,6 +575,30 @@ fn a_container_that_cannot_start_blocks_the_job_the_normal_waits_do_not() {
     assert_eq!(
         normal.condition(condition_types::READY).1,
         reasons::STARTING
+    );
+}
+
+#[test]
+fn the_pods_own_container_is_read_not_a_sidecar_listed_before_it() {
+    // The kubelet lists container statuses by name: an injected istio-proxy comes first.
+    let mut worker = serde_json::to_value(pod("worker", 1, 0, PULL_FAILED)).unwrap();
+    let statuses = worker["status"]["containerStatuses"]
+        .as_array_mut()
+        .unwrap();
+    statuses[0]["name"] = json!("worker");
+    statuses.insert(
+        0,
+        json!({"name": "istio-proxy", "image": "i", "ready": true, "restartCount": 0,
+               "state": {"running": {}}}),
+    );
+    let mut s = Scenario::new(job(|_| {})).pods(vec![
+        pod("worker", 0, 0, "ready"),
+        serde_json::from_value(worker).unwrap(),
+    ]);
+    s.step();
+    assert_eq!(
+        s.condition(condition_types::WORKERS_READY).1,
+        reasons::IMAGE_PULL_FAILED
     );
 }
 

@@ -88,6 +88,25 @@ fn a_pool_of_that_name_that_is_not_the_jobs_is_neither_used_nor_deleted() {
         ]),
     ] {
         assert!(!ours(&foreign), "{:?}", foreign.tags);
+        // Being deleted (an earlier job's of the same name, done): wait, then make our own.
+        let leaving = AgentPool {
+            provisioning_state: "Deleting".into(),
+            ..foreign.clone()
+        };
+        let decision = decide(
+            &job,
+            &plan,
+            &name,
+            &NodePoolStatus::default(),
+            seen(Ok(Some(leaving))),
+        );
+        assert!(decision.create.is_none());
+        assert!(
+            matches!(&decision.look.state, PoolState::Provisioning { message } if message.contains("is being deleted")),
+            "{:?}",
+            decision.look.state
+        );
+        assert_eq!(decision.look.requeue, Some(Duration::from_secs(10)));
         let with_nodes = PoolSeen {
             ready_nodes: Some(2),
             ..seen(Ok(Some(foreign.clone())))

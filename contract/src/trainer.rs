@@ -141,8 +141,14 @@ pub mod defaults {
     pub const IMAGE_SIZE: usize = 224;
     /// Steps when neither steps nor epochs is given.
     pub const STEPS: usize = 100;
-    /// Warm-up steps.
+    /// Warm-up steps (0: the default warm-up, see `--warmup-epochs`).
     pub const WARMUP_STEPS: usize = 0;
+    /// Epochs of the default warm-up, for a global batch above [`WARMUP_ABOVE_BATCH`].
+    pub const WARMUP_EPOCHS: f32 = 5.0;
+    /// The global batch above which the default warm-up applies.
+    pub const WARMUP_ABOVE_BATCH: usize = 256;
+    /// The most of a run the default warm-up takes: a fifth.
+    pub const WARMUP_MAX_SHARE: usize = 5;
     /// Schedule.
     pub const SCHEDULE: Schedule = Schedule::Cosine;
     /// SGD momentum.
@@ -201,8 +207,10 @@ pub struct TrainArgs {
     /// Warm-up steps of the learning rate.
     #[arg(long, default_value_t = defaults::WARMUP_STEPS)]
     pub warmup_steps: usize,
-    /// Warm-up of the learning rate in passes over the dataset (instead of --warmup-steps):
-    /// Goyal et al. warm up for 5 epochs when the linear scaling rule raises the rate.
+    /// Warm-up of the learning rate in passes over the dataset (instead of --warmup-steps).
+    /// Default, when neither is given: Goyal et al.'s 5 epochs, at most a fifth of the run,
+    /// when the global batch is larger than 256 (where the linear scaling rule raises the
+    /// rate), else none.
     #[arg(long, conflicts_with = "warmup_steps")]
     pub warmup_epochs: Option<f32>,
     /// Schedule after warm-up.

@@ -264,8 +264,6 @@ async fn mpich_trains_across_real_pods_as_root() {
     assert_result_is_the_trainers(&status, &summary, 8);
 }
 
-/// Kills a container through containerd (SIGKILL to its task), as the OOM killer or a crash
-/// would end it: the kubelet sees it exit.
 /// The job's Ready condition once its reason is `reason`, and the Warning Events of that
 /// reason published by then.
 async fn blocked_with(
@@ -331,6 +329,13 @@ async fn a_worker_the_kubelet_cannot_start_blocks_the_job_visibly_until_it_is_fi
         .filter(|e| e.reason.as_deref() == Some("ImagePullFailed"))
         .count();
     assert_eq!((warnings.len(), again), (1, 1), "one Warning for one block");
+    // Published once: kube's recorder would count a repeat as a series of the same Event.
+    let published = events_for(&client, &ns.name, "typo")
+        .await
+        .into_iter()
+        .find(|e| e.reason.as_deref() == Some("ImagePullFailed"))
+        .unwrap();
+    assert!(published.series.is_none(), "{:?}", published.series);
     let jobs: Api<ringmaster::api::TrainingJob> = Api::namespaced(client.clone(), &ns.name);
     jobs.delete("typo", &Default::default()).await.unwrap();
 
@@ -360,6 +365,8 @@ async fn a_worker_the_kubelet_cannot_start_blocks_the_job_visibly_until_it_is_fi
     assert_eq!(status["restarts"], 0, "{status:#}");
 }
 
+/// Kills a container through containerd (SIGKILL to its task), as the OOM killer or a crash
+/// would end it: the kubelet sees it exit.
 fn kill_container(container_id: &str) {
     let id = container_id
         .strip_prefix("containerd://")

@@ -232,8 +232,9 @@ pub struct TrainerSpec {
     #[schemars(range(min = 0.0, max = 100.0))]
     pub learning_rate: Option<f64>,
     /// Passes over the dataset during which the learning rate rises linearly to its peak
-    /// (Goyal et al.'s gradual warm-up, which goes with the linear scaling rule). Default: 5
-    /// when the global batch is larger than 256 (and `extraArgs` sets no warm-up), else 0.
+    /// (Goyal et al.'s gradual warm-up, which goes with the linear scaling rule). Default:
+    /// the trainer's, 5 epochs (at most a fifth of the run) when the global batch is larger
+    /// than 256, else none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0.0, max = 1000.0))]
     pub warmup_epochs: Option<f64>,
@@ -555,20 +556,15 @@ pub struct PodOverrides {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     #[schemars(length(max = 64))]
     pub annotations: BTreeMap<String, String>,
-    /// Volumes added to the pod (not named data, output, ssh, ssh-secret, dshm or hostfile:
-    /// those are Ringmaster's own).
+    /// Volumes added to the pod; their names must differ from the volumes Ringmaster adds
+    /// to it (ssh, ssh-secret, and with the spec that needs them data, output, dshm,
+    /// hostfile).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 32))]
-    #[x_kube(validation = Rule::new(
-        "self.all(v, !(v.name in ['data', 'output', 'ssh', 'ssh-secret', 'dshm', 'hostfile']))"
-    )
-    .message("volumes named data, output, ssh, ssh-secret, dshm and hostfile are Ringmaster's own: name yours differently"))]
     pub volumes: Vec<Volume>,
-    /// Mounts added to the main container (not under /etc/ringmaster, which is Ringmaster's).
+    /// Mounts added to the main container, at paths Ringmaster does not mount at.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 32))]
-    #[x_kube(validation = Rule::new("self.all(m, !m.mountPath.startsWith('/etc/ringmaster'))")
-        .message("/etc/ringmaster holds the job's SSH keys and hostfile: mount elsewhere"))]
     pub volume_mounts: Vec<VolumeMount>,
     /// PriorityClass of the pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -220,7 +220,7 @@ fn train_on<B: Backend>(
         base_lr: args
             .learning_rate
             .unwrap_or(0.1 * global_batch as f32 / 256.0),
-        warmup_steps: warmup_steps(args, steps_per_epoch, total_steps),
+        warmup_steps: warmup_steps(args, steps_per_epoch, total_steps, global_batch),
         total_steps,
         kind: match args.schedule {
             Schedule::Cosine => LrKind::Cosine,
@@ -436,12 +436,27 @@ fn finite(value: f32) -> Option<f64> {
 }
 
 /// The learning rate's warm-up in steps: `--warmup-epochs` passes over the dataset when given
-/// (rounded, at least one step), else `--warmup-steps`; never past the end of training.
-pub fn warmup_steps(args: &TrainArgs, steps_per_epoch: usize, total_steps: usize) -> usize {
+/// (rounded, at least one step), else `--warmup-steps` when given; never past the end of
+/// training. Neither given: Goyal et al.'s 5 epochs for a global batch above 256 (the linear
+/// scaling rule's other half), at most a fifth of the run so the schedule still decays.
+pub fn warmup_steps(
+    args: &TrainArgs,
+    steps_per_epoch: usize,
+    total_steps: usize,
+    global_batch: usize,
+) -> usize {
+    use ringmaster_contract::trainer::defaults::{
+        WARMUP_ABOVE_BATCH, WARMUP_EPOCHS, WARMUP_MAX_SHARE,
+    };
+    let in_steps = |epochs: f32| ((epochs * steps_per_epoch as f32).round() as usize).max(1);
     let steps = match args.warmup_epochs {
-        Some(epochs) if epochs > 0.0 => ((epochs * steps_per_epoch as f32).round() as usize).max(1),
+        Some(epochs) if epochs > 0.0 => in_steps(epochs),
         Some(_) => 0,
-        None => args.warmup_steps,
+        None if args.warmup_steps > 0 => args.warmup_steps,
+        None if global_batch > WARMUP_ABOVE_BATCH => {
+            in_steps(WARMUP_EPOCHS).min(total_steps / WARMUP_MAX_SHARE)
+        }
+        None => 0,
     };
     steps.min(total_steps)
 }

@@ -839,8 +839,11 @@ fn the_flagship_samples_arguments_train_resnet50_on_the_gpu_for_300_steps() {
     let written = ringmaster_trainer::engine::image_folder::write_learnable(&data, 10, 256, 224, 3)
         .expect("the image folder is written");
     assert_eq!(written, 2560);
-    let args = TrainArgs::parse_flags(common::flagship_flags(&data, &dir.join("out"), 300))
-        .expect("the flagship flags parse");
+    // On its 16 ranks (a global batch of 4,096) the trainer warms the rate up over 5 epochs
+    // by default; one rank's global batch is 256, so this run asks for it.
+    let mut flags = common::flagship_flags(&data, &dir.join("out"), 300);
+    flags.push("--warmup-epochs=5".into());
+    let args = TrainArgs::parse_flags(flags).expect("the flagship flags parse");
     let with_cuda = Capabilities {
         devices: vec![Device::Cpu, Device::Cuda],
         precisions: vec![Precision::Fp32, Precision::Bf16],

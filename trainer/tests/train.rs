@@ -249,6 +249,52 @@ fn warm_up_in_epochs_ramps_the_rate_over_that_many_passes() {
     }
 }
 
+/// Without a warm-up flag, a global batch above 256 warms up over Goyal et al.'s 5 epochs,
+/// at most a fifth of the run; the flags win when given.
+#[test]
+fn the_default_warm_up_follows_the_global_batch_and_leaves_the_run_room_to_decay() {
+    use ringmaster_contract::trainer::TrainArgs;
+    use ringmaster_trainer::train::warmup_steps;
+    let plain = TrainArgs::default();
+    // ImageNet (1,281,167 images) at 16 × 256: 312 steps an epoch.
+    assert_eq!(warmup_steps(&plain, 312, 90 * 312, 4096), 5 * 312);
+    assert_eq!(
+        warmup_steps(&plain, 312, 1000, 4096),
+        200,
+        "a fifth of a short run"
+    );
+    assert_eq!(
+        warmup_steps(&plain, 312, 1000, 256),
+        0,
+        "no scaled rate, no warm-up"
+    );
+    let epochs = |e: f32| TrainArgs {
+        warmup_epochs: Some(e),
+        ..TrainArgs::default()
+    };
+    assert_eq!(
+        warmup_steps(&epochs(0.0), 312, 1000, 4096),
+        0,
+        "0 turns it off"
+    );
+    assert_eq!(warmup_steps(&epochs(2.0), 312, 1000, 256), 624);
+    assert_eq!(
+        warmup_steps(&epochs(0.001), 312, 1000, 256),
+        1,
+        "at least a step"
+    );
+    assert_eq!(
+        warmup_steps(&epochs(10.0), 312, 1000, 256),
+        1000,
+        "never past the end"
+    );
+    let steps = TrainArgs {
+        warmup_steps: 40,
+        ..TrainArgs::default()
+    };
+    assert_eq!(warmup_steps(&steps, 312, 1000, 4096), 40);
+}
+
 /// What the GPU tests train with: the operator's flags for the flagship sample, with local
 /// folders and a step count, are what a trainer with the CUDA engine accepts (and this
 /// release refuses, naming the device and the precision).

@@ -105,10 +105,7 @@ impl PodState {
     pub fn of(pod: &Pod) -> Self {
         let attempt = pod.labels().get(ATTEMPT_LABEL).and_then(|a| a.parse().ok());
         let status = pod.status.clone().unwrap_or_default();
-        let state = status
-            .container_statuses
-            .as_ref()
-            .and_then(|s| s.first())
+        let state = main_container(status.container_statuses.as_deref().unwrap_or_default())
             .and_then(|s| s.state.as_ref());
         let terminated = state.and_then(|s| s.terminated.clone());
         let stuck = state.and_then(|s| s.waiting.as_ref()).and_then(|w| {
@@ -170,9 +167,20 @@ impl PodState {
     }
 }
 
+/// The status of a pod's own container (`worker` or `launcher`), else the first: the
+/// kubelet lists containers by name, so an injected sidecar (`istio-proxy`) can come first.
+fn main_container(
+    statuses: &[k8s_openapi::api::core::v1::ContainerStatus],
+) -> Option<&k8s_openapi::api::core::v1::ContainerStatus> {
+    statuses
+        .iter()
+        .find(|s| s.name == WORKER_ROLE || s.name == LAUNCHER_ROLE)
+        .or_else(|| statuses.first())
+}
+
 /// Drops from a pod what the controller never reads, before it reaches the shared cache: the
 /// spec, annotations, managed fields, and every part of the status but the phase, the
-/// pod-level reason, the Ready and PodScheduled conditions and the first container's
+/// pod-level reason, the Ready and PodScheduled conditions and the own container's
 /// termination or why it waits. What is kept is what [`PodState::of`] and the job's pod lookup read
 /// (namespace, name, labels, owners, UID, resourceVersion, timestamps); a cached pod gives
 /// the same [`PodState`] as the whole pod. Thousands of pods are cached: most of a pod's
@@ -198,11 +206,9 @@ pub fn strip_for_cache(pod: &mut Pod) {
                 })
                 .collect()
         });
-        let first_container = status
-            .container_statuses
-            .take()
-            .and_then(|cs| cs.into_iter().next())
-            .map(|c| k8s_openapi::api::core::v1::ContainerStatus {
+        let statuses = status.container_statuses.take().unwrap_or_default();
+        let main = main_container(&statuses).cloned().map(|c| {
+            k8s_openapi::api::core::v1::ContainerStatus {
                 name: c.name,
                 state: c.state.map(|s| k8s_openapi::api::core::v1::ContainerState {
                     terminated: s.terminated,
@@ -210,12 +216,13 @@ pub fn strip_for_cache(pod: &mut Pod) {
                     ..Default::default()
                 }),
                 ..Default::default()
-            });
+            }
+        });
         *status = k8s_openapi::api::core::v1::PodStatus {
             phase,
             reason,
             conditions,
-            container_statuses: first_container.map(|c| vec![c]),
+            container_statuses: main.map(|c| vec![c]),
             ..Default::default()
         };
     }

@@ -27,6 +27,9 @@ pub const FINALIZER: &str = "ringmaster.dev/agent-pool";
 pub const POOL_KEY: &str = "ringmaster.dev/pool";
 /// `status.nodePool.provisioningState` once the pool is gone.
 const DELETED: &str = "Deleted";
+/// `status.nodePool.provisioningState` of a finished job whose pool name was another's:
+/// nothing of it to give back.
+const NOT_THIS_JOBS: &str = "NotThisJobs";
 /// AKS's label naming a node's agent pool.
 pub const AGENT_POOL_LABEL: &str = "kubernetes.azure.com/agentpool";
 /// Tag on a pool Ringmaster made: `<namespace>.<name>` of the job.
@@ -150,8 +153,10 @@ pub async fn look(
     ) {
         // Done: give the machines back unless asked to keep them. Once given back (and the
         // finalizer released) there is nothing left to ask Azure.
-        let released = old.provisioning_state.as_deref() == Some(DELETED)
-            && !object.finalizers().iter().any(|f| f == FINALIZER);
+        let released = matches!(
+            old.provisioning_state.as_deref(),
+            Some(DELETED | NOT_THIS_JOBS)
+        ) && !object.finalizers().iter().any(|f| f == FINALIZER);
         if !pool.delete_after_completion || released {
             return Ok(PoolLook {
                 state: PoolState::NotNeeded,
@@ -169,7 +174,11 @@ pub async fn look(
                 status.ready_nodes = 0;
                 None
             }
-            Release::NotOurs => None,
+            Release::NotOurs => {
+                status.provisioning_state = Some(NOT_THIS_JOBS.into());
+                status.ready_nodes = 0;
+                None
+            }
         };
         return Ok(PoolLook {
             state: PoolState::NotNeeded,
@@ -289,6 +298,20 @@ pub fn decide(
         }
     };
     if !is_jobs_pool(&current, &job.namespace, &job.name, &job.uid) {
+        if current.provisioning_state == "Deleting" {
+            // Most likely an earlier job's of the same pool name, finished or deleted: this
+            // job makes its own once that one is gone.
+            return look(
+                PoolState::Provisioning {
+                    message: format!(
+                        "agent pool {name} ({}) is being deleted; this job's is made once it is gone",
+                        owner_of(&current)
+                    ),
+                },
+                status,
+                Some(Duration::from_secs(10)),
+            );
+        }
         return look(
             PoolState::Failed {
                 message: format!(
@@ -536,9 +559,9 @@ async fn release(
                 tracing::warn!(job = %object.name_any(), pool = name, error = %e, "deleting the agent pool; will retry");
                 Ok(Release::Pending {
                     state: format!("delete pending: {e}"),
-                    problem: Some(format!(
-                        "deleting agent pool {name}: {e}; retried every 10 s"
-                    )),
+                    // Throttling, or a pool busy with another operation, passes by itself.
+                    problem: (!e.is_transient())
+                        .then(|| format!("deleting agent pool {name}: {e}; retried every 10 s")),
                 })
             }
         },
@@ -546,9 +569,8 @@ async fn release(
             tracing::warn!(job = %object.name_any(), pool = name, error = %e, "reading the agent pool; will retry");
             Ok(Release::Pending {
                 state: format!("unknown: {e}"),
-                problem: Some(format!(
-                    "reading agent pool {name}: {e}; retried every 10 s"
-                )),
+                problem: (!e.is_transient())
+                    .then(|| format!("reading agent pool {name}: {e}; retried every 10 s")),
             })
         }
     }

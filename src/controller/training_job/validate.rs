@@ -17,8 +17,6 @@ use crate::validation::{self, FieldError, FieldErrors};
 pub const DEFAULT_SHM_SIZE: &str = "64Gi";
 /// Steps trained when neither steps nor epochs is set.
 pub const DEFAULT_STEPS: i64 = 1000;
-/// Epochs of learning-rate warm-up for a global batch above 256 (Goyal et al.).
-pub const DEFAULT_WARMUP_EPOCHS: f32 = 5.0;
 
 /// A TrainingJob whose spec passed every rule, with every default filled in.
 #[derive(Clone, Debug, PartialEq)]
@@ -213,7 +211,63 @@ fn checked_for(
     if let Program::Trainer(settings) = &job.program {
         settings.check(capabilities)?;
     }
+    let clashes = overrides_that_clash(&job);
+    if !clashes.is_empty() {
+        return Err(FieldErrors(clashes));
+    }
     Ok(job)
+}
+
+/// The user's volumes and mounts that repeat a volume name or mount path Ringmaster gives the
+/// same pod (which depends on the spec: `data` only with a DataStage, `dshm` only with
+/// InfiniBand, ...). Found by building the pods, where the user's come after Ringmaster's:
+/// the API server would refuse the pod naming `spec.volumes[7]`, not the spec's field.
+fn overrides_that_clash(job: &ValidatedTrainingJob) -> Vec<crate::validation::FieldError> {
+    use super::build::{self, BuildInputs};
+    use crate::validation::FieldError;
+    let inputs = BuildInputs {
+        // Any name: what matters is that the DataStage's volume is there when it would be.
+        data_claim: job.data.as_ref().map(|_| "claim".to_string()),
+        ..BuildInputs::default()
+    };
+    let mut errors = Vec::new();
+    for (role, overrides, pod) in [
+        ("worker", &job.worker, build::worker_pod(job, 0, &inputs)),
+        ("launcher", &job.launcher, build::launcher_pod(job, &inputs)),
+    ] {
+        let Some(spec) = pod.spec else { continue };
+        let volumes = spec.volumes.unwrap_or_default();
+        let ours = &volumes[..volumes.len().saturating_sub(overrides.volumes.len())];
+        for (i, volume) in overrides.volumes.iter().enumerate() {
+            if ours.iter().any(|v| v.name == volume.name) {
+                errors.push(FieldError {
+                    field: format!("spec.{role}.volumes[{i}].name"),
+                    message: format!(
+                        "{} is the name of a volume Ringmaster gives the {role} pod of this spec: name yours differently",
+                        volume.name
+                    ),
+                });
+            }
+        }
+        let mounts = spec
+            .containers
+            .first()
+            .and_then(|c| c.volume_mounts.clone())
+            .unwrap_or_default();
+        let ours = &mounts[..mounts.len().saturating_sub(overrides.volume_mounts.len())];
+        for (i, mount) in overrides.volume_mounts.iter().enumerate() {
+            if let Some(taken) = ours.iter().find(|m| m.mount_path == mount.mount_path) {
+                errors.push(FieldError {
+                    field: format!("spec.{role}.volumeMounts[{i}].mountPath"),
+                    message: format!(
+                        "Ringmaster mounts its {} volume at {} in the {role}: mount yours elsewhere",
+                        taken.name, mount.mount_path
+                    ),
+                });
+            }
+        }
+    }
+    errors
 }
 
 /// The trainer's network for a spec's model.
@@ -289,16 +343,9 @@ fn with_defaults(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors>
                 epochs,
                 // Goyal et al.'s linear scaling rule: 0.1 per 256 images.
                 learning_rate: Some(t.learning_rate.unwrap_or(0.1 * global_batch / 256.0) as f32),
-                // ... and its gradual warm-up over 5 epochs, for batches above 256.
-                warmup_epochs: match t.warmup_epochs {
-                    Some(epochs) => Some(epochs as f32),
-                    None if global_batch > 256.0
-                        && !t.extra_args.iter().any(|a| a.starts_with("--warmup-")) =>
-                    {
-                        Some(DEFAULT_WARMUP_EPOCHS)
-                    }
-                    None => None,
-                },
+                // Its gradual warm-up is the trainer's default; a flag only when set, so a
+                // trainer image older than the flag runs the same jobs as before.
+                warmup_epochs: t.warmup_epochs.map(|epochs| epochs as f32),
                 synthetic: data_dir.is_none(),
                 data_dir: data_dir.map(Into::into),
                 output_dir: spec.output.as_ref().map(|output| {
