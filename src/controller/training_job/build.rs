@@ -416,7 +416,8 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
             "tolerations": tolerations,
             "volumes": volumes,
             "containers": [{
-                "name": "worker",
+                // The controller reads this container's state by its name (observe.rs).
+                "name": WORKER_ROLE,
                 "image": job.image,
                 "command": with_private_ssh_keys(sshd_command(port)),
                 "ports": [
@@ -540,7 +541,7 @@ pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
             "securityContext": {"fsGroup": POD_FS_GROUP},
             "volumes": volumes,
             "containers": [{
-                "name": "launcher",
+                "name": LAUNCHER_ROLE,
                 "image": job.image,
                 "command": with_private_ssh_keys(launcher_command(job)),
                 "env": env,
