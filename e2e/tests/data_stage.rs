@@ -372,15 +372,13 @@ async fn a_failed_copy_makes_the_datastage_failed_with_the_stagers_reason() {
         Duration::from_secs(10),
         "a CopyFailed Warning Event",
         || async {
-            common::events_for(&client, &ns.name, "broken")
+            common::warnings_for(&client, &ns.name, "broken", "CopyFailed")
                 .await
                 .iter()
                 .any(|e| {
-                    e.type_.as_deref() == Some("Warning")
-                        && e.reason.as_deref() == Some("CopyFailed")
-                        && e.note.as_deref().is_some_and(|n| {
-                            n.starts_with("Copied=False") && n.contains("credential was refused")
-                        })
+                    e.note.as_deref().is_some_and(|n| {
+                        n.starts_with("Copied=False") && n.contains("credential was refused")
+                    })
                 })
         },
     )

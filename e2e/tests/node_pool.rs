@@ -392,12 +392,11 @@ async fn a_job_naming_a_pool_it_did_not_make_fails_and_leaves_the_pool_alone() {
     assert_eq!(s.aks.deletes("shared"), 1);
 }
 
-/// Warning Events of `reason` about `job`, by their notes.
+/// The notes of the Warning Events of `reason` about `job`.
 async fn warnings(client: &Client, ns: &str, job: &str, reason: &str) -> Vec<String> {
-    common::events_for(client, ns, job)
+    common::warnings_for(client, ns, job, reason)
         .await
         .into_iter()
-        .filter(|e| e.type_.as_deref() == Some("Warning") && e.reason.as_deref() == Some(reason))
         .filter_map(|e| e.note)
         .collect()
 }

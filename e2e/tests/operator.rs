@@ -79,13 +79,9 @@ async fn valid_samples_are_accepted_and_a_stage_without_its_claim_waits_and_says
         Duration::from_secs(30),
         "the InsecureAuth warning Event",
         || async {
-            common::events_for(&client, &ns.name, "tiny-images")
+            !common::warnings_for(&client, &ns.name, "tiny-images", "InsecureAuth")
                 .await
-                .iter()
-                .any(|e| {
-                    e.reason.as_deref() == Some("InsecureAuth")
-                        && e.type_.as_deref() == Some("Warning")
-                })
+                .is_empty()
         },
     )
     .await;

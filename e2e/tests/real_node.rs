@@ -278,18 +278,14 @@ async fn blocked_with(
         || async {
             let status = common::job_status(client, ns, job).await;
             common::condition(&status, "Ready")["reason"] == reason
-                && events_for(client, ns, job).await.iter().any(|e| {
-                    e.type_.as_deref() == Some("Warning") && e.reason.as_deref() == Some(reason)
-                })
+                && !common::warnings_for(client, ns, job, reason)
+                    .await
+                    .is_empty()
         },
     )
     .await;
     let status = common::job_status(client, ns, job).await;
-    let warnings = events_for(client, ns, job)
-        .await
-        .into_iter()
-        .filter(|e| e.type_.as_deref() == Some("Warning") && e.reason.as_deref() == Some(reason))
-        .collect();
+    let warnings = common::warnings_for(client, ns, job, reason).await;
     (common::condition(&status, "Ready").clone(), warnings)
 }
 

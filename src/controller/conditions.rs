@@ -66,6 +66,11 @@ pub fn set(
     }
 }
 
+/// The condition of `type_`, if there is one.
+pub fn find<'a>(conditions: &'a [Condition], type_: &str) -> Option<&'a Condition> {
+    conditions.iter().find(|c| c.type_ == type_)
+}
+
 /// Whether a condition of `type_` is `True`.
 pub fn is_true(conditions: &[Condition], type_: &str) -> bool {
     conditions

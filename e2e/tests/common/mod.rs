@@ -329,6 +329,20 @@ pub async fn events_for(
         .unwrap_or_default()
 }
 
+/// The Warning Events of `reason` about the object `name` in `namespace`.
+pub async fn warnings_for(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    reason: &str,
+) -> Vec<k8s_openapi::api::events::v1::Event> {
+    events_for(client, namespace, name)
+        .await
+        .into_iter()
+        .filter(|e| e.type_.as_deref() == Some("Warning") && e.reason.as_deref() == Some(reason))
+        .collect()
+}
+
 /// The TrainingJob's status as JSON (null while it has none, or is gone).
 pub async fn job_status(client: &Client, ns: &str, name: &str) -> Value {
     let jobs: Api<ringmaster::api::TrainingJob> = Api::namespaced(client.clone(), ns);

@@ -134,10 +134,7 @@ fn data_state(ctx: &Context, job: &validate::ValidatedTrainingJob) -> DataState 
             message: format!(
                 "DataStage {} failed ({}): fix it and make it again; the job starts once it is Ready",
                 reference.name,
-                status
-                    .conditions
-                    .iter()
-                    .find(|c| c.type_ == crate::api::condition_types::READY)
+                conditions::find(&status.conditions, crate::api::condition_types::READY)
                     .map(|c| c.message.as_str())
                     .unwrap_or("no reason given")
             ),
@@ -468,16 +465,12 @@ async fn publish_blocked_event(
     old: &TrainingJobStatus,
     new: &TrainingJobStatus,
 ) {
-    let ready = |status: &TrainingJobStatus| {
-        status
-            .conditions
-            .iter()
-            .find(|c| c.type_ == crate::api::condition_types::READY)
-            .cloned()
+    use crate::api::condition_types::READY;
+    let Some(now) = conditions::find(&new.conditions, READY) else {
+        return;
     };
-    let Some(now) = ready(new) else { return };
     if plan::reasons::BLOCKING.contains(&now.reason.as_str())
-        && ready(old).is_none_or(|before| before.reason != now.reason)
+        && conditions::find(&old.conditions, READY).is_none_or(|before| before.reason != now.reason)
     {
         ctx.warn(object, &now.reason, &now.message).await;
     }

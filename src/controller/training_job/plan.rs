@@ -811,11 +811,11 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
         .workers
         .iter()
         .flatten()
-        .find_map(|w| blocked("worker", w));
+        .find_map(|w| blocked(super::names::WORKER_ROLE, w));
     let launcher_blocked = observed
         .launcher
         .as_ref()
-        .and_then(|l| blocked("launcher", l));
+        .and_then(|l| blocked(super::names::LAUNCHER_ROLE, l));
     if all_ready {
         plan.say(
             condition_types::WORKERS_READY,

@@ -224,6 +224,7 @@ fn checked_for(
 /// the API server would refuse the pod naming `spec.volumes[7]`, not the spec's field.
 fn overrides_that_clash(job: &ValidatedTrainingJob) -> Vec<crate::validation::FieldError> {
     use super::build::{self, BuildInputs};
+    use super::names::{LAUNCHER_ROLE, WORKER_ROLE};
     use crate::validation::FieldError;
     let adds_none = |o: &PodOverrides| o.volumes.is_empty() && o.volume_mounts.is_empty();
     if adds_none(&job.worker) && adds_none(&job.launcher) {
@@ -237,8 +238,12 @@ fn overrides_that_clash(job: &ValidatedTrainingJob) -> Vec<crate::validation::Fi
     };
     let mut errors = Vec::new();
     for (role, overrides, pod) in [
-        ("worker", &job.worker, build::worker_pod(job, 0, &inputs)),
-        ("launcher", &job.launcher, build::launcher_pod(job, &inputs)),
+        (WORKER_ROLE, &job.worker, build::worker_pod(job, 0, &inputs)),
+        (
+            LAUNCHER_ROLE,
+            &job.launcher,
+            build::launcher_pod(job, &inputs),
+        ),
     ] {
         let Some(spec) = pod.spec else { continue };
         let volumes = spec.volumes.unwrap_or_default();
