@@ -118,9 +118,10 @@ up() {
 down() {
   bin=$(binaries)
   local dir="$KWOK_WORKDIR/clusters/$name" pids=()
-  # Kueue first (a process of its own, when a test started it), then the real node: its
-  # containers, mounts and network go before the state folder does.
+  # Kueue and the gang scheduler first (processes of their own, when a test started them),
+  # then the real node: its containers, mounts and network go before the state folder does.
   "$here/kueue.sh" down >/dev/null 2>&1 || true
+  "$here/gang-scheduler.sh" down >/dev/null 2>&1 || true
   "$here/node.sh" down
   if [ -d "$dir" ]; then
     for f in "$dir"/pids/*.pid; do [ -f "$f" ] && pids+=("$(cat "$f")"); done

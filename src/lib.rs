@@ -3,13 +3,15 @@
 //! `api` holds the custom resources; `controller` the reconcilers (one module per kind,
 //! split into validate → build → apply → status steps); `validation` the schema and CEL
 //! checks the validate steps share; `kueue` the part of Kueue's API a queued TrainingJob
-//! uses; `crdgen` prints the CRDs; `metrics`, `server` and
+//! uses; `gang` the scheduler-plugins PodGroup a gang-scheduled job
+//! gets; `crdgen` prints the CRDs; `metrics`, `server` and
 //! `telemetry` are the operator's plumbing.
 
 pub mod aks;
 pub mod api;
 pub mod controller;
 pub mod crdgen;
+pub mod gang;
 pub mod kube_client;
 pub mod kueue;
 pub mod leader;

@@ -83,6 +83,18 @@ struct RunArgs {
     /// labelled job is not started (its Admitted condition says why).
     #[arg(long, env = "RINGMASTER_KUEUE")]
     kueue: bool,
+    /// Gang-schedule TrainingJobs with this scheduler: the name of a scheduler-plugins
+    /// scheduler running the Coscheduling plugin (`scheduler-plugins-scheduler` as its chart
+    /// installs it). Each job gets a PodGroup (`scheduling.x-k8s.io/v1alpha1`) and its pods
+    /// that `schedulerName`, so all its workers are placed at once or none is. Unset: the
+    /// cluster's default scheduler places pods one by one.
+    #[arg(
+        long,
+        env = "RINGMASTER_GANG_SCHEDULER",
+        value_name = "SCHEDULER_NAME",
+        value_parser = clap::builder::NonEmptyStringValueParser::new()
+    )]
+    gang_scheduler: Option<String>,
     /// Image of a DataStage's copy Job; it runs `ringmaster stage`, so it is the operator's
     /// own image (the Helm chart passes it).
     #[arg(long, env = "RINGMASTER_STAGER_IMAGE", default_value = ringmaster::controller::DEFAULT_STAGER_IMAGE)]
@@ -266,6 +278,7 @@ async fn run(args: RunArgs) -> Result<(), String> {
             arm,
             max_concurrent_reconciles: args.max_concurrent_reconciles,
             kueue: args.kueue,
+            gang_scheduler: args.gang_scheduler,
         },
     ));
     let scope = Scope {

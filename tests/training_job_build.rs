@@ -646,3 +646,78 @@ fn training_pods_carry_no_api_token_and_no_service_links() {
         assert_eq!(pod["spec"]["enableServiceLinks"], false);
     }
 }
+
+#[test]
+fn a_gang_scheduled_jobs_pods_name_the_gang_scheduler_and_its_pod_group() {
+    let job = gpu_job();
+    let group = value(&build::pod_group(&job));
+    assert_eq!(
+        group,
+        json!({
+            "apiVersion": "scheduling.x-k8s.io/v1alpha1",
+            "kind": "PodGroup",
+            "metadata": {
+                "name": "resnet50-imagenet-6f1c2",
+                "namespace": "ml",
+                "labels": {
+                    "app.kubernetes.io/managed-by": "ringmaster",
+                    "ringmaster.dev/job-name": "resnet50-imagenet",
+                    "ringmaster.dev/role": "gang",
+                },
+                "ownerReferences": [{
+                    "apiVersion": "ringmaster.dev/v1alpha1", "kind": "TrainingJob",
+                    "name": "resnet50-imagenet", "uid": "6f1c2d3e-0000-4000-8000-00000000abcd",
+                    "controller": true, "blockOwnerDeletion": true,
+                }],
+            },
+            // 2 workers × 8 GPUs and 1 InfiniBand device: the launcher (made once they are
+            // ready) is not counted.
+            "spec": {"minMember": 2, "minResources": {"nvidia.com/gpu": "16", "rdma/shared_ib": "2"}},
+        })
+    );
+
+    let gang = BuildInputs {
+        gang_scheduler: Some("scheduler-plugins-scheduler".into()),
+        ..inputs()
+    };
+    for pod in [
+        value(&build::worker_pod(&job, 3, &gang)),
+        value(&build::launcher_pod(&job, &gang)),
+    ] {
+        assert_eq!(pod["spec"]["schedulerName"], "scheduler-plugins-scheduler");
+        assert_eq!(
+            pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"],
+            group["metadata"]["name"]
+        );
+    }
+    // Without a gang scheduler: the cluster's default scheduler, no group.
+    for pod in [
+        value(&build::worker_pod(&job, 0, &inputs())),
+        value(&build::launcher_pod(&job, &inputs())),
+    ] {
+        assert!(pod["spec"].get("schedulerName").is_none());
+        assert!(
+            pod["metadata"]["labels"]
+                .get("scheduling.x-k8s.io/pod-group")
+                .is_none()
+        );
+    }
+    // A user's own label of that name does not take a pod out of its gang.
+    let mut job = job;
+    job.worker
+        .labels
+        .insert("scheduling.x-k8s.io/pod-group".into(), "elsewhere".into());
+    let worker = value(&build::worker_pod(&job, 0, &gang));
+    assert_eq!(
+        worker["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"],
+        group["metadata"]["name"]
+    );
+}
+
+#[test]
+fn a_cpu_jobs_pod_group_asks_for_no_devices() {
+    let job = sample("trainingjob-cpu-small.yaml", |_| {});
+    let group = build::pod_group(&job);
+    assert_eq!(group.spec.min_member, i32::try_from(job.workers).unwrap());
+    assert!(group.spec.min_resources.is_empty());
+}

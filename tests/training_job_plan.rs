@@ -1096,3 +1096,67 @@ fn the_deadline_does_not_count_while_kueue_holds_the_job_back() {
     };
     assert_eq!(s.step().phase, Phase::Queued);
 }
+
+#[test]
+fn a_pod_wakes_its_job_when_its_state_changes_not_when_only_its_words_do() {
+    use kube::runtime::watcher::Event;
+    use ringmaster::controller::training_job::observe::{PodWakeFilter, strip_for_cache};
+    let cached = |state: &str, message: &str, version: &str| {
+        let mut pod = pod("worker", 0, 0, state);
+        pod.metadata.uid = Some("u-0".into());
+        pod.metadata.resource_version = Some(version.into());
+        for c in pod.status.as_mut().unwrap().conditions.iter_mut().flatten() {
+            c.message = Some(message.into());
+        }
+        strip_for_cache(&mut pod);
+        pod
+    };
+    let mut filter = PodWakeFilter::default();
+    let apply = |f: &mut PodWakeFilter, pod: Pod| f.wakes(&Event::Apply(pod));
+    assert!(apply(&mut filter, cached("pending", "", "1")), "first seen");
+    assert!(
+        apply(
+            &mut filter,
+            cached("unschedulable", "0/3 nodes are available", "2")
+        ),
+        "the scheduler turned it away"
+    );
+    // What the Coscheduling plugin does dozens of times a second to a gang that cannot fit.
+    for (i, words) in [
+        "optimistic rejection in PostFilter",
+        "0/3 nodes are available",
+    ]
+    .iter()
+    .cycle()
+    .take(6)
+    .enumerate()
+    {
+        assert!(
+            !apply(
+                &mut filter,
+                cached("unschedulable", words, &(3 + i).to_string())
+            ),
+            "new words alone ({words})"
+        );
+    }
+    assert!(
+        apply(&mut filter, cached("running", "", "20")),
+        "bound and started"
+    );
+    assert!(apply(&mut filter, cached("ready", "", "21")), "ready");
+    assert!(
+        !apply(&mut filter, cached("ready", "", "22")),
+        "nothing new"
+    );
+    assert!(
+        filter.wakes(&Event::Delete(cached("ready", "", "23"))),
+        "a deleted pod always wakes its job"
+    );
+    assert!(
+        apply(&mut filter, cached("ready", "", "24")),
+        "seen afresh after its deletion"
+    );
+    // A new list forgets the gists: pods deleted meanwhile were never told as deleted.
+    assert!(filter.wakes(&Event::Init));
+    assert!(filter.wakes(&Event::InitApply(cached("ready", "", "25"))));
+}

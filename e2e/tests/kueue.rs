@@ -216,29 +216,9 @@ fn queued_job(name: &str, queue: &str, after: Option<&str>, priority: Option<&st
         },
     });
     if let Some(after) = after {
-        job["spec"]["launcher"] = json!({"annotations": launcher_exits(after)});
+        job["spec"]["launcher"] = json!({"annotations": common::launcher_exits(after)});
     }
     job
-}
-
-fn launcher_exits(after: &str) -> Value {
-    json!({
-        "kwok.ringmaster.dev/exit-code": "0",
-        "kwok.ringmaster.dev/exit-after": after,
-        "kwok.ringmaster.dev/termination-message": common::trainer_summary(100.0, 10, 1.5),
-    })
-}
-
-/// Ends a running job: its launcher exits 0 now.
-async fn end(client: &Client, ns: &str, job: &str) {
-    Api::<Pod>::namespaced(client.clone(), ns)
-        .patch(
-            &format!("{job}-launcher"),
-            &PatchParams::default(),
-            &Patch::Merge(&json!({"metadata": {"annotations": launcher_exits("0s")}})),
-        )
-        .await
-        .unwrap();
 }
 
 /// The namespace of the operator's ServiceAccount in these tests (kept for the cluster's life).
@@ -248,58 +228,18 @@ const OPERATOR_NAMESPACE: &str = "e2e-kueue-operator";
 /// with `kueue.enabled=true`: the Kueue integration runs with exactly the chart's rights.
 async fn chart_rbac(admin: &Client) -> Client {
     static RBAC: OnceCell<()> = OnceCell::const_new();
-    RBAC.get_or_init(|| async {
-        let namespace = json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}});
-        Api::<k8s_openapi::api::core::v1::Namespace>::all(admin.clone())
-            .patch(OPERATOR_NAMESPACE, &PatchParams::apply("e2e").force(), &Patch::Apply(&namespace))
-            .await
-            .ok();
-        let chart = common::repo_root().join("charts/ringmaster");
-        let out = tokio::process::Command::new(common::tool("helm"))
-            .args([
-                "template", "kq", chart.to_str().unwrap(),
-                "--namespace", OPERATOR_NAMESPACE,
-                "--set", "kueue.enabled=true",
-                "--kube-version", "1.36.0",
-                "--show-only", "templates/clusterrole.yaml",
-                "--show-only", "templates/serviceaccount.yaml",
-            ])
-            .output()
-            .await
-            .expect("helm template");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let text = String::from_utf8(out.stdout).unwrap();
-        assert!(text.contains("kueue.x-k8s.io"), "the chart grants Kueue rights with kueue.enabled");
-        for object in serde_saphyr::from_multiple::<Value>(&text).unwrap() {
-            if !object.is_object() {
-                continue;
-            }
-            let (group, version) = object["apiVersion"]
-                .as_str()
-                .unwrap()
-                .rsplit_once('/')
-                .unwrap_or(("", object["apiVersion"].as_str().unwrap()));
-            let kind = object["kind"].as_str().unwrap();
-            let plural = format!("{}s", kind.to_lowercase());
-            let resource = ApiResource::from_gvk_with_plural(
-                &GroupVersionKind::gvk(group, version, kind),
-                &plural,
-            );
-            let api: Api<DynamicObject> = if kind == "ServiceAccount" {
-                Api::namespaced_with(admin.clone(), OPERATOR_NAMESPACE, &resource)
-            } else {
-                Api::all_with(admin.clone(), &resource)
-            };
-            api.patch(
-                object["metadata"]["name"].as_str().unwrap(),
-                &PatchParams::apply("e2e").force(),
-                &Patch::Apply(&object),
-            )
-            .await
-            .unwrap_or_else(|e| panic!("{kind}: {e}"));
-        }
+    RBAC.get_or_init(|| {
+        common::apply_chart_rbac(
+            admin,
+            OPERATOR_NAMESPACE,
+            "kq",
+            "kueue.enabled=true",
+            "kueue.x-k8s.io",
+        )
     })
     .await;
+    // A client per test: each test has a runtime of its own, which a client's connections
+    // live in.
     common::impersonating(OPERATOR_NAMESPACE, "kq-ringmaster").await
 }
 
@@ -588,7 +528,7 @@ async fn quota_for_two_jobs_admits_two_gangs_whole_and_the_third_runs_when_one_e
     assert!(job_has_no_pod(&client, &ns.name, queued).await);
 
     // One ends: its Workload is Finished, its quota goes to the third.
-    end(&client, &ns.name, running[0]).await;
+    common::end_launcher(&client, &ns.name, running[0]).await;
     wait_phase(
         &client,
         &ns.name,
@@ -609,7 +549,7 @@ async fn quota_for_two_jobs_admits_two_gangs_whole_and_the_third_runs_when_one_e
     .await;
     let status = wait_phase(&client, &ns.name, queued, TrainingJobPhase::Running, 90).await;
     assert_eq!(condition(&status, "Admitted")["status"], "True");
-    end(&client, &ns.name, queued).await;
+    common::end_launcher(&client, &ns.name, queued).await;
     wait_phase(&client, &ns.name, queued, TrainingJobPhase::Succeeded, 60).await;
     assert!(phase_is(
         &job_status(&client, &ns.name, running[1]).await,
@@ -759,7 +699,7 @@ async fn a_higher_priority_job_preempts_and_the_victim_resumes_and_succeeds() {
     wait_phase(&client, &ns.name, "urgent", TrainingJobPhase::Succeeded, 90).await;
     // Readmitted, the victim starts afresh and succeeds.
     wait_phase(&client, &ns.name, "victim", TrainingJobPhase::Running, 90).await;
-    end(&client, &ns.name, "victim").await;
+    common::end_launcher(&client, &ns.name, "victim").await;
     let status = wait_phase(&client, &ns.name, "victim", TrainingJobPhase::Succeeded, 60).await;
     assert_eq!(condition(&status, "Suspended")["status"], "False");
     eventually(
@@ -859,7 +799,7 @@ async fn run_policy_suspend_gives_the_quota_back_and_queues_again() {
         .await
         .unwrap();
     wait_phase(&client, &ns.name, "first", TrainingJobPhase::Queued, 30).await;
-    end(&client, &ns.name, "next").await;
+    common::end_launcher(&client, &ns.name, "next").await;
     wait_phase(&client, &ns.name, "first", TrainingJobPhase::Running, 60).await;
 
     assert_one_workload_per_job_and_no_orphans(&client, &ns.name, &["first", "next"]).await;

@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# Builds the peers Ringmaster's benchmarks measure it against, from their published Go
+# Builds the peers Ringmaster's benchmarks and tests run beside it, from their published Go
 # modules, into a cache outside the repository keyed by version (a binary already there is
 # not rebuilt), and prints the binary's path on stdout:
 #   e2e/tools/peers.sh mpi-operator   Kubeflow MPI Operator (github.com/kubeflow/mpi-operator)
 #   e2e/tools/peers.sh azcopy         azcopy (github.com/Azure/azure-storage-azcopy/v10)
 #   e2e/tools/peers.sh kueue          Kueue (sigs.k8s.io/kueue), which TrainingJobs queue in
+#   e2e/tools/peers.sh scheduler-plugins
+#                                     the scheduler-plugins scheduler (sigs.k8s.io/scheduler-
+#                                     plugins), which gang-schedules TrainingJobs' pods
 # The proxy here serves these exact versions but refuses their version lists, which
 # `go install module@version` asks for, so each builds from a module of ours (its folder
 # here pins the version). MPI Operator's CRD is copied beside its binary
 # (<binary>.crd.yaml); Kueue's install, rendered from its own kustomization (config/default)
 # and cut to what a controller run outside the cluster needs, too (<binary>.manifests.yaml,
-# see e2e/kueue.sh). MPI Operator is patched in one place only: its health server
-# listens on 127.0.0.1 instead of every interface, as servers here must.
+# see e2e/kueue.sh); the PodGroup CRD the scheduler-plugins scheduler reads, too
+# (<binary>.crd.yaml, see e2e/gang-scheduler.sh). MPI Operator is patched in one place
+# only: its health server listens on 127.0.0.1 instead of every interface, as servers here
+# must.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cache=${RINGMASTER_CACHE:-$HOME/.cache/ringmaster}
@@ -38,7 +43,8 @@ case "$peer" in
   mpi-operator) module=github.com/kubeflow/mpi-operator package=$module/cmd/mpi-operator ;;
   azcopy) module=github.com/Azure/azure-storage-azcopy/v10 package=$module ;;
   kueue) module=sigs.k8s.io/kueue package=$module/cmd/kueue ;;
-  *) echo "usage: $0 mpi-operator|azcopy|kueue" >&2; exit 2 ;;
+  scheduler-plugins) module=sigs.k8s.io/scheduler-plugins package=$module/cmd/scheduler ;;
+  *) echo "usage: $0 mpi-operator|azcopy|kueue|scheduler-plugins" >&2; exit 2 ;;
 esac
 version=$(sed -n "s|^require $module \(v[^ ]*\)$|\1|p" "$here/$peer/go.mod")
 [ -n "$version" ] || { log "no version of $module in $here/$peer/go.mod"; exit 1; }
@@ -46,6 +52,7 @@ out="$cache/bin/peers/$peer-$version"
 complete() {
   [ -x "$out" ] || return 1
   [ "$peer" != kueue ] || [ -s "$out.manifests.yaml" ]
+  [ "$peer" != scheduler-plugins ] || [ -s "$out.crd.yaml" ]
 }
 if ! complete; then
   started=$SECONDS
@@ -69,6 +76,11 @@ if ! complete; then
     mkdir -p "$(dirname "$out")"
     kueue_manifests "$source_dir" > "$out.manifests.yaml.tmp" || { log "rendering Kueue's manifests failed"; exit 1; }
     mv "$out.manifests.yaml.tmp" "$out.manifests.yaml"
+  fi
+  if [ "$peer" = scheduler-plugins ]; then
+    source_dir=$(cd "$work" && go mod download -json "$module@$version" | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')
+    mkdir -p "$(dirname "$out")"
+    cp "$source_dir/config/crd/bases/scheduling.x-k8s.io_podgroups.yaml" "$out.crd.yaml"
   fi
   mkdir -p "$(dirname "$out")"
   (cd "$work" && go build -trimpath -ldflags "-s -w" -o "$out" "$package" >&2)

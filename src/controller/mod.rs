@@ -132,6 +132,10 @@ pub struct OperatorConfig {
     /// Queue TrainingJobs labelled `kueue.x-k8s.io/queue-name` in Kueue (its CRDs must be
     /// installed): Workloads and ResourceFlavors are watched.
     pub kueue: bool,
+    /// Schedule every TrainingJob's pods with this scheduler (scheduler-plugins with its
+    /// Coscheduling plugin), each job's in a PodGroup: all workers are placed at once or none
+    /// is. `None`: the cluster's default scheduler.
+    pub gang_scheduler: Option<String>,
 }
 
 /// The operator image of this version, which also runs the stager.
@@ -148,6 +152,7 @@ impl Default for OperatorConfig {
             arm: None,
             max_concurrent_reconciles: 16,
             kueue: false,
+            gang_scheduler: None,
         }
     }
 }
@@ -527,10 +532,15 @@ pub async fn run(
     // (found on the real node: the job stopped hearing of its pods).
     // Pods are stripped to what the controller reads before they are stored: thousands of
     // them are cached, and most of a pod's bytes are its spec and managed fields.
+    // A pod's new words alone (a scheduler retrying it) are stored but wake nobody.
+    let mut wake_filter = training_job::observe::PodWakeFilter::default();
     let pod_events = watcher(scope.api::<Pod>(&ctx.client), pod_watch)
         .default_backoff()
         .modify(training_job::observe::strip_for_cache)
         .reflect(pods_writer)
+        .filter(move |event| {
+            std::future::ready(event.as_ref().map_or(true, |e| wake_filter.wakes(e)))
+        })
         .touched_objects();
 
     let stages_writer = ctx

@@ -473,3 +473,106 @@ pub async fn impersonating(ns: &str, name: &str) -> Client {
     ]);
     Client::try_from(config).unwrap()
 }
+
+/// Makes the chart's ServiceAccount (`{release}-ringmaster` in `namespace`) and the
+/// ClusterRole the chart renders with `set` (`helm template --set`), bound to it; a test's
+/// operator then acts as it ([`impersonating`]) with exactly the chart's rights. `grants` is
+/// a text the rendered rules must hold (the API group `set` adds). Server-side applied:
+/// idempotent.
+pub async fn apply_chart_rbac(
+    admin: &Client,
+    namespace: &str,
+    release: &str,
+    set: &str,
+    grants: &str,
+) {
+    let ns = serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}});
+    Api::<Namespace>::all(admin.clone())
+        .patch(
+            namespace,
+            &PatchParams::apply("e2e").force(),
+            &Patch::Apply(&ns),
+        )
+        .await
+        .ok();
+    let chart = repo_root().join("charts/ringmaster");
+    let out = tokio::process::Command::new(tool("helm"))
+        .args([
+            "template",
+            release,
+            chart.to_str().unwrap(),
+            "--namespace",
+            namespace,
+            "--set",
+            set,
+            "--kube-version",
+            "1.36.0",
+            "--show-only",
+            "templates/clusterrole.yaml",
+            "--show-only",
+            "templates/serviceaccount.yaml",
+        ])
+        .output()
+        .await
+        .expect("helm template");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains(grants),
+        "the chart grants {grants} with {set}"
+    );
+    for object in serde_saphyr::from_multiple::<Value>(&text).unwrap() {
+        if !object.is_object() {
+            continue;
+        }
+        let (group, version) = object["apiVersion"]
+            .as_str()
+            .unwrap()
+            .rsplit_once('/')
+            .unwrap_or(("", object["apiVersion"].as_str().unwrap()));
+        let kind = object["kind"].as_str().unwrap();
+        let plural = format!("{}s", kind.to_lowercase());
+        let resource = ApiResource::from_gvk_with_plural(
+            &GroupVersionKind::gvk(group, version, kind),
+            &plural,
+        );
+        let api: Api<DynamicObject> = if kind == "ServiceAccount" {
+            Api::namespaced_with(admin.clone(), namespace, &resource)
+        } else {
+            Api::all_with(admin.clone(), &resource)
+        };
+        api.patch(
+            object["metadata"]["name"].as_str().unwrap(),
+            &PatchParams::apply("e2e").force(),
+            &Patch::Apply(&object),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{kind}: {e}"));
+    }
+}
+
+/// The annotations that make a KWOK launcher exit 0 `after` its start (a duration, "0s" for
+/// now) with a trainer's summary as its termination message (kwok/stages.yaml).
+pub fn launcher_exits(after: &str) -> Value {
+    serde_json::json!({
+        "kwok.ringmaster.dev/exit-code": "0",
+        "kwok.ringmaster.dev/exit-after": after,
+        "kwok.ringmaster.dev/termination-message": trainer_summary(100.0, 10, 1.5),
+    })
+}
+
+/// Ends a running job on KWOK nodes: its launcher exits 0 now.
+pub async fn end_launcher(client: &Client, ns: &str, job: &str) {
+    Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client.clone(), ns)
+        .patch(
+            &format!("{job}-launcher"),
+            &PatchParams::default(),
+            &Patch::Merge(&serde_json::json!({"metadata": {"annotations": launcher_exits("0s")}})),
+        )
+        .await
+        .unwrap();
+}

@@ -1,6 +1,6 @@
 //! Apply step of the TrainingJob controller: carries a plan out against the API server, in a
-//! fixed order — deletions, the SSH Secret (created once, never rewritten), the Service,
-//! workers, then the launcher (which carries its hostfile). Everything is owned by the job.
+//! fixed order — deletions, the SSH Secret (created once, never rewritten), the Service, the
+//! PodGroup of a gang-scheduled job, workers, then the launcher (which carries its hostfile). Everything is owned by the job.
 
 use k8s_openapi::api::core::v1::{Pod, Secret, Service};
 use kube::api::{DeleteParams, PostParams};
@@ -11,6 +11,7 @@ use super::names;
 use super::plan::Plan;
 use super::validate::ValidatedTrainingJob;
 use crate::controller::{is_conflict, is_not_found, server_side_apply};
+use crate::gang::PodGroup;
 
 /// Errors carrying out a plan.
 #[derive(Debug, thiserror::Error)]
@@ -27,7 +28,19 @@ pub enum ApplyError {
     /// No randomness for the SSH key.
     #[error("drawing a seed for the SSH key: {0}")]
     Random(#[source] getrandom::Error),
+    /// The operator gang-schedules, and the cluster has no PodGroup API.
+    #[error("creating PodGroup {name}: {}", NO_POD_GROUP_API)]
+    NoPodGroupApi {
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
 }
+
+/// What a job that cannot get its PodGroup says: the fix is the cluster's or the operator's.
+const NO_POD_GROUP_API: &str = "the cluster serves no PodGroup (scheduling.x-k8s.io/v1alpha1): \
+    the operator runs with --gang-scheduler (Helm: gangScheduler), which needs the \
+    scheduler-plugins scheduler and its PodGroup CRD installed";
 
 impl ApplyError {
     /// "creating Pod x: <the API server's message>" when the API server refused a child
@@ -41,6 +54,9 @@ impl ApplyError {
                 source,
             } => crate::controller::rejection(source)
                 .map(|message| format!("{action} {kind} {name}: {message}")),
+            ApplyError::NoPodGroupApi { name, .. } => {
+                Some(format!("creating PodGroup {name}: {NO_POD_GROUP_API}"))
+            }
             ApplyError::Random(_) => None,
         }
     }
@@ -156,6 +172,24 @@ pub async fn execute(
             create_unless_exists(&services, &service).await.map(|_| ())
         };
         result.map_err(kube_error("applying", "Service", &service.name_any()))?;
+        if inputs.gang_scheduler.is_some() {
+            // Before the pods: the scheduler turns away a pod whose group it cannot find.
+            let groups: Api<PodGroup> = Api::namespaced(client.clone(), &job.namespace);
+            let group = build::pod_group(job);
+            let result = if children == Children::Update {
+                server_side_apply(&groups, &group).await
+            } else {
+                create_unless_exists(&groups, &group).await.map(|_| ())
+            };
+            result.map_err(|source| {
+                let name = group.name_any();
+                if is_not_found(&source) {
+                    ApplyError::NoPodGroupApi { name, source }
+                } else {
+                    kube_error("applying", "PodGroup", &name)(source)
+                }
+            })?;
+        }
         written.children = true;
     }
     let pods: Api<Pod> = Api::namespaced(client.clone(), &job.namespace);
@@ -196,4 +230,39 @@ pub async fn execute(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_pod_group_api_says_what_to_install() {
+        let source = kube::Error::Api(
+            kube::core::Status::failure(
+                "the server could not find the requested resource",
+                "NotFound",
+            )
+            .with_code(404)
+            .boxed(),
+        );
+        let error = ApplyError::NoPodGroupApi {
+            name: "resnet-1a2b3".into(),
+            source,
+        };
+        let said = error.rejection().expect("it is put on the job");
+        assert!(
+            said.starts_with("creating PodGroup resnet-1a2b3: "),
+            "{said}"
+        );
+        for words in [
+            "scheduling.x-k8s.io",
+            "--gang-scheduler",
+            "gangScheduler",
+            "scheduler-plugins",
+        ] {
+            assert!(said.contains(words), "{said}");
+        }
+        assert_eq!(said, error.to_string());
+    }
 }

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Pod, Secret, Service};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use serde_json::{Value, json};
 
@@ -14,6 +15,7 @@ use super::pool;
 use super::queue::{Placement, PodPlacement};
 use super::validate::{Program, TrainerSettings, ValidatedTrainingJob};
 use crate::api::{MpiImplementation, OutputSpec, PodOverrides};
+use crate::gang::{POD_GROUP_LABEL, PodGroup, PodGroupSpec};
 
 /// Group the pods' volumes are given to, so a non-root user (the trainer image's uid/gid
 /// 1000) can read the SSH key, which is mounted owned by root (0600 becomes 0640 with the
@@ -84,9 +86,13 @@ pub struct BuildInputs {
     pub data_claim: Option<String>,
     /// The admitted flavors' node selectors and tolerations (empty unless queued in Kueue).
     pub placement: Placement,
+    /// The gang scheduler's name (`--gang-scheduler`): the pods are scheduled by it, in the
+    /// job's [`pod_group`]. `None`: the cluster's default scheduler, one pod at a time.
+    pub gang_scheduler: Option<String>,
 }
 
-/// The job as the controlling owner of its children (pods, Secret, Service, Workload).
+/// The job as the controlling owner of its children (pods, Secret, Service, Workload,
+/// PodGroup).
 pub fn owner_reference(job: &ValidatedTrainingJob) -> OwnerReference {
     OwnerReference {
         api_version: format!("{}/{}", crate::api::GROUP, crate::api::VERSION),
@@ -204,6 +210,50 @@ pub fn worker_service(job: &ValidatedTrainingJob) -> Service {
 }
 
 /// The options every ssh from the launcher (and the readiness probe) uses.
+/// The PodGroup of a gang-scheduled job: the scheduler places all its workers at once or none
+/// of them. The launcher is in the group but not counted in `minMember`: it is made only once
+/// every worker is ready, so counting it would hold the workers back for a pod that cannot
+/// exist yet; it joins a group already placed and is scheduled at once. `minResources` holds
+/// the workers' GPUs and RDMA devices (whole counts Ringmaster sets itself): the scarce part,
+/// and what the scheduler can check the cluster for before holding any node.
+pub fn pod_group(job: &ValidatedTrainingJob) -> PodGroup {
+    let mut min_resources = BTreeMap::new();
+    if job.gpus_per_worker > 0 {
+        min_resources.insert(
+            crate::api::GPU_RESOURCE.to_string(),
+            Quantity((u64::from(job.gpus_per_worker) * u64::from(job.workers)).to_string()),
+        );
+    }
+    if let Some(ib) = &job.infiniband {
+        min_resources.insert(
+            ib.rdma_resource.clone(),
+            Quantity((u64::from(ib.rdma_resource_count) * u64::from(job.workers)).to_string()),
+        );
+    }
+    let mut labels = names::job_labels(&job.name);
+    labels.insert(names::ROLE_LABEL.into(), "gang".into());
+    typed(json!({
+        "apiVersion": "scheduling.x-k8s.io/v1alpha1",
+        "kind": "PodGroup",
+        "metadata": metadata(job, &names::pod_group(&job.name, &job.uid), labels),
+        "spec": PodGroupSpec {
+            // The schema bounds workers far below i32::MAX.
+            min_member: i32::try_from(job.workers).unwrap_or(i32::MAX),
+            min_resources,
+            schedule_timeout_seconds: None,
+        },
+    }))
+}
+
+/// Hands a pod to the gang scheduler, in the job's PodGroup (the label wins over the user's
+/// own, as Ringmaster's labels do).
+fn join_gang(pod: &mut Value, job: &ValidatedTrainingJob, inputs: &BuildInputs) {
+    if let Some(scheduler) = &inputs.gang_scheduler {
+        pod["spec"]["schedulerName"] = json!(scheduler);
+        pod["metadata"]["labels"][POD_GROUP_LABEL] = json!(names::pod_group(&job.name, &job.uid));
+    }
+}
+
 fn ssh_options(job: &ValidatedTrainingJob) -> String {
     format!(
         "-p {} -i {SSH_MOUNT}/ssh-privatekey -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -o BatchMode=yes",
@@ -439,6 +489,7 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
             }],
         },
     });
+    join_gang(&mut pod, job, inputs);
     merge_overrides(&mut pod, &job.worker);
     place(&mut pod, &inputs.placement.workers);
     typed(pod)
@@ -551,6 +602,7 @@ pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
         },
     });
     pod["metadata"]["annotations"] = json!(annotations);
+    join_gang(&mut pod, job, inputs);
     merge_overrides(&mut pod, &job.launcher);
     place(&mut pod, &inputs.placement.launcher);
     typed(pod)

@@ -269,6 +269,7 @@ async fn run(
             queue::QueueState::Admitted { placement, .. } => placement.clone(),
             _ => queue::Placement::default(),
         },
+        gang_scheduler: ctx.config.gang_scheduler.clone(),
     };
     // A restart is recorded before its pods are deleted, so a crash in between cannot lose
     // it; everything else is carried out before the status that reports it.

@@ -85,15 +85,26 @@ pub fn pod_labels(job: &str, role: &str, attempt: i32) -> BTreeMap<String, Strin
     labels
 }
 
-/// The Kueue Workload of a queued job: its name and 5 hex digits of its UID, so a job made
-/// again under the same name gets a Workload of its own, and a restarted operator finds the
-/// one it made.
-pub fn workload(job: &str, uid: &str) -> String {
-    let tag: String = uid
-        .chars()
+/// 5 hex digits of a job's UID: names of children made with it differ between a job and one
+/// made again under the same name while the first one's children are still being deleted.
+fn uid_tag(uid: &str) -> String {
+    uid.chars()
         .filter(char::is_ascii_hexdigit)
         .map(|c| c.to_ascii_lowercase())
         .take(5)
-        .collect();
-    format!("trainingjob-{job}-{tag}")
+        .collect()
+}
+
+/// The Kueue Workload of a queued job: its name and its [`uid_tag`], so a job made again
+/// under the same name gets a Workload of its own, and a restarted operator finds the one it
+/// made.
+pub fn workload(job: &str, uid: &str) -> String {
+    format!("trainingjob-{job}-{}", uid_tag(uid))
+}
+
+/// The PodGroup of a gang-scheduled job (and its pods' pod-group label, at most 54
+/// characters): its name and its [`uid_tag`], so the pods of a job made again under the same
+/// name never join the old job's group while that one is being deleted.
+pub fn pod_group(job: &str, uid: &str) -> String {
+    format!("{job}-{}", uid_tag(uid))
 }

@@ -228,6 +228,62 @@ pub fn strip_for_cache(pod: &mut Pod) {
     }
 }
 
+/// Which pod changes wake the pod's job. A cached pod ([`strip_for_cache`]) whose state
+/// changed only in words (a condition's message) or in its resourceVersion wakes nobody:
+/// the words are read when something else wakes the job. Without this a scheduler that
+/// retries a pod in a tight loop starved its job: the scheduler-plugins Coscheduling plugin
+/// rewrites the PodScheduled message of a gang that cannot fit dozens of times a second, and
+/// every event pushed the controller's debounce further, so the job never said it could not
+/// be scheduled. Deleted pods always wake their job (a gang restart waits for them).
+#[derive(Debug, Default)]
+pub struct PodWakeFilter {
+    /// The gist of each pod last seen, by UID.
+    seen: std::collections::HashMap<String, u64>,
+}
+
+impl PodWakeFilter {
+    /// Whether `event` may change what the job's reconcile makes of its pods.
+    pub fn wakes(&mut self, event: &kube::runtime::watcher::Event<Pod>) -> bool {
+        use kube::runtime::watcher::Event;
+        match event {
+            Event::Apply(pod) | Event::InitApply(pod) => {
+                let uid = pod.metadata.uid.clone().unwrap_or_default();
+                let gist = gist(pod);
+                self.seen.insert(uid, gist) != Some(gist)
+            }
+            Event::Delete(pod) => {
+                self.seen
+                    .remove(pod.metadata.uid.as_deref().unwrap_or_default());
+                true
+            }
+            // A new list: pods deleted meanwhile are never told as deleted, so the gists
+            // start again (and every listed pod wakes its job once, as without the filter).
+            Event::Init => {
+                self.seen.clear();
+                true
+            }
+            Event::InitDone => true,
+        }
+    }
+}
+
+/// A hash of what a cached pod says, less its resourceVersion and conditions' messages.
+fn gist(pod: &Pod) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut pod = pod.clone();
+    pod.metadata.resource_version = None;
+    if let Some(conditions) = pod.status.as_mut().and_then(|s| s.conditions.as_mut()) {
+        for condition in conditions {
+            condition.message = None;
+        }
+    }
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    serde_json::to_vec(&pod)
+        .expect("a pod serializes")
+        .hash(&mut hasher);
+    hasher.finish()
+}
+
 /// The job's pods, sorted into the current gang and everything else.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Observed {
