@@ -39,19 +39,8 @@ const HOLD: Duration = Duration::from_secs(15);
 /// The gang scheduler, once per test binary (a no-op when it runs; cluster.sh down stops it).
 async fn gang_scheduler() {
     static UP: OnceCell<()> = OnceCell::const_new();
-    UP.get_or_init(|| async {
-        let out = tokio::process::Command::new(common::repo_root().join("e2e/gang-scheduler.sh"))
-            .arg("up")
-            .output()
-            .await
-            .expect("running e2e/gang-scheduler.sh");
-        assert!(
-            out.status.success(),
-            "e2e/gang-scheduler.sh up failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    })
-    .await;
+    UP.get_or_init(|| common::script_up("gang-scheduler.sh"))
+        .await;
 }
 
 fn pool() -> PoolShape {

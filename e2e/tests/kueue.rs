@@ -50,17 +50,7 @@ async fn with_kueue(namespace: &str) -> (Client, TestNamespace) {
 async fn kueue(client: &Client) {
     static UP: OnceCell<()> = OnceCell::const_new();
     UP.get_or_init(|| async {
-        let script = common::repo_root().join("e2e/kueue.sh");
-        let out = tokio::process::Command::new(&script)
-            .arg("up")
-            .output()
-            .await
-            .expect("running e2e/kueue.sh");
-        assert!(
-            out.status.success(),
-            "e2e/kueue.sh up failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        common::script_up("kueue.sh").await;
         for pool in ["kqa", "kqb"] {
             let mut shape = PoolShape::new(pool, "Standard_ND96asr_v4", PoolMode::User).unwrap();
             shape.taints.push(

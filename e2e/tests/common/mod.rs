@@ -576,3 +576,18 @@ pub async fn end_launcher(client: &Client, ns: &str, job: &str) {
         .await
         .unwrap();
 }
+
+/// Runs `e2e/<script> up` (kueue.sh, gang-scheduler.sh: a no-op when what it starts runs);
+/// fails the test with the script's own words when it fails.
+pub async fn script_up(script: &str) {
+    let out = tokio::process::Command::new(repo_root().join("e2e").join(script))
+        .arg("up")
+        .output()
+        .await
+        .unwrap_or_else(|e| panic!("running e2e/{script}: {e}"));
+    assert!(
+        out.status.success(),
+        "e2e/{script} up failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
