@@ -1098,9 +1098,12 @@ fn the_deadline_does_not_count_while_kueue_holds_the_job_back() {
 }
 
 #[test]
-fn a_pod_wakes_its_job_when_its_state_changes_not_when_only_its_words_do() {
+fn a_pod_wakes_its_job_when_its_state_changes_and_its_words_alone_seldom() {
     use kube::runtime::watcher::Event;
-    use ringmaster::controller::training_job::observe::{PodWakeFilter, strip_for_cache};
+    use ringmaster::controller::training_job::observe::{
+        PodWakeFilter, WORDS_WAKE_EVERY, strip_for_cache,
+    };
+    use std::time::{Duration, Instant};
     let cached = |state: &str, message: &str, version: &str| {
         let mut pod = pod("worker", 0, 0, state);
         pod.metadata.uid = Some("u-0".into());
@@ -1111,52 +1114,61 @@ fn a_pod_wakes_its_job_when_its_state_changes_not_when_only_its_words_do() {
         strip_for_cache(&mut pod);
         pod
     };
+    let start = Instant::now();
+    let at = |ms: u64| start + Duration::from_millis(ms);
     let mut filter = PodWakeFilter::default();
-    let apply = |f: &mut PodWakeFilter, pod: Pod| f.wakes(&Event::Apply(pod));
-    assert!(apply(&mut filter, cached("pending", "", "1")), "first seen");
+    let mut apply = |pod: Pod, ms: u64| filter.wakes_at(&Event::Apply(pod), at(ms));
+    assert!(apply(cached("pending", "", "1"), 0), "first seen");
     assert!(
-        apply(
-            &mut filter,
-            cached("unschedulable", "0/3 nodes are available", "2")
-        ),
+        apply(cached("unschedulable", "0/3 nodes are available", "2"), 10),
         "the scheduler turned it away"
     );
     // What the Coscheduling plugin does dozens of times a second to a gang that cannot fit.
-    for (i, words) in [
+    let words = [
         "optimistic rejection in PostFilter",
         "0/3 nodes are available",
-    ]
-    .iter()
-    .cycle()
-    .take(6)
-    .enumerate()
-    {
-        assert!(
-            !apply(
-                &mut filter,
-                cached("unschedulable", words, &(3 + i).to_string())
+    ];
+    let mut woke = Vec::new();
+    for i in 0..250u64 {
+        let ms = 20 + i * 300; // 75 s of retries
+        if apply(
+            cached(
+                "unschedulable",
+                words[(i % 2) as usize],
+                &(3 + i).to_string(),
             ),
-            "new words alone ({words})"
-        );
+            ms,
+        ) {
+            woke.push(ms);
+        }
     }
+    // New words alone wake the job once per WORDS_WAKE_EVERY, never sooner.
+    let every = u64::try_from(WORDS_WAKE_EVERY.as_millis()).unwrap();
+    assert_eq!(woke.len(), 2, "{woke:?}");
     assert!(
-        apply(&mut filter, cached("running", "", "20")),
-        "bound and started"
+        woke[0] >= 10 + every && woke[1] - woke[0] >= every,
+        "{woke:?}"
     );
-    assert!(apply(&mut filter, cached("ready", "", "21")), "ready");
     assert!(
-        !apply(&mut filter, cached("ready", "", "22")),
+        !apply(cached("unschedulable", words[1], "300"), 100_000),
         "nothing new"
     );
     assert!(
-        filter.wakes(&Event::Delete(cached("ready", "", "23"))),
+        apply(cached("running", "", "301"), 100_001),
+        "bound and started"
+    );
+    assert!(apply(cached("ready", "", "302"), 100_002), "ready");
+    assert!(!apply(cached("ready", "", "303"), 100_003), "nothing new");
+    assert!(
+        filter.wakes_at(&Event::Delete(cached("ready", "", "304")), at(100_004)),
         "a deleted pod always wakes its job"
     );
+    let mut apply = |pod: Pod, ms: u64| filter.wakes_at(&Event::Apply(pod), at(ms));
     assert!(
-        apply(&mut filter, cached("ready", "", "24")),
+        apply(cached("ready", "", "305"), 100_005),
         "seen afresh after its deletion"
     );
     // A new list forgets the gists: pods deleted meanwhile were never told as deleted.
-    assert!(filter.wakes(&Event::Init));
-    assert!(filter.wakes(&Event::InitApply(cached("ready", "", "25"))));
+    assert!(filter.wakes_at(&Event::Init, at(100_006)));
+    assert!(filter.wakes_at(&Event::InitApply(cached("ready", "", "306")), at(100_007)));
 }

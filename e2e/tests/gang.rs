@@ -32,8 +32,10 @@ const POOL: &str = "gangp";
 const POOL_TAINT: &str = "e2e.ringmaster.dev/gang-pool";
 /// The namespace of the operator's ServiceAccount in these tests (kept for the cluster's life).
 const OPERATOR_NAMESPACE: &str = "e2e-gang-operator";
-/// Longer than the scheduler's Permit wait (10 s in e2e/gang-scheduler.sh): in this time it
-/// has tried the gang, held what fit, timed out and given it back at least once.
+/// Longer than the scheduler's Permit wait (10 s in e2e/gang-scheduler.sh). The cluster's
+/// other GPU nodes leave enough GPUs free in all for the group's `minResources`, so the
+/// scheduler gets past its up-front check and holds the worker that fits the free node,
+/// until the other is turned away and it gives the node back.
 const HOLD: Duration = Duration::from_secs(15);
 
 /// The gang scheduler, once per test binary (a no-op when it runs; cluster.sh down stops it).
@@ -233,9 +235,14 @@ async fn a_gang_that_does_not_fit_holds_no_node_and_runs_once_there_is_room() {
         "the second job saying it cannot be scheduled",
         || async {
             let status = job_status(&client, &ns.name, "second").await;
-            let ready = condition(&status, "Ready");
-            ready["reason"] == "Unschedulable"
-                && ready["message"].as_str().is_some_and(|m| !m.is_empty())
+            ["Ready", "WorkersReady"].iter().all(|type_| {
+                let c = condition(&status, type_);
+                c["status"] == "False"
+                    && c["reason"] == "Unschedulable"
+                    && c["message"].as_str().is_some_and(|m| {
+                        m.contains("second-worker-") && m.contains("cannot be scheduled")
+                    })
+            })
         },
     )
     .await;

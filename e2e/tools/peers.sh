@@ -51,8 +51,8 @@ version=$(sed -n "s|^require $module \(v[^ ]*\)$|\1|p" "$here/$peer/go.mod")
 out="$cache/bin/peers/$peer-$version"
 complete() {
   [ -x "$out" ] || return 1
-  [ "$peer" != kueue ] || [ -s "$out.manifests.yaml" ]
-  [ "$peer" != scheduler-plugins ] || [ -s "$out.crd.yaml" ]
+  { [ "$peer" != kueue ] || [ -s "$out.manifests.yaml" ]; } &&
+    { [ "$peer" != scheduler-plugins ] || [ -s "$out.crd.yaml" ]; }
 }
 if ! complete; then
   started=$SECONDS

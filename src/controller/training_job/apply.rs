@@ -114,6 +114,29 @@ async fn ensure_ssh_secret(client: &Client, job: &ValidatedTrainingJob) -> Resul
     }
 }
 
+/// Makes the job's PodGroup unless it exists, or applies it over the old one (`update`).
+async fn ensure_pod_group(
+    client: &Client,
+    job: &ValidatedTrainingJob,
+    update: bool,
+) -> Result<(), ApplyError> {
+    let groups: Api<PodGroup> = Api::namespaced(client.clone(), &job.namespace);
+    let group = build::pod_group(job);
+    let result = if update {
+        server_side_apply(&groups, &group).await
+    } else {
+        create_unless_exists(&groups, &group).await.map(|_| ())
+    };
+    result.map_err(|source| {
+        let name = group.name_any();
+        if is_not_found(&source) {
+            ApplyError::NoPodGroupApi { name, source }
+        } else {
+            kube_error("applying", "PodGroup", &name)(source)
+        }
+    })
+}
+
 /// What [`execute`] wrote, also when it then failed: the caller remembers it, so a retry
 /// after a failure does not write it again.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -174,21 +197,7 @@ pub async fn execute(
         result.map_err(kube_error("applying", "Service", &service.name_any()))?;
         if inputs.gang_scheduler.is_some() {
             // Before the pods: the scheduler turns away a pod whose group it cannot find.
-            let groups: Api<PodGroup> = Api::namespaced(client.clone(), &job.namespace);
-            let group = build::pod_group(job);
-            let result = if children == Children::Update {
-                server_side_apply(&groups, &group).await
-            } else {
-                create_unless_exists(&groups, &group).await.map(|_| ())
-            };
-            result.map_err(|source| {
-                let name = group.name_any();
-                if is_not_found(&source) {
-                    ApplyError::NoPodGroupApi { name, source }
-                } else {
-                    kube_error("applying", "PodGroup", &name)(source)
-                }
-            })?;
+            ensure_pod_group(client, job, children == Children::Update).await?;
         }
         written.children = true;
     }
@@ -220,6 +229,11 @@ pub async fn execute(
         return Err(error);
     }
     if plan.create_launcher {
+        if inputs.gang_scheduler.is_some() && children == Children::Keep {
+            // A gang made before the operator gang-scheduled has no group: the launcher
+            // would wait for one for ever. One create (409 when it exists) per launcher.
+            ensure_pod_group(client, job, false).await?;
+        }
         let pod = build::launcher_pod(job, inputs);
         if create_unless_exists(&pods, &pod).await.map_err(kube_error(
             "creating",

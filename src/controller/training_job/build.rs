@@ -209,7 +209,6 @@ pub fn worker_service(job: &ValidatedTrainingJob) -> Service {
     }))
 }
 
-/// The options every ssh from the launcher (and the readiness probe) uses.
 /// The PodGroup of a gang-scheduled job: the scheduler places all its workers at once or none
 /// of them. The launcher is in the group but not counted in `minMember`: it is made only once
 /// every worker is ready, so counting it would hold the workers back for a pod that cannot
@@ -245,8 +244,8 @@ pub fn pod_group(job: &ValidatedTrainingJob) -> PodGroup {
     }))
 }
 
-/// Hands a pod to the gang scheduler, in the job's PodGroup (the label wins over the user's
-/// own, as Ringmaster's labels do).
+/// Hands a pod to the gang scheduler, in the job's PodGroup. Last: the label wins over the
+/// user's own and over what a Kueue admission adds.
 fn join_gang(pod: &mut Value, job: &ValidatedTrainingJob, inputs: &BuildInputs) {
     if let Some(scheduler) = &inputs.gang_scheduler {
         pod["spec"]["schedulerName"] = json!(scheduler);
@@ -254,6 +253,7 @@ fn join_gang(pod: &mut Value, job: &ValidatedTrainingJob, inputs: &BuildInputs) 
     }
 }
 
+/// The options every ssh from the launcher (and the readiness probe) uses.
 fn ssh_options(job: &ValidatedTrainingJob) -> String {
     format!(
         "-p {} -i {SSH_MOUNT}/ssh-privatekey -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -o BatchMode=yes",
@@ -489,9 +489,9 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
             }],
         },
     });
-    join_gang(&mut pod, job, inputs);
     merge_overrides(&mut pod, &job.worker);
     place(&mut pod, &inputs.placement.workers);
+    join_gang(&mut pod, job, inputs);
     typed(pod)
 }
 
@@ -602,9 +602,9 @@ pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
         },
     });
     pod["metadata"]["annotations"] = json!(annotations);
-    join_gang(&mut pod, job, inputs);
     merge_overrides(&mut pod, &job.launcher);
     place(&mut pod, &inputs.placement.launcher);
+    join_gang(&mut pod, job, inputs);
     typed(pod)
 }
 

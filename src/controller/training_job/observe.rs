@@ -229,27 +229,67 @@ pub fn strip_for_cache(pod: &mut Pod) {
 }
 
 /// Which pod changes wake the pod's job. A cached pod ([`strip_for_cache`]) whose state
-/// changed only in words (a condition's message) or in its resourceVersion wakes nobody:
-/// the words are read when something else wakes the job. Without this a scheduler that
-/// retries a pod in a tight loop starved its job: the scheduler-plugins Coscheduling plugin
-/// rewrites the PodScheduled message of a gang that cannot fit dozens of times a second, and
-/// every event pushed the controller's debounce further, so the job never said it could not
-/// be scheduled. Deleted pods always wake their job (a gang restart waits for them).
+/// changed only in words (a condition's message) or in its resourceVersion wakes its job at
+/// most once per [`WORDS_WAKE_EVERY`]: the reconcile reads the words (a pod's Unschedulable
+/// message becomes the job's), but a scheduler retrying a pod in a tight loop must not wake
+/// it on every retry. Without this such a pod starved its job: the scheduler-plugins
+/// Coscheduling plugin rewrites the PodScheduled message of a gang that cannot fit dozens of
+/// times a second, every event pushed the controller's debounce further, and the job never
+/// said it could not be scheduled. Deleted pods always wake their job (a gang restart waits
+/// for them).
 #[derive(Debug, Default)]
 pub struct PodWakeFilter {
-    /// The gist of each pod last seen, by UID.
-    seen: std::collections::HashMap<String, u64>,
+    /// What each pod said when last seen, by UID.
+    seen: std::collections::HashMap<String, Seen>,
 }
+
+/// A pod's state and words when last seen, and when they last woke its job.
+#[derive(Debug)]
+struct Seen {
+    state: u64,
+    words: u64,
+    woke: std::time::Instant,
+}
+
+/// How often new words alone (a condition's message) wake a pod's job.
+pub const WORDS_WAKE_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl PodWakeFilter {
     /// Whether `event` may change what the job's reconcile makes of its pods.
     pub fn wakes(&mut self, event: &kube::runtime::watcher::Event<Pod>) -> bool {
+        self.wakes_at(event, std::time::Instant::now())
+    }
+
+    /// [`PodWakeFilter::wakes`] at `now`.
+    pub fn wakes_at(
+        &mut self,
+        event: &kube::runtime::watcher::Event<Pod>,
+        now: std::time::Instant,
+    ) -> bool {
         use kube::runtime::watcher::Event;
         match event {
             Event::Apply(pod) | Event::InitApply(pod) => {
                 let uid = pod.metadata.uid.clone().unwrap_or_default();
-                let gist = gist(pod);
-                self.seen.insert(uid, gist) != Some(gist)
+                let (state, words) = gists(pod);
+                let fresh = Seen {
+                    state,
+                    words,
+                    woke: now,
+                };
+                match self.seen.get_mut(&uid) {
+                    Some(seen)
+                        if seen.state == state
+                            && (seen.words == words
+                                || now.duration_since(seen.woke) < WORDS_WAKE_EVERY) =>
+                    {
+                        seen.words = words;
+                        false
+                    }
+                    _ => {
+                        self.seen.insert(uid, fresh);
+                        true
+                    }
+                }
             }
             Event::Delete(pod) => {
                 self.seen
@@ -267,21 +307,23 @@ impl PodWakeFilter {
     }
 }
 
-/// A hash of what a cached pod says, less its resourceVersion and conditions' messages.
-fn gist(pod: &Pod) -> u64 {
+/// Hashes of what a cached pod says: its state (all but its resourceVersion and its
+/// conditions' messages), and those messages.
+fn gists(pod: &Pod) -> (u64, u64) {
     use std::hash::{Hash, Hasher};
     let mut pod = pod.clone();
     pod.metadata.resource_version = None;
+    let mut words = std::collections::hash_map::DefaultHasher::new();
     if let Some(conditions) = pod.status.as_mut().and_then(|s| s.conditions.as_mut()) {
         for condition in conditions {
-            condition.message = None;
+            condition.message.take().hash(&mut words);
         }
     }
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    let mut state = std::collections::hash_map::DefaultHasher::new();
     serde_json::to_vec(&pod)
         .expect("a pod serializes")
-        .hash(&mut hasher);
-    hasher.finish()
+        .hash(&mut state);
+    (state.finish(), words.finish())
 }
 
 /// The job's pods, sorted into the current gang and everything else.
