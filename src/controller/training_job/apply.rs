@@ -1,6 +1,7 @@
 //! Apply step of the TrainingJob controller: carries a plan out against the API server, in a
 //! fixed order — deletions, the SSH Secret (created once, never rewritten), the Service, the
-//! PodGroup of a gang-scheduled job, workers, then the launcher (which carries its hostfile). Everything is owned by the job.
+//! PodGroup of a gang-scheduled job, workers, then the launcher (which carries its
+//! hostfile). Everything is owned by the job.
 
 use k8s_openapi::api::core::v1::{Pod, Secret, Service};
 use kube::api::{DeleteParams, PostParams};
@@ -114,27 +115,22 @@ async fn ensure_ssh_secret(client: &Client, job: &ValidatedTrainingJob) -> Resul
     }
 }
 
-/// Makes the job's PodGroup unless it exists, or applies it over the old one (`update`).
-async fn ensure_pod_group(
-    client: &Client,
-    job: &ValidatedTrainingJob,
-    update: bool,
-) -> Result<(), ApplyError> {
+/// Makes the job's PodGroup unless it exists. Never applied again: what it holds (workers,
+/// their GPUs and InfiniBand devices) is immutable in the spec.
+async fn ensure_pod_group(client: &Client, job: &ValidatedTrainingJob) -> Result<(), ApplyError> {
     let groups: Api<PodGroup> = Api::namespaced(client.clone(), &job.namespace);
     let group = build::pod_group(job);
-    let result = if update {
-        server_side_apply(&groups, &group).await
-    } else {
-        create_unless_exists(&groups, &group).await.map(|_| ())
-    };
-    result.map_err(|source| {
-        let name = group.name_any();
-        if is_not_found(&source) {
-            ApplyError::NoPodGroupApi { name, source }
-        } else {
-            kube_error("applying", "PodGroup", &name)(source)
-        }
-    })
+    create_unless_exists(&groups, &group)
+        .await
+        .map(|_| ())
+        .map_err(|source| {
+            let name = group.name_any();
+            if is_not_found(&source) {
+                ApplyError::NoPodGroupApi { name, source }
+            } else {
+                kube_error("creating", "PodGroup", &name)(source)
+            }
+        })
 }
 
 /// What [`execute`] wrote, also when it then failed: the caller remembers it, so a retry
@@ -197,7 +193,7 @@ pub async fn execute(
         result.map_err(kube_error("applying", "Service", &service.name_any()))?;
         if inputs.gang_scheduler.is_some() {
             // Before the pods: the scheduler turns away a pod whose group it cannot find.
-            ensure_pod_group(client, job, children == Children::Update).await?;
+            ensure_pod_group(client, job).await?;
         }
         written.children = true;
     }
@@ -232,7 +228,7 @@ pub async fn execute(
         if inputs.gang_scheduler.is_some() && children == Children::Keep {
             // A gang made before the operator gang-scheduled has no group: the launcher
             // would wait for one for ever. One create (409 when it exists) per launcher.
-            ensure_pod_group(client, job, false).await?;
+            ensure_pod_group(client, job).await?;
         }
         let pod = build::launcher_pod(job, inputs);
         if create_unless_exists(&pods, &pod).await.map_err(kube_error(
