@@ -4,6 +4,7 @@
 mod fixtures;
 
 use ringmaster::controller::training_job::build::{self, BuildInputs, SshKeys};
+use ringmaster::controller::training_job::names::ChildNaming;
 use ringmaster::controller::training_job::validate::{
     Program, ValidatedTrainingJob, validate_value_for,
 };
@@ -58,7 +59,7 @@ fn gpu_worker_pods_get_gpus_rdma_shared_memory_data_and_ssh() {
 
     let spec = &pod["spec"];
     assert_eq!(spec["hostname"], "resnet50-imagenet-worker-1");
-    assert_eq!(spec["subdomain"], "resnet50-imagenet-workers");
+    assert_eq!(spec["subdomain"], "resnet50-imagenet-workers-6f1c2");
     assert_eq!(spec["restartPolicy"], "Never");
     assert_eq!(
         spec["nodeSelector"]["kubernetes.azure.com/agentpool"],
@@ -87,7 +88,7 @@ fn gpu_worker_pods_get_gpus_rdma_shared_memory_data_and_ssh() {
     };
     assert_eq!(
         volume("ssh-secret")["secret"],
-        json!({"secretName": "resnet50-imagenet-ssh", "defaultMode": 0o600})
+        json!({"secretName": "resnet50-imagenet-ssh-6f1c2", "defaultMode": 0o600})
     );
     // The container's own user copies the key out of the Secret (root-owned, made
     // group-readable by fsGroup) into memory, mode 0600, before sshd starts.
@@ -143,10 +144,89 @@ fn gpu_worker_pods_get_gpus_rdma_shared_memory_data_and_ssh() {
         "{probe}"
     );
     assert!(
-        probe.ends_with("resnet50-imagenet-worker-1.resnet50-imagenet-workers.ml.svc true"),
+        probe.ends_with("resnet50-imagenet-worker-1.resnet50-imagenet-workers-6f1c2.ml.svc true"),
         "{probe}"
     );
     assert_eq!(spec["securityContext"]["fsGroup"], build::POD_FS_GROUP);
+}
+
+/// A job made again under its name gets a Secret and Service of its own (the UID in their
+/// names); a gang whose workers an older operator made (no job-uid label) keeps the names its
+/// workers use, for its launcher and any worker still to be made.
+#[test]
+fn a_gang_names_its_secret_and_service_by_the_job_uid_unless_older_workers_use_plain_names() {
+    use ringmaster::controller::training_job::names::JOB_UID_LABEL;
+    let job = gpu_job();
+    let made_now = build::worker_pod(&job, 0, &inputs());
+    assert_eq!(
+        made_now.metadata.labels.as_ref().unwrap()[JOB_UID_LABEL],
+        "6f1c2d3e-0000-4000-8000-00000000abcd"
+    );
+    let mut made_before = made_now.clone();
+    made_before
+        .metadata
+        .labels
+        .as_mut()
+        .unwrap()
+        .remove(JOB_UID_LABEL);
+    // Attempt 2 (inputs()) is the gang's; a pod of attempt 1 without the label is another gang's.
+    let mut earlier_gang = made_before.clone();
+    earlier_gang
+        .metadata
+        .labels
+        .as_mut()
+        .unwrap()
+        .insert("ringmaster.dev/attempt".into(), "1".into());
+    assert_eq!(ChildNaming::of_gang([], 2), ChildNaming::UidTagged);
+    assert_eq!(
+        ChildNaming::of_gang([&made_now, &earlier_gang], 2),
+        ChildNaming::UidTagged
+    );
+    assert_eq!(
+        ChildNaming::of_gang([&made_now, &made_before], 2),
+        ChildNaming::Untagged
+    );
+
+    let untagged = BuildInputs {
+        naming: ChildNaming::Untagged,
+        ..inputs()
+    };
+    let launcher = value(&build::launcher_pod(&job, &untagged));
+    assert_eq!(
+        launcher["metadata"]["annotations"]["ringmaster.dev/hostfile"],
+        "resnet50-imagenet-worker-0.resnet50-imagenet-workers.ml.svc slots=8\n\
+         resnet50-imagenet-worker-1.resnet50-imagenet-workers.ml.svc slots=8\n"
+    );
+    let secret_of = |pod: &Value| {
+        pod["spec"]["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == "ssh-secret")
+            .unwrap()["secret"]["secretName"]
+            .clone()
+    };
+    assert_eq!(secret_of(&launcher), "resnet50-imagenet-ssh");
+    let env = &launcher["spec"]["containers"][0]["env"];
+    assert!(
+        env.as_array().unwrap().contains(&json!({"name": "RINGMASTER_RENDEZVOUS", "value": "resnet50-imagenet-worker-0.resnet50-imagenet-workers.ml.svc:29500"})),
+        "{env}"
+    );
+    let worker = value(&build::worker_pod(&job, 1, &untagged));
+    assert_eq!(worker["spec"]["subdomain"], "resnet50-imagenet-workers");
+    assert_eq!(secret_of(&worker), "resnet50-imagenet-ssh");
+    let service = value(&build::worker_service(&job, ChildNaming::Untagged));
+    assert_eq!(service["metadata"]["name"], "resnet50-imagenet-workers");
+    assert!(
+        service["spec"]["selector"].get(JOB_UID_LABEL).is_none(),
+        "older workers have no job-uid label: {}",
+        service["spec"]["selector"]
+    );
+    let keys = SshKeys::from_seed(&[7u8; 32], "x");
+    assert_eq!(
+        value(&build::ssh_secret(&job, ChildNaming::Untagged, &keys))["metadata"]["name"],
+        "resnet50-imagenet-ssh"
+    );
 }
 
 #[test]
@@ -177,17 +257,17 @@ fn cpu_workers_ask_for_no_gpus() {
 fn hostfiles_follow_the_mpi_implementation() {
     let job = gpu_job();
     assert_eq!(
-        build::hostfile(&job),
-        "resnet50-imagenet-worker-0.resnet50-imagenet-workers.ml.svc slots=8\n\
-         resnet50-imagenet-worker-1.resnet50-imagenet-workers.ml.svc slots=8\n"
+        build::hostfile(&job, ChildNaming::UidTagged),
+        "resnet50-imagenet-worker-0.resnet50-imagenet-workers-6f1c2.ml.svc slots=8\n\
+         resnet50-imagenet-worker-1.resnet50-imagenet-workers-6f1c2.ml.svc slots=8\n"
     );
     for implementation in ["IntelMPI", "MPICH"] {
         let job = sample("trainingjob-cpu-small.yaml", |o| {
             o["spec"]["mpi"] = json!({"implementation": implementation})
         });
         assert_eq!(
-            build::hostfile(&job),
-            "resnet18-cpu-worker-0.resnet18-cpu-workers.ml.svc:2\nresnet18-cpu-worker-1.resnet18-cpu-workers.ml.svc:2\n"
+            build::hostfile(&job, ChildNaming::UidTagged),
+            "resnet18-cpu-worker-0.resnet18-cpu-workers-6f1c2.ml.svc:2\nresnet18-cpu-worker-1.resnet18-cpu-workers-6f1c2.ml.svc:2\n"
         );
     }
 }
@@ -268,7 +348,7 @@ fn the_launcher_runs_mpirun_over_every_rank_with_the_trainer() {
     assert_eq!(
         var("RINGMASTER_RENDEZVOUS"),
         Some(json!(
-            "resnet50-imagenet-worker-0.resnet50-imagenet-workers.ml.svc:29500"
+            "resnet50-imagenet-worker-0.resnet50-imagenet-workers-6f1c2.ml.svc:29500"
         ))
     );
     assert_eq!(var("NCCL_SOCKET_IFNAME"), Some(json!("eth0")));
@@ -382,7 +462,8 @@ fn the_ssh_secret_holds_a_working_key_pair_that_is_never_printed() {
     );
     assert!(!format!("{keys:?}").contains("PRIVATE"));
 
-    let secret = value(&build::ssh_secret(&job, &keys));
+    let secret = value(&build::ssh_secret(&job, ChildNaming::UidTagged, &keys));
+    assert_eq!(secret["metadata"]["name"], "resnet50-imagenet-ssh-6f1c2");
     assert_eq!(secret["type"], "kubernetes.io/ssh-auth");
     assert_eq!(secret["stringData"]["authorized_keys"], keys.public_key);
     assert_eq!(secret["stringData"]["ssh-privatekey"], keys.private_key);
@@ -390,10 +471,23 @@ fn the_ssh_secret_holds_a_working_key_pair_that_is_never_printed() {
 
 #[test]
 fn the_worker_service_is_headless_and_publishes_unready_workers() {
-    let service = value(&build::worker_service(&gpu_job()));
+    let service = value(&build::worker_service(&gpu_job(), ChildNaming::UidTagged));
+    assert_eq!(
+        service["metadata"]["name"],
+        "resnet50-imagenet-workers-6f1c2"
+    );
     assert_eq!(service["spec"]["clusterIP"], "None");
     assert_eq!(service["spec"]["publishNotReadyAddresses"], true);
-    assert_eq!(service["spec"]["selector"]["ringmaster.dev/role"], "worker");
+    // This job's workers, not those of an earlier job of the same name still being deleted.
+    assert_eq!(
+        service["spec"]["selector"],
+        json!({
+            "ringmaster.dev/job-name": "resnet50-imagenet",
+            "ringmaster.dev/job-uid": "6f1c2d3e-0000-4000-8000-00000000abcd",
+            "ringmaster.dev/role": "worker",
+            "app.kubernetes.io/managed-by": "ringmaster",
+        })
+    );
     assert_eq!(service["spec"]["ports"][0]["port"], 2222);
 }
 
@@ -610,7 +704,7 @@ fn the_launchers_hostfile_and_ssh_program_are_its_own_annotations_projected_into
     let annotations = &launcher["metadata"]["annotations"];
     assert_eq!(
         annotations["ringmaster.dev/hostfile"],
-        build::hostfile(&job)
+        build::hostfile(&job, ChildNaming::UidTagged)
     );
     assert!(
         annotations["ringmaster.dev/ssh-program"]

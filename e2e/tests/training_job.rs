@@ -35,6 +35,11 @@ fn cpu_job(name: &str, workers: u32, edit: impl FnOnce(&mut Value)) -> Value {
     job
 }
 
+/// The 5 hex digits of a job's UID its Secret and Service names end with.
+fn uid_tag(job: &TrainingJob) -> String {
+    job.uid().unwrap().replace('-', "")[..5].to_string()
+}
+
 /// The launcher finishes with `code` after `after`, with the trainer's summary.
 fn launcher_exits(spec: &mut Value, code: i32, after: &str) {
     spec["launcher"] = json!({"annotations": {
@@ -100,18 +105,21 @@ async fn a_gpu_job_with_infiniband_runs_and_succeeds_with_its_result() {
             "launcher created {created} before worker ready {ready}"
         );
     }
-    // The hostfile travels as the launcher's annotation (projected into a file).
+    // The hostfile travels as the launcher's annotation (projected into a file). The
+    // Service and Secret carry 5 hex digits of the job's UID.
+    let jobs: Api<TrainingJob> = Api::namespaced(client.clone(), &ns.name);
+    let tag = uid_tag(&jobs.get("resnet50").await.unwrap());
     assert_eq!(
         launcher.annotations()["ringmaster.dev/hostfile"],
         format!(
-            "resnet50-worker-0.resnet50-workers.{0}.svc slots=8\nresnet50-worker-1.resnet50-workers.{0}.svc slots=8\n",
+            "resnet50-worker-0.resnet50-workers-{tag}.{0}.svc slots=8\nresnet50-worker-1.resnet50-workers-{tag}.{0}.svc slots=8\n",
             ns.name
         )
     );
     let service: Api<Service> = Api::namespaced(client.clone(), &ns.name);
     assert_eq!(
         service
-            .get("resnet50-workers")
+            .get(&format!("resnet50-workers-{tag}"))
             .await
             .unwrap()
             .spec
@@ -121,7 +129,7 @@ async fn a_gpu_job_with_infiniband_runs_and_succeeds_with_its_result() {
         Some("None")
     );
     let secret: Api<Secret> = Api::namespaced(client.clone(), &ns.name);
-    let secret = secret.get("resnet50-ssh").await.unwrap();
+    let secret = secret.get(&format!("resnet50-ssh-{tag}")).await.unwrap();
     assert_eq!(secret.type_.as_deref(), Some("kubernetes.io/ssh-auth"));
     let command = launcher.spec.as_ref().unwrap().containers[0]
         .command
@@ -358,6 +366,157 @@ async fn deleting_a_job_leaves_no_child() {
             && secrets.list(&selector).await.unwrap().items.is_empty()
     })
     .await;
+}
+
+/// A job deleted and made again at once (`kubectl replace --force`, Flux's `force`) while
+/// the first job's Secret and Service are still being deleted: the new job runs with a Secret
+/// and Service of its own, which outlive the first job's. A finalizer of the test's holds the
+/// first job's Secret and Service (as a backup tool's might) for as long as the test needs:
+/// the garbage collector alone takes them within a moment, which a test cannot time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_made_again_under_its_name_runs_with_a_secret_and_service_of_its_own() {
+    const HOLD: &str = "e2e.ringmaster.dev/hold";
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "tj-again").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    let job = cpu_job("again", 2, |_| {});
+    apply(&client, &job, &ns.name, false).await.unwrap();
+    wait_phase(&client, &ns.name, "again", TrainingJobPhase::Running, 60).await;
+
+    let jobs: Api<TrainingJob> = Api::namespaced(client.clone(), &ns.name);
+    let first = jobs.get("again").await.unwrap().uid().unwrap();
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns.name);
+    let services: Api<Service> = Api::namespaced(client.clone(), &ns.name);
+    let selector = ListParams::default().labels("ringmaster.dev/job-name=again");
+    let hold = |on: bool| json!({"metadata": {"finalizers": if on { json!([HOLD]) } else { json!(null) }}});
+    let held_secrets: Vec<String> = secrets
+        .list(&selector)
+        .await
+        .unwrap()
+        .iter()
+        .map(ResourceExt::name_any)
+        .collect();
+    let held_services: Vec<String> = services
+        .list(&selector)
+        .await
+        .unwrap()
+        .iter()
+        .map(ResourceExt::name_any)
+        .collect();
+    assert_eq!((held_secrets.len(), held_services.len()), (1, 1));
+    secrets
+        .patch(
+            &held_secrets[0],
+            &PatchParams::default(),
+            &Patch::Merge(hold(true)),
+        )
+        .await
+        .unwrap();
+    services
+        .patch(
+            &held_services[0],
+            &PatchParams::default(),
+            &Patch::Merge(hold(true)),
+        )
+        .await
+        .unwrap();
+
+    jobs.delete("again", &DeleteParams::background())
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(30), "the first job gone", || async {
+        jobs.get_opt("again").await.unwrap().is_none()
+    })
+    .await;
+    apply(&client, &job, &ns.name, false).await.unwrap();
+    let second = jobs.get("again").await.unwrap().uid().unwrap();
+    assert_ne!(first, second);
+    // The first job's pods are waited out; then the second job's gang runs.
+    wait_phase(&client, &ns.name, "again", TrainingJobPhase::Running, 90).await;
+
+    // What the second job's pods name is the second job's own, not the held objects.
+    let used_by_pods = || async {
+        let mut used = std::collections::BTreeSet::new();
+        for pod in pods(&client, &ns.name, "again").await {
+            let spec = pod.spec.unwrap();
+            let secret = spec
+                .volumes
+                .unwrap()
+                .into_iter()
+                .find_map(|v| v.secret.and_then(|s| s.secret_name))
+                .expect("the SSH Secret is mounted");
+            used.insert(("Secret", secret));
+            if let Some(subdomain) = spec.subdomain {
+                used.insert(("Service", subdomain));
+            }
+        }
+        used
+    };
+    let used = used_by_pods().await;
+    assert_eq!(
+        used.len(),
+        2,
+        "one Secret and one Service for the gang: {used:?}"
+    );
+    let owned_by_second =
+        |owners: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference]| {
+            owners
+                .iter()
+                .any(|o| o.uid == second && o.controller == Some(true))
+        };
+    for (kind, name) in &used {
+        assert!(
+            !held_secrets.contains(name) && !held_services.contains(name),
+            "the second job's pods use the first job's {kind} {name}"
+        );
+        let owners = match *kind {
+            "Secret" => secrets.get(name).await.unwrap().metadata.owner_references,
+            _ => services.get(name).await.unwrap().metadata.owner_references,
+        };
+        assert!(
+            owned_by_second(&owners.unwrap_or_default()),
+            "{kind} {name}"
+        );
+    }
+
+    // Once let go, the first job's Secret and Service are collected; the second's stay.
+    secrets
+        .patch(
+            &held_secrets[0],
+            &PatchParams::default(),
+            &Patch::Merge(hold(false)),
+        )
+        .await
+        .unwrap();
+    services
+        .patch(
+            &held_services[0],
+            &PatchParams::default(),
+            &Patch::Merge(hold(false)),
+        )
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(30),
+        "the first job's Secret and Service gone",
+        || async {
+            secrets.get_opt(&held_secrets[0]).await.unwrap().is_none()
+                && services.get_opt(&held_services[0]).await.unwrap().is_none()
+        },
+    )
+    .await;
+    for (kind, name) in &used {
+        let there = match *kind {
+            "Secret" => secrets.get_opt(name).await.unwrap().is_some(),
+            _ => services.get_opt(name).await.unwrap().is_some(),
+        };
+        assert!(there, "the second job's {kind} {name} was deleted");
+    }
+    assert!(phase_is(
+        &job_status(&client, &ns.name, "again").await,
+        TrainingJobPhase::Running
+    ));
 }
 
 /// The operator is killed (every task dropped) right after it starts creating a job's

@@ -8,7 +8,7 @@ use kube::api::{DeleteParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 
 use super::build::{self, BuildInputs, SshKeys};
-use super::names;
+use super::names::{self, ChildNaming};
 use super::plan::Plan;
 use super::validate::ValidatedTrainingJob;
 use crate::controller::{is_conflict, is_not_found, server_side_apply};
@@ -98,18 +98,26 @@ pub async fn delete_pods(
 /// Creates the per-job SSH Secret unless it exists. The key is drawn once: re-applying a new
 /// key would lock running workers out. Existence is learnt from the create's 409, not a
 /// read, so the operator needs no right to read Secrets.
-async fn ensure_ssh_secret(client: &Client, job: &ValidatedTrainingJob) -> Result<(), ApplyError> {
+async fn ensure_ssh_secret(
+    client: &Client,
+    job: &ValidatedTrainingJob,
+    naming: ChildNaming,
+) -> Result<(), ApplyError> {
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &job.namespace);
-    let name = names::ssh_secret(&job.name);
+    let name = names::ssh_secret(job, naming);
     let mut seed = [0u8; 32];
     getrandom::fill(&mut seed).map_err(ApplyError::Random)?;
     let keys = SshKeys::from_seed(&seed, &format!("ringmaster/{}/{}", job.namespace, job.name));
     match secrets
-        .create(&PostParams::default(), &build::ssh_secret(job, &keys))
+        .create(
+            &PostParams::default(),
+            &build::ssh_secret(job, naming, &keys),
+        )
         .await
     {
         Ok(_) => Ok(()),
-        // Made by an earlier reconcile: keep that one.
+        // Made by an earlier reconcile: keep that one. (Not an earlier job's of the same name,
+        // whose Secret has another name: ChildNaming.)
         Err(e) if is_conflict(&e) => Ok(()),
         Err(e) => Err(kube_error("creating", "Secret", &name)(e)),
     }
@@ -182,9 +190,9 @@ pub async fn execute(
 ) -> Result<(), ApplyError> {
     delete_pods(client, &job.namespace, &plan.delete_pods).await?;
     if children != Children::Keep {
-        ensure_ssh_secret(client, job).await?;
+        ensure_ssh_secret(client, job, inputs.naming).await?;
         let services: Api<Service> = Api::namespaced(client.clone(), &job.namespace);
-        let service = build::worker_service(job);
+        let service = build::worker_service(job, inputs.naming);
         let result = if children == Children::Update {
             server_side_apply(&services, &service).await
         } else {

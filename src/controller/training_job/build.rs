@@ -9,7 +9,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use serde_json::{Value, json};
 
 use super::names::{
-    self, LAUNCHER_ROLE, RENDEZVOUS_PORT, SSH_MOUNT, SSH_SECRET_MOUNT, WORKER_ROLE,
+    self, ChildNaming, LAUNCHER_ROLE, RENDEZVOUS_PORT, SSH_MOUNT, SSH_SECRET_MOUNT, WORKER_ROLE,
 };
 use super::pool;
 use super::queue::{Placement, PodPlacement};
@@ -89,6 +89,8 @@ pub struct BuildInputs {
     /// The gang scheduler's name (`--gang-scheduler`): the pods are scheduled by it, in the
     /// job's [`pod_group`]. `None`: the cluster's default scheduler, one pod at a time.
     pub gang_scheduler: Option<String>,
+    /// How the gang's pods name the Secret and Service (from its pods: [`ChildNaming::of_gang`]).
+    pub naming: ChildNaming,
 }
 
 /// The job as the controlling owner of its children (pods, Secret, Service, Workload,
@@ -123,13 +125,13 @@ fn typed<T: serde::de::DeserializeOwned>(value: Value) -> T {
 
 /// The SSH Secret: `kubernetes.io/ssh-auth` with the private key, plus the public key and
 /// `authorized_keys` so workers accept the launcher.
-pub fn ssh_secret(job: &ValidatedTrainingJob, keys: &SshKeys) -> Secret {
+pub fn ssh_secret(job: &ValidatedTrainingJob, naming: ChildNaming, keys: &SshKeys) -> Secret {
     let mut labels = names::job_labels(&job.name);
     labels.insert(names::ROLE_LABEL.into(), "ssh".into());
     typed(json!({
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": metadata(job, &names::ssh_secret(&job.name), labels),
+        "metadata": metadata(job, &names::ssh_secret(job, naming), labels),
         "type": "kubernetes.io/ssh-auth",
         "stringData": {
             "ssh-privatekey": keys.private_key,
@@ -140,10 +142,10 @@ pub fn ssh_secret(job: &ValidatedTrainingJob, keys: &SshKeys) -> Secret {
 }
 
 /// The hostfile in the chosen MPI's format, one line per worker.
-pub fn hostfile(job: &ValidatedTrainingJob) -> String {
+pub fn hostfile(job: &ValidatedTrainingJob, naming: ChildNaming) -> String {
     (0..job.workers)
         .map(|i| {
-            let host = names::worker_host(job, i);
+            let host = names::worker_host(job, naming, i);
             match job.mpi.implementation {
                 MpiImplementation::OpenMPI => format!("{host} slots={}\n", job.slots_per_worker),
                 MpiImplementation::IntelMPI | MpiImplementation::MPICH => {
@@ -167,9 +169,16 @@ pub fn ssh_program(job: &ValidatedTrainingJob) -> String {
 /// Hydra runs): annotations of the launcher pod, projected into files by a downward-API
 /// volume. They depend on the spec alone, so they travel with the pod the launcher runs in:
 /// no ConfigMap to write and keep per job.
-fn launcher_files(job: &ValidatedTrainingJob) -> (BTreeMap<String, String>, Value) {
+fn launcher_files(
+    job: &ValidatedTrainingJob,
+    naming: ChildNaming,
+) -> (BTreeMap<String, String>, Value) {
     let files = [
-        (names::HOSTFILE_ANNOTATION, "hostfile", hostfile(job)),
+        (
+            names::HOSTFILE_ANNOTATION,
+            "hostfile",
+            hostfile(job, naming),
+        ),
         (names::SSH_PROGRAM_ANNOTATION, SSH_PROGRAM, ssh_program(job)),
     ];
     let annotations = files
@@ -187,16 +196,21 @@ fn launcher_files(job: &ValidatedTrainingJob) -> (BTreeMap<String, String>, Valu
 }
 
 /// The headless Service that gives each worker a DNS name. Not-ready addresses are published
-/// so a worker's name resolves while its readiness probe (ssh to that name) is checked.
-pub fn worker_service(job: &ValidatedTrainingJob) -> Service {
+/// so a worker's name resolves while its readiness probe (ssh to that name) is checked. It
+/// selects this job's workers only, not those of an earlier job of the same name.
+pub fn worker_service(job: &ValidatedTrainingJob, naming: ChildNaming) -> Service {
     let mut labels = names::job_labels(&job.name);
     labels.insert(names::ROLE_LABEL.into(), "workers".into());
     let mut selector = names::job_labels(&job.name);
     selector.insert(names::ROLE_LABEL.into(), WORKER_ROLE.into());
+    if naming == ChildNaming::UidTagged {
+        // Older workers lack the label; their gang keeps its untagged Service.
+        selector.insert(names::JOB_UID_LABEL.into(), job.uid.clone());
+    }
     typed(json!({
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": metadata(job, &names::worker_service(&job.name), labels),
+        "metadata": metadata(job, &names::worker_service(job, naming), labels),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": true,
@@ -292,10 +306,10 @@ fn output_volume(output: &OutputSpec) -> (Value, Value) {
 }
 
 /// The SSH Secret (read only) and the memory folder the container's user copies it into.
-fn ssh_volumes(job: &ValidatedTrainingJob) -> [(Value, Value); 2] {
+fn ssh_volumes(job: &ValidatedTrainingJob, naming: ChildNaming) -> [(Value, Value); 2] {
     [
         (
-            json!({"name": "ssh-secret", "secret": {"secretName": names::ssh_secret(&job.name), "defaultMode": 0o600}}),
+            json!({"name": "ssh-secret", "secret": {"secretName": names::ssh_secret(job, naming), "defaultMode": 0o600}}),
             json!({"name": "ssh-secret", "mountPath": SSH_SECRET_MOUNT, "readOnly": true}),
         ),
         (
@@ -403,10 +417,11 @@ fn extend(list: &mut Value, items: impl Iterator<Item = Value>) {
 /// reachable over ssh under its DNS name, with GPUs, RDMA, shared memory and data mounted.
 pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) -> Pod {
     let name = names::worker_pod(&job.name, index);
-    let mut labels = names::pod_labels(&job.name, WORKER_ROLE, inputs.attempt);
+    let mut labels = names::pod_labels(job, WORKER_ROLE, inputs.attempt);
     labels.insert(names::WORKER_INDEX_LABEL.into(), index.to_string());
     let port = job.mpi.ssh_port;
-    let (mut volumes, mut mounts): (Vec<Value>, Vec<Value>) = ssh_volumes(job).into_iter().unzip();
+    let (mut volumes, mut mounts): (Vec<Value>, Vec<Value>) =
+        ssh_volumes(job, inputs.naming).into_iter().unzip();
     let mut limits = serde_json::Map::new();
     let mut capabilities = Vec::new();
     if job.gpus_per_worker > 0 {
@@ -435,7 +450,7 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
         volumes.push(volume);
         mounts.push(mount);
     }
-    let host = names::worker_host(job, index);
+    let host = names::worker_host(job, inputs.naming, index);
     let probe = format!("ssh {} {host} true", ssh_options(job));
     let mut node_selector = serde_json::Map::new();
     let mut tolerations = Vec::new();
@@ -454,7 +469,7 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
         "metadata": metadata(job, &name, labels),
         "spec": {
             "hostname": name,
-            "subdomain": names::worker_service(&job.name),
+            "subdomain": names::worker_service(job, inputs.naming),
             "restartPolicy": "Never",
             // Training pods never call the API server: no token to steal, and smaller pods.
             "automountServiceAccountToken": false,
@@ -484,7 +499,7 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
                 "terminationMessagePolicy": "FallbackToLogsOnError",
                 "resources": {"limits": limits},
                 "securityContext": {"capabilities": {"add": capabilities}},
-                "env": rank_env(job),
+                "env": rank_env(job, inputs.naming),
                 "volumeMounts": mounts,
             }],
         },
@@ -523,12 +538,12 @@ fn sshd_command(port: i32) -> Vec<String> {
 
 /// Environment every rank needs. Ranks are started by sshd, which passes no container
 /// environment on, so the launcher holds these and mpirun forwards them.
-fn rank_env(job: &ValidatedTrainingJob) -> Vec<Value> {
+fn rank_env(job: &ValidatedTrainingJob, naming: ChildNaming) -> Vec<Value> {
     let mut env: BTreeMap<String, String> = BTreeMap::new();
     env.insert("RINGMASTER_JOB".into(), job.name.clone());
     env.insert(
         "RINGMASTER_RENDEZVOUS".into(),
-        format!("{}:{RENDEZVOUS_PORT}", names::worker_host(job, 0)),
+        format!("{}:{RENDEZVOUS_PORT}", names::worker_host(job, naming, 0)),
     );
     if let Some(ib) = &job.infiniband {
         for (k, v) in DEFAULT_IB_ENV {
@@ -554,8 +569,9 @@ fn own_pool_placement(
 
 /// The launcher pod of gang `inputs.attempt`: runs the MPI launcher over the hostfile.
 pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
-    let (mut volumes, mut mounts): (Vec<Value>, Vec<Value>) = ssh_volumes(job).into_iter().unzip();
-    let (annotations, files) = launcher_files(job);
+    let (mut volumes, mut mounts): (Vec<Value>, Vec<Value>) =
+        ssh_volumes(job, inputs.naming).into_iter().unzip();
+    let (annotations, files) = launcher_files(job, inputs.naming);
     volumes.push(files);
     mounts.push(json!({"name": "hostfile", "mountPath": names::HOSTFILE_MOUNT, "readOnly": true}));
     if let Some(output) = &job.output {
@@ -563,7 +579,7 @@ pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
         volumes.push(volume);
         mounts.push(mount);
     }
-    let mut env = rank_env(job);
+    let mut env = rank_env(job, inputs.naming);
     // The user's worker environment reaches the ranks through the launcher too.
     env.extend(job.worker.env.iter().map(as_value));
     env.push(json!({"name": "OMPI_ALLOW_RUN_AS_ROOT", "value": "1"}));
@@ -579,7 +595,7 @@ pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
     let mut pod = json!({
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": metadata(job, &names::launcher_pod(&job.name), names::pod_labels(&job.name, LAUNCHER_ROLE, inputs.attempt)),
+        "metadata": metadata(job, &names::launcher_pod(&job.name), names::pod_labels(job, LAUNCHER_ROLE, inputs.attempt)),
         "spec": {
             "restartPolicy": "Never",
             // Training pods never call the API server: no token to steal, and smaller pods.
@@ -618,7 +634,8 @@ fn forwarded_env(job: &ValidatedTrainingJob) -> Vec<String> {
 /// The variables of the launcher container's spec that every rank needs: Ringmaster's own and
 /// the user's worker environment.
 fn spec_env_names(job: &ValidatedTrainingJob) -> Vec<String> {
-    let mut names: Vec<String> = rank_env(job)
+    // Only the variables' names: any naming gives the same.
+    let mut names: Vec<String> = rank_env(job, ChildNaming::default())
         .iter()
         .filter_map(|e| e["name"].as_str().map(str::to_string))
         .collect();

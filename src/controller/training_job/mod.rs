@@ -270,6 +270,7 @@ async fn run(
             _ => queue::Placement::default(),
         },
         gang_scheduler: ctx.config.gang_scheduler.clone(),
+        naming: names::ChildNaming::of_gang(pod_refs.iter().copied(), plan.restarts),
     };
     // A restart is recorded before its pods are deleted, so a crash in between cannot lose
     // it; everything else is carried out before the status that reports it.

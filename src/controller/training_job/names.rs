@@ -7,6 +7,10 @@ use super::validate::ValidatedTrainingJob;
 
 /// Label with the owning job's name, on every child.
 pub const JOB_NAME_LABEL: &str = "ringmaster.dev/job-name";
+/// Label with the owning job's UID, on its pods: which job made a pod, also while the pods
+/// of an earlier job of the same name are still being deleted. A pod without it was made
+/// before the Secret and Service names carried the UID ([`ChildNaming::Untagged`]).
+pub const JOB_UID_LABEL: &str = "ringmaster.dev/job-uid";
 /// Label with the child's role: `worker` or `launcher` (pods), or the object kind's role.
 pub const ROLE_LABEL: &str = "ringmaster.dev/role";
 /// Label with the gang attempt a pod belongs to (the job's restart count when it was made).
@@ -36,14 +40,58 @@ pub const SSH_PROGRAM_ANNOTATION: &str = "ringmaster.dev/ssh-program";
 /// The trainer's binary in the image.
 pub const TRAINER_BINARY: &str = "ringmaster-trainer";
 
-/// The per-job SSH key Secret.
-pub fn ssh_secret(job: &str) -> String {
-    format!("{job}-ssh")
+/// How a gang's pods name the job's SSH Secret and headless Service.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ChildNaming {
+    /// `<job>-ssh-<uid5>` and `<job>-workers-<uid5>` ([`uid_tag`]). A job deleted and made
+    /// again at once (`kubectl replace --force`, Flux's `force`) must not find the first
+    /// job's Secret and Service still there: it would keep them (the Secret is only ever
+    /// created), and the garbage collector would then delete them from under its pods.
+    #[default]
+    UidTagged,
+    /// `<job>-ssh` and `<job>-workers`: the names of a gang whose pods an older operator made
+    /// (they have no [`JOB_UID_LABEL`]). Its launcher, made after an upgrade, must reach
+    /// those workers with their key and under their DNS names.
+    Untagged,
 }
 
-/// The headless Service that gives workers DNS names.
-pub fn worker_service(job: &str) -> String {
-    format!("{job}-workers")
+impl ChildNaming {
+    /// The naming of gang `attempt` from the job's pods: untagged when one of that attempt's
+    /// pods has no [`JOB_UID_LABEL`], so an upgrade in the middle of a start does not split
+    /// the gang; a new gang (no pod yet) is tagged.
+    pub fn of_gang<'a>(
+        pods: impl IntoIterator<Item = &'a k8s_openapi::api::core::v1::Pod>,
+        attempt: i32,
+    ) -> Self {
+        let attempt = attempt.to_string();
+        let untagged = pods.into_iter().any(|pod| {
+            let labels = pod.metadata.labels.as_ref();
+            labels.and_then(|l| l.get(ATTEMPT_LABEL)) == Some(&attempt)
+                && labels.is_none_or(|l| !l.contains_key(JOB_UID_LABEL))
+        });
+        if untagged {
+            Self::Untagged
+        } else {
+            Self::UidTagged
+        }
+    }
+
+    fn suffix(self, job: &ValidatedTrainingJob) -> String {
+        match self {
+            Self::UidTagged => format!("-{}", uid_tag(&job.uid)),
+            Self::Untagged => String::new(),
+        }
+    }
+}
+
+/// The per-job SSH key Secret.
+pub fn ssh_secret(job: &ValidatedTrainingJob, naming: ChildNaming) -> String {
+    format!("{}-ssh{}", job.name, naming.suffix(job))
+}
+
+/// The headless Service that gives workers DNS names (at most 62 characters: a DNS label).
+pub fn worker_service(job: &ValidatedTrainingJob, naming: ChildNaming) -> String {
+    format!("{}-workers{}", job.name, naming.suffix(job))
 }
 
 /// Worker pod `index`.
@@ -57,11 +105,11 @@ pub fn launcher_pod(job: &str) -> String {
 }
 
 /// The DNS name a worker is reached by: `<pod>.<service>.<namespace>.svc`.
-pub fn worker_host(job: &ValidatedTrainingJob, index: u32) -> String {
+pub fn worker_host(job: &ValidatedTrainingJob, naming: ChildNaming, index: u32) -> String {
     format!(
         "{}.{}.{}.svc",
         worker_pod(&job.name, index),
-        worker_service(&job.name),
+        worker_service(job, naming),
         job.namespace
     )
 }
@@ -78,8 +126,13 @@ pub fn job_labels(job: &str) -> BTreeMap<String, String> {
 }
 
 /// Labels of a pod of `role` in gang `attempt`.
-pub fn pod_labels(job: &str, role: &str, attempt: i32) -> BTreeMap<String, String> {
-    let mut labels = job_labels(job);
+pub fn pod_labels(
+    job: &ValidatedTrainingJob,
+    role: &str,
+    attempt: i32,
+) -> BTreeMap<String, String> {
+    let mut labels = job_labels(&job.name);
+    labels.insert(JOB_UID_LABEL.into(), job.uid.clone());
     labels.insert(ROLE_LABEL.into(), role.into());
     labels.insert(ATTEMPT_LABEL.into(), attempt.to_string());
     labels
