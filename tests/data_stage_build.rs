@@ -363,3 +363,152 @@ fn the_copy_pod_goes_where_the_spec_places_it() {
         json!([])
     );
 }
+
+/// An object holding one of the DataStage's child names that the DataStage does not control
+/// is told apart (its own, an earlier DataStage's of the same name, anybody's), and the
+/// status says what holds it: waiting while an earlier DataStage's child is being deleted,
+/// stalled with a Warning when the name is someone else's.
+#[test]
+fn a_child_name_held_by_another_object_is_left_alone_and_said() {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+    use ringmaster::controller::data_stage::apply::not_ours;
+    let stage = imagenet();
+    let owned_by = |kind: &str, name: &str, uid: &str, controller: bool| ObjectMeta {
+        name: Some("imagenet-data".into()),
+        owner_references: Some(vec![OwnerReference {
+            api_version: "ringmaster.dev/v1alpha1".into(),
+            kind: kind.into(),
+            name: name.into(),
+            uid: uid.into(),
+            controller: Some(controller),
+            block_owner_deletion: Some(true),
+        }]),
+        ..ObjectMeta::default()
+    };
+    let claim = "PersistentVolumeClaim";
+    assert_eq!(
+        not_ours(
+            claim,
+            &owned_by("DataStage", "imagenet", &stage.uid, true),
+            &stage
+        ),
+        None
+    );
+    let earlier = not_ours(
+        claim,
+        &owned_by("DataStage", "imagenet", "1111", true),
+        &stage,
+    )
+    .expect("an earlier DataStage's claim");
+    assert!(earlier.earlier_stage);
+    let another = not_ours(
+        claim,
+        &owned_by("DataStage", "imagenet-2", "2222", true),
+        &stage,
+    )
+    .expect("another DataStage's claim");
+    assert!(!another.earlier_stage);
+    assert_eq!(another.owner, "DataStage imagenet-2");
+    // An owner that is not the controller (a user's object we once added ourselves to does
+    // not count either), and no owner at all.
+    let user = not_ours(
+        claim,
+        &owned_by("DataStage", "imagenet", &stage.uid, false),
+        &stage,
+    )
+    .expect("not controlled by the stage");
+    assert_eq!(user.owner, "none");
+    assert!(!user.earlier_stage);
+    assert!(not_ours(claim, &ObjectMeta::default(), &stage).is_some());
+
+    let now = Time(Timestamp::from_second(1_800_000_000).unwrap());
+    let step = |claim: ClaimState, copy: CopyState| {
+        value(&status::observed(
+            &DataStageStatus::default(),
+            Some(1),
+            "imagenet-data",
+            &claim,
+            &copy,
+            &now,
+        ))
+    };
+    let waiting = step(ClaimState::NotOurs(earlier.clone()), CopyState::NotStarted);
+    assert_eq!(waiting["phase"], "Pending");
+    for type_ in ["VolumeBound", "Ready"] {
+        assert_eq!(condition(&waiting, type_)["reason"], "EarlierStageDeleting");
+    }
+    assert!(
+        condition(&waiting, "Ready")["message"]
+            .as_str()
+            .unwrap()
+            .contains("PersistentVolumeClaim imagenet-data belongs to an earlier DataStage"),
+        "{waiting:#}"
+    );
+    assert_eq!(condition(&waiting, "Reconciling")["status"], "True");
+    assert_eq!(condition(&waiting, "Stalled")["status"], "False");
+
+    let job = ringmaster::controller::data_stage::status::NotOurs {
+        kind: "Job",
+        name: "imagenet-stage".into(),
+        ..another
+    };
+    let clash = step(ClaimState::Bound, CopyState::NotOurs(job.clone()));
+    // Both held: the claim is said first (the copy needs it).
+    let both = step(
+        ClaimState::NotOurs(earlier.clone()),
+        CopyState::NotOurs(job),
+    );
+    assert!(
+        condition(&both, "Ready")["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("PersistentVolumeClaim imagenet-data"),
+        "{both:#}"
+    );
+    assert_eq!(clash["phase"], "Pending");
+    let ready = condition(&clash, "Ready");
+    assert_eq!(ready["reason"], "NameInUse");
+    let message = ready["message"].as_str().unwrap();
+    assert!(
+        message.contains("Job imagenet-stage exists and is not this DataStage's (its controller: DataStage imagenet-2)"),
+        "{message}"
+    );
+    assert_eq!(condition(&clash, "Stalled")["status"], "True");
+    let copied: k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition =
+        serde_json::from_value(condition(&clash, "Copied").clone()).unwrap();
+    assert!(ringmaster::controller::data_stage::is_stage_warning(
+        &copied
+    ));
+    let waits: k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition =
+        serde_json::from_value(condition(&waiting, "VolumeBound").clone()).unwrap();
+    assert!(!ringmaster::controller::data_stage::is_stage_warning(
+        &waits
+    ));
+}
+
+/// Every child's `ringmaster.dev/datastage` label is a valid label value, also for a
+/// namespace and name longer than one (the API server refused every child before).
+#[test]
+fn the_stage_label_fits_a_label_value_for_long_names() {
+    let short = imagenet();
+    assert_eq!(build::stage_label(&short), "ml.imagenet");
+    let long = sample("datastage-imagenet-azure-sas.yaml", |o| {
+        o["metadata"]["name"] = json!(format!("imagenet-{}", "x".repeat(60)));
+        o["metadata"]["uid"] = json!("9c0ffee1-0000-4000-8000-000000000001");
+    });
+    let label = build::stage_label(&long);
+    assert!(label.len() <= 63, "{label}");
+    assert!(label.starts_with("ml.imagenet-xxx"), "{label}");
+    assert!(label.ends_with("-9c0ff"), "{label}");
+    // A label value: letters, digits, '-', '_', '.', beginning and ending with a letter or digit.
+    let edges = [label.chars().next().unwrap(), label.chars().last().unwrap()];
+    assert!(edges.iter().all(char::is_ascii_alphanumeric), "{label}");
+    assert!(
+        label
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)),
+        "{label}"
+    );
+    let job = value(&build::job(&long, &inputs()));
+    assert_eq!(job["metadata"]["labels"]["ringmaster.dev/datastage"], label);
+}

@@ -384,3 +384,207 @@ async fn a_failed_copy_makes_the_datastage_failed_with_the_stagers_reason() {
     )
     .await;
 }
+
+/// A finalizer of the test's that holds an object for as long as the test needs (as a backup
+/// tool's might): the garbage collector alone takes an owned child within a moment, which a
+/// test cannot time.
+const HOLD: &str = "e2e.ringmaster.dev/hold";
+
+/// Puts [`HOLD`] on the object (`on`) or takes it off, keeping its other finalizers.
+async fn hold<K>(api: &Api<K>, name: &str, on: bool)
+where
+    K: kube::Resource + Clone + k8s_openapi::serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    // The resourceVersion keeps other controllers' finalizer changes; a conflict is retried.
+    for _ in 0..20 {
+        let object = api.get(name).await.unwrap();
+        let mut finalizers = object.finalizers().to_vec();
+        finalizers.retain(|f| f != HOLD);
+        if on {
+            finalizers.push(HOLD.into());
+        }
+        let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": object.resource_version()}});
+        match api
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => return,
+            Err(kube::Error::Api(status)) if status.code == 409 => {}
+            Err(error) => panic!("holding {name}: {error}"),
+        }
+    }
+    panic!("holding {name}: 20 conflicts");
+}
+
+/// A DataStage deleted and made again at once while the first one's claim and finished copy
+/// Job are still being deleted: it neither passes the first copy off as its own nor fails on
+/// the first claim; it says what it waits for, then copies again.
+#[tokio::test]
+async fn a_datastage_made_again_under_its_name_waits_for_the_first_ones_children_and_copies_again()
+{
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "ds-again").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    sas_secret(&client, &ns.name, "sv=2021-08-06&sig=unused").await;
+    let stage = stage_object("again", "http://127.0.0.1:9/devstoreaccount1", 0);
+    apply(&client, &stage, &ns.name, false).await.unwrap();
+    wait_stage_phase(&client, &ns.name, "again", "Copying").await;
+    let first_pod = stager_pod(&client, &ns.name, "again-stage").await;
+    end_pod(&client, &ns.name, &first_pod.name_any(), 0, "").await;
+    wait_stage_phase(&client, &ns.name, "again", "Ready").await;
+
+    let jobs: Api<Job> = Api::namespaced(client.clone(), &ns.name);
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), &ns.name);
+    hold(&jobs, "again-stage", true).await;
+    hold(&claims, "again-data", true).await;
+    let stages: Api<DataStage> = Api::namespaced(client.clone(), &ns.name);
+    stages
+        .delete("again", &DeleteParams::background())
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(30),
+        "the first DataStage gone",
+        || async { stages.get_opt("again").await.unwrap().is_none() },
+    )
+    .await;
+    apply(&client, &stage, &ns.name, false).await.unwrap();
+
+    // Waiting for the first claim, Reconciling, not Ready.
+    let waits_for = |words: &'static str| {
+        let client = client.clone();
+        let ns = ns.name.clone();
+        async move {
+            let mut status = Value::Null;
+            for _ in 0..150 {
+                status = stage_status(&client, &ns, "again").await;
+                let ready = condition(&status, "Ready");
+                if ready["reason"] == "EarlierStageDeleting"
+                    && ready["message"].as_str().is_some_and(|m| m.contains(words))
+                {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            panic!("not waiting for \"{words}\": {status:#}");
+        }
+    };
+    waits_for("PersistentVolumeClaim again-data belongs to an earlier DataStage").await;
+    let status = stage_status(&client, &ns.name, "again").await;
+    assert_eq!(status["phase"], "Pending", "{status:#}");
+    assert_eq!(condition(&status, "Reconciling")["status"], "True");
+    assert_eq!(condition(&status, "Stalled")["status"], "False");
+    assert!(
+        common::warnings_for(&client, &ns.name, "again", "EarlierStageDeleting")
+            .await
+            .is_empty()
+    );
+
+    // The first claim goes (its protection holds it while the first copy's pod exists); the
+    // first Job (Complete) still stands and is not taken for this DataStage's copy.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
+    pods.delete(&first_pod.name_any(), &DeleteParams::background())
+        .await
+        .unwrap();
+    hold(&claims, "again-data", false).await;
+    waits_for("Job again-stage belongs to an earlier DataStage").await;
+    let status = stage_status(&client, &ns.name, "again").await;
+    assert_eq!(status["phase"], "Pending", "{status:#}");
+    assert_eq!(
+        condition(&status, "VolumeBound")["status"],
+        "True",
+        "{status:#}"
+    );
+    let second = stages.get("again").await.unwrap().uid().unwrap();
+    let claim = claims.get("again-data").await.unwrap();
+    assert!(claim.owner_references().iter().any(|o| o.uid == second));
+
+    // Then a copy of its own.
+    hold(&jobs, "again-stage", false).await;
+    wait_stage_phase(&client, &ns.name, "again", "Copying").await;
+    let job = jobs.get("again-stage").await.unwrap();
+    assert!(job.owner_references().iter().any(|o| o.uid == second));
+    let pod = stager_pod(&client, &ns.name, "again-stage").await;
+    assert_ne!(pod.uid(), first_pod.uid());
+    end_pod(&client, &ns.name, &pod.name_any(), 0, "").await;
+    wait_stage_phase(&client, &ns.name, "again", "Ready").await;
+}
+
+/// A ServiceAccount of the stager's name that is the user's own is neither used nor adopted
+/// (adopted, the garbage collector would delete it with the DataStage): the DataStage
+/// stalls naming it, with a Warning, and goes on once the name is free.
+#[tokio::test]
+async fn a_datastage_leaves_a_service_account_of_its_stagers_name_that_is_not_its_own_alone() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "ds-clash").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    sas_secret(&client, &ns.name, "sv=2021-08-06&sig=unused").await;
+    let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+        Api::namespaced(client.clone(), &ns.name);
+    let theirs = serde_json::from_value(
+        json!({"metadata": {"name": "clash-stager", "labels": {"team": "vision"}}}),
+    )
+    .unwrap();
+    accounts
+        .create(&PostParams::default(), &theirs)
+        .await
+        .unwrap();
+    apply(
+        &client,
+        &stage_object("clash", "http://127.0.0.1:9/devstoreaccount1", 0),
+        &ns.name,
+        false,
+    )
+    .await
+    .unwrap();
+
+    let words = "ServiceAccount clash-stager exists and is not this DataStage's";
+    eventually(
+        Duration::from_secs(30),
+        "NameInUse on the DataStage",
+        || async {
+            let ready = condition(&stage_status(&client, &ns.name, "clash").await, "Ready");
+            ready["reason"] == "NameInUse"
+                && ready["message"].as_str().is_some_and(|m| m.contains(words))
+        },
+    )
+    .await;
+    let status = stage_status(&client, &ns.name, "clash").await;
+    assert_eq!(status["phase"], "Pending");
+    assert_eq!(condition(&status, "Stalled")["status"], "True");
+    eventually(Duration::from_secs(10), "a NameInUse Warning", || async {
+        common::warnings_for(&client, &ns.name, "clash", "NameInUse")
+            .await
+            .iter()
+            .any(|e| e.note.as_deref().is_some_and(|n| n.contains(words)))
+    })
+    .await;
+    let account = accounts.get("clash-stager").await.unwrap();
+    assert!(
+        account.owner_references().is_empty(),
+        "adopted: {account:?}"
+    );
+    assert_eq!(
+        account.labels().clone(),
+        std::collections::BTreeMap::from([("team".to_string(), "vision".to_string())])
+    );
+    let jobs: Api<Job> = Api::namespaced(client.clone(), &ns.name);
+    assert!(jobs.get_opt("clash-stage").await.unwrap().is_none());
+
+    // The name is freed: the copy starts (looked at again within 10 s).
+    accounts
+        .delete("clash-stager", &DeleteParams::background())
+        .await
+        .unwrap();
+    wait_stage_phase(&client, &ns.name, "clash", "Copying").await;
+    let account = accounts.get("clash-stager").await.unwrap();
+    let uid = Api::<DataStage>::namespaced(client.clone(), &ns.name)
+        .get("clash")
+        .await
+        .unwrap()
+        .uid()
+        .unwrap();
+    assert!(account.owner_references().iter().any(|o| o.uid == uid));
+}

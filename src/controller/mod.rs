@@ -359,6 +359,17 @@ fn kind_label<K: Resource<DynamicType = ()>>() -> &'static str {
     }
 }
 
+/// 5 hex digits of an object's UID: names of children made with it differ between an object
+/// and one made again under the same name while the first one's children are still being
+/// deleted.
+pub(crate) fn uid_tag(uid: &str) -> String {
+    uid.chars()
+        .filter(char::is_ascii_hexdigit)
+        .map(|c| c.to_ascii_lowercase())
+        .take(5)
+        .collect()
+}
+
 /// Whether the API server answered 404.
 pub(crate) fn is_not_found(error: &kube::Error) -> bool {
     matches!(error, kube::Error::Api(status) if status.code == 404)
@@ -370,7 +381,7 @@ pub(crate) fn is_conflict(error: &kube::Error) -> bool {
 }
 
 /// Server-side apply of `object` as `ringmaster`, taking over fields from other managers.
-pub(crate) async fn server_side_apply<K>(api: &Api<K>, object: &K) -> Result<(), kube::Error>
+pub(crate) async fn server_side_apply<K>(api: &Api<K>, object: &K) -> Result<K, kube::Error>
 where
     K: Resource + serde::Serialize + Clone + DeserializeOwned + Debug,
 {
@@ -380,7 +391,6 @@ where
         &Patch::Apply(object),
     )
     .await
-    .map(|_| ())
 }
 
 /// Puts `finalizer` on `object` (`present`) or takes it off, with a merge patch that carries

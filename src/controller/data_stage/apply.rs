@@ -2,15 +2,21 @@
 //! server-side (the Job is created once: its template is immutable), then the claim and the
 //! Job are read back. The PersistentVolume is cluster-scoped and cannot be owned by the
 //! DataStage, so a finalizer deletes it (never the data: reclaim policy Retain).
+//!
+//! A namespaced child's name can be held by an object the DataStage did not make: an earlier
+//! DataStage's of the same name that the garbage collector has yet to delete, or anybody's.
+//! Each is read before it is applied, and such an object is neither used nor changed
+//! ([`NotOurs`]): applying over it would adopt it (the garbage collector would then delete it
+//! with the DataStage), and an earlier DataStage's finished Job would pass for this one's copy.
 
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{ListParams, PostParams};
-use kube::{Api, Client, ResourceExt};
+use kube::{Api, Client, Resource, ResourceExt};
 
 use super::build::{self, BuildInputs, Names};
-use super::status::{ClaimState, CopyState};
+use super::status::{ClaimState, CopyState, NotOurs};
 use super::validate::ValidatedDataStage;
 use crate::api::DataStage;
 use crate::controller::{is_conflict, is_not_found, server_side_apply, set_finalizer};
@@ -92,58 +98,86 @@ pub async fn finalize(client: &Client, stage: &DataStage) -> Result<(), ApplyErr
         .map_err(kube_error("remove the finalizer from", "DataStage", &name))
 }
 
-/// Applies the ServiceAccount, Role, RoleBinding, volume and claim.
-pub async fn storage_and_rbac(
-    client: &Client,
+/// `NotOurs` when `meta` is not of an object this DataStage controls.
+pub fn not_ours(
+    kind: &'static str,
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
     stage: &ValidatedDataStage,
-) -> Result<(), ApplyError> {
-    let ns = &stage.namespace;
-    if let Some(account) = build::service_account(stage) {
-        let api: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
-        server_side_apply(&api, &account).await.map_err(kube_error(
-            "apply",
-            "ServiceAccount",
-            &account.name_any(),
-        ))?;
+) -> Option<NotOurs> {
+    let controller = meta
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.controller == Some(true));
+    if controller.is_some_and(|o| o.uid == stage.uid) {
+        return None;
     }
-    let role = build::role(stage);
-    server_side_apply(&Api::<Role>::namespaced(client.clone(), ns), &role)
-        .await
-        .map_err(kube_error("apply", "Role", &role.name_any()))?;
-    let binding = build::role_binding(stage);
-    server_side_apply(
-        &Api::<RoleBinding>::namespaced(client.clone(), ns),
-        &binding,
-    )
-    .await
-    .map_err(kube_error("apply", "RoleBinding", &binding.name_any()))?;
-    if let Some(volume) = build::volume(stage) {
-        server_side_apply(&Api::<PersistentVolume>::all(client.clone()), &volume)
-            .await
-            .map_err(kube_error("apply", "PersistentVolume", &volume.name_any()))?;
-    }
-    if let Some(claim) = build::claim(stage) {
-        let api: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
-        server_side_apply(&api, &claim).await.map_err(kube_error(
-            "apply",
-            "PersistentVolumeClaim",
-            &claim.name_any(),
-        ))?;
-    }
-    Ok(())
+    Some(NotOurs {
+        kind,
+        name: meta.name.clone().unwrap_or_default(),
+        owner: controller.map_or("none".into(), |o| format!("{} {}", o.kind, o.name)),
+        earlier_stage: controller.is_some_and(|o| {
+            o.kind == "DataStage"
+                && o.name == stage.name
+                && o.api_version.starts_with(crate::api::GROUP)
+        }),
+    })
 }
 
-/// Reads the claim.
-pub async fn claim_state(
+/// Server-side applies `object` unless an object of its name exists that this DataStage does
+/// not control (that one is returned, untouched); the object as applied otherwise.
+async fn apply_unless_not_ours<K>(
+    api: &Api<K>,
+    kind: &'static str,
+    object: &K,
+    stage: &ValidatedDataStage,
+) -> Result<Result<K, NotOurs>, ApplyError>
+where
+    K: Resource + serde::Serialize + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let name = object.name_any();
+    let existing = api
+        .get_opt(&name)
+        .await
+        .map_err(kube_error("read", kind, &name))?;
+    if let Some(held) = existing.and_then(|e| not_ours(kind, e.meta(), stage)) {
+        return Ok(Err(held));
+    }
+    server_side_apply(api, object)
+        .await
+        .map(Ok)
+        .map_err(kube_error("apply", kind, &name))
+}
+
+/// Applies the volume and the claim (unless a claim of its name is not this DataStage's),
+/// and reads the claim.
+pub async fn storage(
     client: &Client,
     stage: &ValidatedDataStage,
 ) -> Result<ClaimState, ApplyError> {
-    let name = Names::of(stage).claim;
-    let api: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), &stage.namespace);
-    let claim =
-        api.get_opt(&name)
-            .await
-            .map_err(kube_error("read", "PersistentVolumeClaim", &name))?;
+    let ns = &stage.namespace;
+    let api: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+    let claim = match build::claim(stage) {
+        Some(claim) => {
+            if let Some(volume) = build::volume(stage) {
+                // Named for the DataStage's UID: no one else's.
+                server_side_apply(&Api::<PersistentVolume>::all(client.clone()), &volume)
+                    .await
+                    .map_err(kube_error("apply", "PersistentVolume", &volume.name_any()))?;
+            }
+            match apply_unless_not_ours(&api, "PersistentVolumeClaim", &claim, stage).await? {
+                Ok(applied) => Some(applied),
+                Err(held) => return Ok(ClaimState::NotOurs(held)),
+            }
+        }
+        // The user's own claim (existingClaim): only read.
+        None => {
+            let name = Names::of(stage).claim;
+            api.get_opt(&name)
+                .await
+                .map_err(kube_error("read", "PersistentVolumeClaim", &name))?
+        }
+    };
     Ok(match claim {
         None => ClaimState::Missing,
         Some(claim) => match claim.status.and_then(|s| s.phase).as_deref() {
@@ -153,7 +187,33 @@ pub async fn claim_state(
     })
 }
 
-/// Reads the copy Job, creating it first when `start` and it does not exist.
+/// Applies the stager's ServiceAccount (unless it runs as the user's), Role and RoleBinding,
+/// just before its Job is made: the first of them whose name an object not this DataStage's
+/// holds, if any.
+async fn stager_rbac(
+    client: &Client,
+    stage: &ValidatedDataStage,
+) -> Result<Option<NotOurs>, ApplyError> {
+    let ns = &stage.namespace;
+    if let Some(account) = build::service_account(stage) {
+        let api: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
+        if let Err(held) = apply_unless_not_ours(&api, "ServiceAccount", &account, stage).await? {
+            return Ok(Some(held));
+        }
+    }
+    let api: Api<Role> = Api::namespaced(client.clone(), ns);
+    if let Err(held) = apply_unless_not_ours(&api, "Role", &build::role(stage), stage).await? {
+        return Ok(Some(held));
+    }
+    let api: Api<RoleBinding> = Api::namespaced(client.clone(), ns);
+    let binding = build::role_binding(stage);
+    Ok(apply_unless_not_ours(&api, "RoleBinding", &binding, stage)
+        .await?
+        .err())
+}
+
+/// Reads the copy Job, creating it (and the stager's RBAC) first when `start` and it does
+/// not exist.
 pub async fn copy_state(
     client: &Client,
     stage: &ValidatedDataStage,
@@ -167,6 +227,9 @@ pub async fn copy_state(
         .await
         .map_err(kube_error("read", "Job", &name))?;
     if job.is_none() && start {
+        if let Some(held) = stager_rbac(client, stage).await? {
+            return Ok(CopyState::NotOurs(held));
+        }
         let built = build::job(stage, inputs);
         job = match jobs.create(&PostParams::default(), &built).await {
             Ok(job) => Some(job),
@@ -181,6 +244,9 @@ pub async fn copy_state(
     let Some(job) = job else {
         return Ok(CopyState::NotStarted);
     };
+    if let Some(held) = not_ours("Job", &job.metadata, stage) {
+        return Ok(CopyState::NotOurs(held));
+    }
     let status = job.status.unwrap_or_default();
     let condition = |type_: &str| {
         status

@@ -14,7 +14,8 @@ use super::validate::{BlobCredentials, StagingTarget, ValidatedDataStage};
 use crate::api::Verification;
 use crate::stage::{AuthMethod, StageSettings, VerifyMode};
 
-/// Label on every object made for a DataStage: `<namespace>.<name>` (PVs are cluster-wide).
+/// Label on every object made for a DataStage: `<namespace>.<name>` (PVs are cluster-wide);
+/// past a label value's 63 characters, its first 57 and 5 hex digits of the DataStage's UID.
 pub const STAGE_LABEL: &str = "ringmaster.dev/datastage";
 /// Where the claim is mounted in the stager.
 pub const DATA_MOUNT: &str = "/data";
@@ -67,12 +68,20 @@ pub struct BuildInputs {
     pub stager_image: String,
 }
 
+/// The [`STAGE_LABEL`] value of `stage`.
+pub fn stage_label(stage: &ValidatedDataStage) -> String {
+    let whole = format!("{}.{}", stage.namespace, stage.name);
+    if whole.len() <= 63 {
+        return whole;
+    }
+    // A label value ends with a letter or digit; names are ASCII.
+    let cut = whole[..57].trim_end_matches(['-', '.']);
+    format!("{cut}-{}", crate::controller::uid_tag(&stage.uid))
+}
+
 fn labels(stage: &ValidatedDataStage) -> BTreeMap<String, String> {
     BTreeMap::from([
-        (
-            STAGE_LABEL.to_string(),
-            format!("{}.{}", stage.namespace, stage.name),
-        ),
+        (STAGE_LABEL.to_string(), stage_label(stage)),
         (
             "app.kubernetes.io/managed-by".to_string(),
             "ringmaster".to_string(),

@@ -26,9 +26,12 @@ use status::{ClaimState, CopyState};
 /// The controller's name in metrics and logs.
 pub const CONTROLLER: &str = "datastage";
 
-/// How often a DataStage waiting for a claim it does not own is looked at again (changes
-/// of claims we own wake it at once).
+/// How often a DataStage waiting for a claim it does not own, or for a name another object
+/// holds, is looked at again (changes of claims we own wake it at once).
 const BINDING_RECHECK: Duration = Duration::from_secs(10);
+
+/// How often a DataStage waiting for an earlier DataStage's child to be deleted is looked at.
+const EARLIER_STAGE_RECHECK: Duration = Duration::from_secs(2);
 
 /// Reconciles one DataStage.
 pub async fn reconcile(
@@ -97,6 +100,15 @@ pub async fn reconcile(
     }
     ctx.succeeded(&key);
     Ok(match (&claim, &copy) {
+        // The garbage collector's deletion of the earlier stage's child wakes this one only
+        // when it was that child's owner by name; it is looked at again soon either way.
+        (ClaimState::NotOurs(held), _) | (_, CopyState::NotOurs(held)) => {
+            Action::requeue(if held.earlier_stage {
+                EARLIER_STAGE_RECHECK
+            } else {
+                BINDING_RECHECK
+            })
+        }
         (ClaimState::Bound, _) => Action::await_change(),
         _ => Action::requeue(BINDING_RECHECK),
     })
@@ -112,8 +124,7 @@ async fn carry_out(
     old: &crate::api::DataStageStatus,
 ) -> Result<(ClaimState, CopyState), apply::ApplyError> {
     apply::ensure_finalizer(&ctx.client, raw, stage).await?;
-    apply::storage_and_rbac(&ctx.client, stage).await?;
-    let claim = apply::claim_state(&ctx.client, stage).await?;
+    let claim = apply::storage(&ctx.client, stage).await?;
     let copy = if old.phase == DataStagePhase::Ready {
         // Done once: a Job deleted later (by hand or a TTL) does not copy again.
         CopyState::Succeeded {
@@ -178,8 +189,11 @@ pub fn is_stage_warning(condition: &Condition) -> bool {
                 (condition.type_.as_str(), condition.reason.as_str()),
                 (
                     status::types::VOLUME_BOUND,
-                    status::reasons::CLAIM_NOT_FOUND
-                ) | (status::types::COPIED, status::reasons::COPY_FAILED)
+                    status::reasons::CLAIM_NOT_FOUND | status::reasons::NAME_IN_USE
+                ) | (
+                    status::types::COPIED,
+                    status::reasons::COPY_FAILED | status::reasons::NAME_IN_USE
+                )
             ))
 }
 

@@ -35,6 +35,60 @@ pub mod reasons {
     pub const COPIED: &str = "Copied";
     /// The copy Job failed after its retries.
     pub const COPY_FAILED: &str = "CopyFailed";
+    /// An object that is not this DataStage's has one of its children's names.
+    pub const NAME_IN_USE: &str = "NameInUse";
+    /// A child's name is still held by the child of an earlier DataStage of this name, which
+    /// the garbage collector is deleting.
+    pub const EARLIER_STAGE_DELETING: &str = "EarlierStageDeleting";
+}
+
+/// An object that has one of the DataStage's child names but that the DataStage did not make
+/// (it is not its controller). It is never used, changed or adopted: adopting it would have
+/// the garbage collector delete it with the DataStage.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NotOurs {
+    /// Its kind: "PersistentVolumeClaim", "Job", ...
+    pub kind: &'static str,
+    /// Its name.
+    pub name: String,
+    /// Its controller: "DataStage imagenet", or "none".
+    pub owner: String,
+    /// It is the child of an earlier DataStage of this name: it goes away by itself.
+    pub earlier_stage: bool,
+}
+
+impl NotOurs {
+    /// The condition reason.
+    pub fn reason(&self) -> &'static str {
+        if self.earlier_stage {
+            reasons::EARLIER_STAGE_DELETING
+        } else {
+            reasons::NAME_IN_USE
+        }
+    }
+
+    /// What the DataStage says about it.
+    pub fn message(&self) -> String {
+        let (kind, name) = (self.kind, &self.name);
+        if self.earlier_stage {
+            let claims_wait = if kind == "PersistentVolumeClaim" {
+                " (a claim is deleted once no pod mounts it)"
+            } else {
+                ""
+            };
+            format!(
+                "{kind} {name} belongs to an earlier DataStage of this name that is being \
+                 deleted; this one goes on once it is gone{claims_wait}"
+            )
+        } else {
+            format!(
+                "{kind} {name} exists and is not this DataStage's (its controller: {}), so it \
+                 is left as it is: delete or rename it, or give the DataStage another name \
+                 (child names are cut to fit, so two long names can clash)",
+                self.owner
+            )
+        }
+    }
 }
 
 /// The claim as observed.
@@ -46,6 +100,8 @@ pub enum ClaimState {
     Unbound(String),
     /// Bound.
     Bound,
+    /// A claim of that name exists that is not this DataStage's.
+    NotOurs(NotOurs),
 }
 
 /// The copy Job as observed.
@@ -62,6 +118,9 @@ pub enum CopyState {
     },
     /// Failed for good; `message` says why (the stager's own words when it gave any).
     Failed { message: String },
+    /// The Job, or the stager's ServiceAccount, Role or RoleBinding, has a name that an
+    /// object not this DataStage's holds: not started.
+    NotOurs(NotOurs),
 }
 
 /// The status for a valid DataStage in the observed state. Keeps `old.progress`.
@@ -102,6 +161,12 @@ pub fn observed(
             reasons::CLAIM_NOT_FOUND,
             format!("claim {claim_name} does not exist in this namespace"),
         ),
+        ClaimState::NotOurs(not_ours) => DesiredCondition::new(
+            types::VOLUME_BOUND,
+            false,
+            not_ours.reason(),
+            not_ours.message(),
+        ),
     };
     let (phase, copied, ready, reconciling, stalled) = match copy {
         CopyState::Succeeded { start, completion } => {
@@ -137,6 +202,13 @@ pub fn observed(
                 false,
             )
         }
+        // The claim first: the copy needs it.
+        CopyState::NotStarted | CopyState::NotOurs(_)
+            if let ClaimState::NotOurs(not_ours) = claim =>
+        {
+            not_started_by(not_ours)
+        }
+        CopyState::NotOurs(not_ours) => not_started_by(not_ours),
         CopyState::NotStarted => {
             let message = format!("waiting for claim {claim_name} to be bound");
             let phase = if *claim == ClaimState::Missing {
@@ -172,6 +244,27 @@ pub fn observed(
         conditions::set(&mut status.conditions, condition, generation, now);
     }
     status
+}
+
+/// Phase, Copied, Ready, Reconciling and Stalled of a DataStage held back by an object of
+/// one of its child names: stalled, unless that object goes away by itself.
+fn not_started_by(
+    not_ours: &NotOurs,
+) -> (
+    DataStagePhase,
+    DesiredCondition,
+    (bool, &'static str, String),
+    bool,
+    bool,
+) {
+    let (reason, message) = (not_ours.reason(), not_ours.message());
+    (
+        DataStagePhase::Pending,
+        DesiredCondition::new(types::COPIED, false, reason, message.clone()),
+        (false, reason, message),
+        not_ours.earlier_stage,
+        !not_ours.earlier_stage,
+    )
 }
 
 /// The status when the API server refused a child (the volume, the claim, the stager's

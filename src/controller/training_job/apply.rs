@@ -194,7 +194,7 @@ pub async fn execute(
         let services: Api<Service> = Api::namespaced(client.clone(), &job.namespace);
         let service = build::worker_service(job, inputs.naming);
         let result = if children == Children::Update {
-            server_side_apply(&services, &service).await
+            server_side_apply(&services, &service).await.map(|_| ())
         } else {
             create_unless_exists(&services, &service).await.map(|_| ())
         };

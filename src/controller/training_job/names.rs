@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use super::validate::ValidatedTrainingJob;
+use crate::controller::uid_tag;
 
 /// Label with the owning job's name, on every child.
 pub const JOB_NAME_LABEL: &str = "ringmaster.dev/job-name";
@@ -136,16 +137,6 @@ pub fn pod_labels(
     labels.insert(ROLE_LABEL.into(), role.into());
     labels.insert(ATTEMPT_LABEL.into(), attempt.to_string());
     labels
-}
-
-/// 5 hex digits of a job's UID: names of children made with it differ between a job and one
-/// made again under the same name while the first one's children are still being deleted.
-fn uid_tag(uid: &str) -> String {
-    uid.chars()
-        .filter(char::is_ascii_hexdigit)
-        .map(|c| c.to_ascii_lowercase())
-        .take(5)
-        .collect()
 }
 
 /// The Kueue Workload of a queued job: its name and its [`uid_tag`], so a job made again
