@@ -484,6 +484,19 @@ fn a_child_name_held_by_another_object_is_left_alone_and_said() {
     assert!(!ringmaster::controller::data_stage::is_stage_warning(
         &waits
     ));
+    // Someone else's claim: one Warning (VolumeBound's); Copied just waits for the claim.
+    let taken = step(ClaimState::NotOurs(user), CopyState::NotStarted);
+    let warnings: Vec<&str> = ["VolumeBound", "Copied", "Ready", "Stalled"]
+        .into_iter()
+        .filter(|type_| {
+            let c: k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition =
+                serde_json::from_value(condition(&taken, type_).clone()).unwrap();
+            ringmaster::controller::data_stage::is_stage_warning(&c)
+        })
+        .collect();
+    assert_eq!(warnings, ["VolumeBound"], "{taken:#}");
+    assert_eq!(condition(&taken, "Copied")["reason"], "Binding");
+    assert_eq!(condition(&taken, "Ready")["reason"], "NameInUse");
 }
 
 /// Every child's `ringmaster.dev/datastage` label is a valid label value, also for a

@@ -215,6 +215,17 @@ fn a_gang_names_its_secret_and_service_by_the_job_uid_unless_older_workers_use_p
     let worker = value(&build::worker_pod(&job, 1, &untagged));
     assert_eq!(worker["spec"]["subdomain"], "resnet50-imagenet-workers");
     assert_eq!(secret_of(&worker), "resnet50-imagenet-ssh");
+    // Without the label too: the gang stays untagged, whichever of its pods are made again.
+    assert!(
+        worker["metadata"]["labels"].get(JOB_UID_LABEL).is_none(),
+        "{}",
+        worker["metadata"]["labels"]
+    );
+    let worker_made_again = build::worker_pod(&job, 1, &untagged);
+    assert_eq!(
+        ChildNaming::of_gang([&worker_made_again], 2),
+        ChildNaming::Untagged
+    );
     let service = value(&build::worker_service(&job, ChildNaming::Untagged));
     assert_eq!(service["metadata"]["name"], "resnet50-imagenet-workers");
     assert!(
@@ -442,6 +453,70 @@ fn user_overrides_are_merged_without_losing_ringmasters_settings() {
         build::launcher_command(&job)
             .join(" ")
             .contains("-x WANDB_PROJECT")
+    );
+}
+
+/// A worker environment entry the kubelet resolves per pod (the pod's name, its node, its
+/// limits) reaches each rank with its own worker's value: sshd sets it for the ranks it
+/// starts, mpirun does not forward the launcher's; the launcher does not even resolve it (a
+/// resourceFieldRef naming the worker container would make the launcher pod invalid).
+/// Plain values and Secret keys still go through the launcher, for Open MPI and Hydra.
+#[test]
+fn per_pod_worker_env_is_set_by_each_workers_sshd_and_the_rest_forwarded() {
+    for implementation in ["OpenMPI", "MPICH"] {
+        let job = sample("trainingjob-cpu-small.yaml", |o| {
+            o["spec"]["mpi"] = json!({"implementation": implementation});
+            o["spec"]["worker"]["env"] = json!([
+                {"name": "TEAM", "value": "vision"},
+                {"name": "HUB_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hub", "key": "token"}}},
+                {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": "CPUS", "valueFrom": {"resourceFieldRef": {"containerName": "worker", "resource": "limits.cpu"}}},
+            ]);
+        });
+        let worker = value(&build::worker_pod(&job, 0, &inputs()));
+        let sshd: Vec<&str> = worker["spec"]["containers"][0]["command"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap())
+            .collect();
+        let set_env: Vec<&&str> = sshd.iter().filter(|a| a.starts_with("SetEnv=")).collect();
+        assert_eq!(
+            set_env,
+            [&r#"SetEnv=POD_NAME="$(POD_NAME)" CPUS="$(CPUS)""#],
+            "{sshd:?}"
+        );
+        // The worker container resolves them (the kubelet replaces $(NAME) from its env).
+        let names: Vec<&str> = worker["spec"]["containers"][0]["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["name"].as_str().unwrap())
+            .collect();
+        assert!(
+            names.contains(&"POD_NAME") && names.contains(&"CPUS"),
+            "{names:?}"
+        );
+
+        let command = build::launcher_command(&job).join(" ");
+        for forwarded in ["TEAM", "HUB_TOKEN"] {
+            assert!(command.contains(forwarded), "{command}");
+        }
+        for own in ["POD_NAME", "CPUS"] {
+            assert!(!command.contains(own), "{command}");
+        }
+        let launcher = value(&build::launcher_pod(&job, &inputs()));
+        let launcher_env = launcher["spec"]["containers"][0]["env"].to_string();
+        assert!(launcher_env.contains("HUB_TOKEN"), "{launcher_env}");
+        assert!(!launcher_env.contains("POD_NAME") && !launcher_env.contains("CPUS"));
+    }
+    // Without such entries sshd's command is as before.
+    let plain = sample("trainingjob-cpu-small.yaml", |_| {});
+    let worker = value(&build::worker_pod(&plain, 0, &inputs()));
+    assert!(
+        !worker["spec"]["containers"][0]["command"]
+            .to_string()
+            .contains("SetEnv")
     );
 }
 

@@ -385,37 +385,6 @@ async fn a_failed_copy_makes_the_datastage_failed_with_the_stagers_reason() {
     .await;
 }
 
-/// A finalizer of the test's that holds an object for as long as the test needs (as a backup
-/// tool's might): the garbage collector alone takes an owned child within a moment, which a
-/// test cannot time.
-const HOLD: &str = "e2e.ringmaster.dev/hold";
-
-/// Puts [`HOLD`] on the object (`on`) or takes it off, keeping its other finalizers.
-async fn hold<K>(api: &Api<K>, name: &str, on: bool)
-where
-    K: kube::Resource + Clone + k8s_openapi::serde::de::DeserializeOwned + std::fmt::Debug,
-{
-    // The resourceVersion keeps other controllers' finalizer changes; a conflict is retried.
-    for _ in 0..20 {
-        let object = api.get(name).await.unwrap();
-        let mut finalizers = object.finalizers().to_vec();
-        finalizers.retain(|f| f != HOLD);
-        if on {
-            finalizers.push(HOLD.into());
-        }
-        let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": object.resource_version()}});
-        match api
-            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-        {
-            Ok(_) => return,
-            Err(kube::Error::Api(status)) if status.code == 409 => {}
-            Err(error) => panic!("holding {name}: {error}"),
-        }
-    }
-    panic!("holding {name}: 20 conflicts");
-}
-
 /// A DataStage deleted and made again at once while the first one's claim and finished copy
 /// Job are still being deleted: it neither passes the first copy off as its own nor fails on
 /// the first claim; it says what it waits for, then copies again.
@@ -436,8 +405,8 @@ async fn a_datastage_made_again_under_its_name_waits_for_the_first_ones_children
 
     let jobs: Api<Job> = Api::namespaced(client.clone(), &ns.name);
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), &ns.name);
-    hold(&jobs, "again-stage", true).await;
-    hold(&claims, "again-data", true).await;
+    common::hold(&jobs, "again-stage", true).await;
+    common::hold(&claims, "again-data", true).await;
     let stages: Api<DataStage> = Api::namespaced(client.clone(), &ns.name);
     stages
         .delete("again", &DeleteParams::background())
@@ -487,7 +456,7 @@ async fn a_datastage_made_again_under_its_name_waits_for_the_first_ones_children
     pods.delete(&first_pod.name_any(), &DeleteParams::background())
         .await
         .unwrap();
-    hold(&claims, "again-data", false).await;
+    common::hold(&claims, "again-data", false).await;
     waits_for("Job again-stage belongs to an earlier DataStage").await;
     let status = stage_status(&client, &ns.name, "again").await;
     assert_eq!(status["phase"], "Pending", "{status:#}");
@@ -500,8 +469,25 @@ async fn a_datastage_made_again_under_its_name_waits_for_the_first_ones_children
     let claim = claims.get("again-data").await.unwrap();
     assert!(claim.owner_references().iter().any(|o| o.uid == second));
 
+    // The first Job goes, but a pod of it still stops (here one the test made under its
+    // label): two stagers must not write one folder.
+    let stopping = serde_json::from_value(json!({
+        "metadata": {"name": "again-stage-stopping", "labels": {"batch.kubernetes.io/job-name": "again-stage"}},
+        "spec": {"containers": [{"name": "stager", "image": "ringmaster:e2e"}]},
+    }))
+    .unwrap();
+    pods.create(&PostParams::default(), &stopping)
+        .await
+        .unwrap();
+    common::hold(&jobs, "again-stage", false).await;
+    waits_for("Pod again-stage-stopping of an earlier copy Job (Job again-stage) has not stopped")
+        .await;
+    assert!(jobs.get_opt("again-stage").await.unwrap().is_none());
+
     // Then a copy of its own.
-    hold(&jobs, "again-stage", false).await;
+    pods.delete("again-stage-stopping", &DeleteParams::background())
+        .await
+        .unwrap();
     wait_stage_phase(&client, &ns.name, "again", "Copying").await;
     let job = jobs.get("again-stage").await.unwrap();
     assert!(job.owner_references().iter().any(|o| o.uid == second));

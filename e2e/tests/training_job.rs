@@ -375,7 +375,6 @@ async fn deleting_a_job_leaves_no_child() {
 /// the garbage collector alone takes them within a moment, which a test cannot time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_made_again_under_its_name_runs_with_a_secret_and_service_of_its_own() {
-    const HOLD: &str = "e2e.ringmaster.dev/hold";
     let client = client().await;
     ensure_crds(&client).await;
     let ns = TestNamespace::new(&client, "tj-again").await;
@@ -389,7 +388,6 @@ async fn a_job_made_again_under_its_name_runs_with_a_secret_and_service_of_its_o
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns.name);
     let services: Api<Service> = Api::namespaced(client.clone(), &ns.name);
     let selector = ListParams::default().labels("ringmaster.dev/job-name=again");
-    let hold = |on: bool| json!({"metadata": {"finalizers": if on { json!([HOLD]) } else { json!(null) }}});
     let held_secrets: Vec<String> = secrets
         .list(&selector)
         .await
@@ -405,22 +403,8 @@ async fn a_job_made_again_under_its_name_runs_with_a_secret_and_service_of_its_o
         .map(ResourceExt::name_any)
         .collect();
     assert_eq!((held_secrets.len(), held_services.len()), (1, 1));
-    secrets
-        .patch(
-            &held_secrets[0],
-            &PatchParams::default(),
-            &Patch::Merge(hold(true)),
-        )
-        .await
-        .unwrap();
-    services
-        .patch(
-            &held_services[0],
-            &PatchParams::default(),
-            &Patch::Merge(hold(true)),
-        )
-        .await
-        .unwrap();
+    common::hold(&secrets, &held_secrets[0], true).await;
+    common::hold(&services, &held_services[0], true).await;
 
     jobs.delete("again", &DeleteParams::background())
         .await
@@ -481,22 +465,8 @@ async fn a_job_made_again_under_its_name_runs_with_a_secret_and_service_of_its_o
     }
 
     // Once let go, the first job's Secret and Service are collected; the second's stay.
-    secrets
-        .patch(
-            &held_secrets[0],
-            &PatchParams::default(),
-            &Patch::Merge(hold(false)),
-        )
-        .await
-        .unwrap();
-    services
-        .patch(
-            &held_services[0],
-            &PatchParams::default(),
-            &Patch::Merge(hold(false)),
-        )
-        .await
-        .unwrap();
+    common::hold(&secrets, &held_secrets[0], false).await;
+    common::hold(&services, &held_services[0], false).await;
     eventually(
         Duration::from_secs(30),
         "the first job's Secret and Service gone",

@@ -591,3 +591,34 @@ pub async fn script_up(script: &str) {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A finalizer of the test's that holds an object for as long as the test needs (as a backup
+/// tool's might): the garbage collector alone takes an owned child within a moment, which a
+/// test cannot time.
+pub const HOLD: &str = "e2e.ringmaster.dev/hold";
+
+/// Puts [`HOLD`] on the object (`on`) or takes it off, keeping its other finalizers.
+pub async fn hold<K>(api: &Api<K>, name: &str, on: bool)
+where
+    K: kube::Resource + Clone + k8s_openapi::serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    // The resourceVersion keeps other controllers' finalizer changes; a conflict is retried.
+    for _ in 0..20 {
+        let object = api.get(name).await.unwrap();
+        let mut finalizers = object.finalizers().to_vec();
+        finalizers.retain(|f| f != HOLD);
+        if on {
+            finalizers.push(HOLD.into());
+        }
+        let patch = serde_json::json!({"metadata": {"finalizers": finalizers, "resourceVersion": object.resource_version()}});
+        match api
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => return,
+            Err(kube::Error::Api(status)) if status.code == 409 => {}
+            Err(error) => panic!("holding {name}: {error}"),
+        }
+    }
+    panic!("holding {name}: 20 conflicts");
+}

@@ -37,20 +37,25 @@ pub enum ApplyError {
         #[source]
         source: kube::Error,
     },
+    /// A child's name was taken and freed again, over and over, while it was being made.
+    #[error("{kind} {name} was made and deleted again by someone else while the DataStage made it")]
+    Contended { kind: &'static str, name: String },
 }
 
 impl ApplyError {
     /// "creating Job x: <the API server's message>" when the API server refused a child
-    /// (see [`crate::controller::rejection`]).
+    /// (see [`crate::controller::rejection`]); `None` for errors that pass by themselves.
     pub fn rejection(&self) -> Option<String> {
-        let ApplyError::Kube {
-            action,
-            kind,
-            name,
-            source,
-        } = self;
-        crate::controller::rejection(source)
-            .map(|message| format!("{action} {kind} {name}: {message}"))
+        match self {
+            ApplyError::Kube {
+                action,
+                kind,
+                name,
+                source,
+            } => crate::controller::rejection(source)
+                .map(|message| format!("{action} {kind} {name}: {message}")),
+            ApplyError::Contended { .. } => None,
+        }
     }
 }
 
@@ -124,9 +129,76 @@ pub fn not_ours(
     })
 }
 
-/// Server-side applies `object` unless an object of its name exists that this DataStage does
-/// not control (that one is returned, untouched); the object as applied otherwise.
-async fn apply_unless_not_ours<K>(
+/// Who holds a child's name.
+enum Holder {
+    /// Nobody: the child is created (a create, so one made meanwhile is never taken over).
+    Free,
+    /// The DataStage's own child: applied server-side again.
+    Ours,
+    /// An object the DataStage does not control: left alone.
+    NotOurs(NotOurs),
+}
+
+/// Reads who holds `name`.
+async fn holder<K>(
+    api: &Api<K>,
+    kind: &'static str,
+    name: &str,
+    stage: &ValidatedDataStage,
+) -> Result<Holder, ApplyError>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let existing = api
+        .get_opt(name)
+        .await
+        .map_err(kube_error("read", kind, name))?;
+    Ok(match existing {
+        None => Holder::Free,
+        Some(object) => match not_ours(kind, object.meta(), stage) {
+            None => Holder::Ours,
+            Some(held) => Holder::NotOurs(held),
+        },
+    })
+}
+
+/// Writes `object` where `held` (from [`holder`]) says: created when its name is free,
+/// server-side applied when the object there is the DataStage's own, and not at all when it
+/// is not (that one is returned). The object as written otherwise.
+async fn write_child<K>(
+    api: &Api<K>,
+    kind: &'static str,
+    object: &K,
+    stage: &ValidatedDataStage,
+    mut held: Holder,
+) -> Result<Result<K, NotOurs>, ApplyError>
+where
+    K: Resource + serde::Serialize + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let name = object.name_any();
+    // A name taken between the read and the create is read again; made and deleted by
+    // someone else over and over, it is retried with the reconcile's backoff.
+    for _ in 0..3 {
+        match held {
+            Holder::NotOurs(not_ours) => return Ok(Err(not_ours)),
+            Holder::Ours => {
+                return server_side_apply(api, object)
+                    .await
+                    .map(Ok)
+                    .map_err(kube_error("apply", kind, &name));
+            }
+            Holder::Free => match api.create(&PostParams::default(), object).await {
+                Ok(made) => return Ok(Ok(made)),
+                Err(e) if is_conflict(&e) => held = holder(api, kind, &name, stage).await?,
+                Err(e) => return Err(kube_error("create", kind, &name)(e)),
+            },
+        }
+    }
+    Err(ApplyError::Contended { kind, name })
+}
+
+/// [`write_child`] after a read of who holds the name.
+async fn write_unless_not_ours<K>(
     api: &Api<K>,
     kind: &'static str,
     object: &K,
@@ -135,44 +207,38 @@ async fn apply_unless_not_ours<K>(
 where
     K: Resource + serde::Serialize + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
-    let name = object.name_any();
-    let existing = api
-        .get_opt(&name)
-        .await
-        .map_err(kube_error("read", kind, &name))?;
-    if let Some(held) = existing.and_then(|e| not_ours(kind, e.meta(), stage)) {
-        return Ok(Err(held));
-    }
-    server_side_apply(api, object)
-        .await
-        .map(Ok)
-        .map_err(kube_error("apply", kind, &name))
+    let held = holder(api, kind, &object.name_any(), stage).await?;
+    write_child(api, kind, object, stage, held).await
 }
 
-/// Applies the volume and the claim (unless a claim of its name is not this DataStage's),
-/// and reads the claim.
+/// Writes the volume and the claim, unless a claim of its name is not this DataStage's
+/// (then nothing: a volume pre-bound by name could bind that claim), and reads the claim.
 pub async fn storage(
     client: &Client,
     stage: &ValidatedDataStage,
 ) -> Result<ClaimState, ApplyError> {
     let ns = &stage.namespace;
     let api: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+    let name = Names::of(stage).claim;
     let claim = match build::claim(stage) {
         Some(claim) => {
+            let held = holder(&api, "PersistentVolumeClaim", &name, stage).await?;
+            if let Holder::NotOurs(not_ours) = held {
+                return Ok(ClaimState::NotOurs(not_ours));
+            }
             if let Some(volume) = build::volume(stage) {
                 // Named for the DataStage's UID: no one else's.
                 server_side_apply(&Api::<PersistentVolume>::all(client.clone()), &volume)
                     .await
                     .map_err(kube_error("apply", "PersistentVolume", &volume.name_any()))?;
             }
-            match apply_unless_not_ours(&api, "PersistentVolumeClaim", &claim, stage).await? {
-                Ok(applied) => Some(applied),
-                Err(held) => return Ok(ClaimState::NotOurs(held)),
+            match write_child(&api, "PersistentVolumeClaim", &claim, stage, held).await? {
+                Ok(written) => Some(written),
+                Err(not_ours) => return Ok(ClaimState::NotOurs(not_ours)),
             }
         }
         // The user's own claim (existingClaim): only read.
         None => {
-            let name = Names::of(stage).claim;
             api.get_opt(&name)
                 .await
                 .map_err(kube_error("read", "PersistentVolumeClaim", &name))?
@@ -197,17 +263,17 @@ async fn stager_rbac(
     let ns = &stage.namespace;
     if let Some(account) = build::service_account(stage) {
         let api: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
-        if let Err(held) = apply_unless_not_ours(&api, "ServiceAccount", &account, stage).await? {
+        if let Err(held) = write_unless_not_ours(&api, "ServiceAccount", &account, stage).await? {
             return Ok(Some(held));
         }
     }
     let api: Api<Role> = Api::namespaced(client.clone(), ns);
-    if let Err(held) = apply_unless_not_ours(&api, "Role", &build::role(stage), stage).await? {
+    if let Err(held) = write_unless_not_ours(&api, "Role", &build::role(stage), stage).await? {
         return Ok(Some(held));
     }
     let api: Api<RoleBinding> = Api::namespaced(client.clone(), ns);
     let binding = build::role_binding(stage);
-    Ok(apply_unless_not_ours(&api, "RoleBinding", &binding, stage)
+    Ok(write_unless_not_ours(&api, "RoleBinding", &binding, stage)
         .await?
         .err())
 }
@@ -227,6 +293,23 @@ pub async fn copy_state(
         .await
         .map_err(kube_error("read", "Job", &name))?;
     if job.is_none() && start {
+        // An earlier copy's pods outlive their Job while they stop: two stagers must not
+        // write the same folder (an existingClaim stays mounted across DataStages).
+        let running = pods_of_job(client, stage, &name)
+            .await?
+            .into_iter()
+            .find(|pod| {
+                let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+                !matches!(phase, Some("Succeeded" | "Failed"))
+            });
+        if let Some(pod) = running {
+            return Ok(CopyState::NotOurs(NotOurs {
+                kind: "Pod",
+                name: pod.name_any(),
+                owner: format!("Job {name}"),
+                earlier_stage: true,
+            }));
+        }
         if let Some(held) = stager_rbac(client, stage).await? {
             return Ok(CopyState::NotOurs(held));
         }
@@ -276,16 +359,25 @@ pub async fn copy_state(
     })
 }
 
+/// The pods the Job controller made for a Job named `job` (this one's, or an earlier one's
+/// still stopping).
+async fn pods_of_job(
+    client: &Client,
+    stage: &ValidatedDataStage,
+    job: &str,
+) -> Result<Vec<Pod>, ApplyError> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &stage.namespace);
+    pods.list(&ListParams::default().labels(&format!("batch.kubernetes.io/job-name={job}")))
+        .await
+        .map(|list| list.items)
+        .map_err(kube_error("list", "Pod", &format!("of Job {job}")))
+}
+
 /// The last failed stager pod's termination message (the stager's own error), if any.
 /// Read once, when the Job has failed.
 async fn stager_message(client: &Client, stage: &ValidatedDataStage, job: &str) -> Option<String> {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &stage.namespace);
-    let list = pods
-        .list(&ListParams::default().labels(&format!("batch.kubernetes.io/job-name={job}")))
-        .await
-        .ok()?;
-    list.items
-        .iter()
+    let pods = pods_of_job(client, stage, job).await.ok()?;
+    pods.iter()
         .filter_map(|pod| {
             let terminated = pod
                 .status

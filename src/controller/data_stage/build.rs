@@ -57,8 +57,10 @@ pub fn volume_name(uid: &str) -> String {
     format!("ringmaster-{uid}")
 }
 
+/// `name` cut to `max` characters, without a trailing '.' (a DNS label cannot end with one,
+/// nor begin with the '-' that follows). Names are ASCII.
 fn short(name: &str, max: usize) -> &str {
-    &name[..name.len().min(max)]
+    name[..name.len().min(max)].trim_end_matches('.')
 }
 
 /// What the builders need besides the spec.

@@ -21,7 +21,7 @@ use kube::runtime::controller::Action;
 use super::{Context, Error, conditions, is_warning, now, object_key};
 use crate::api::{DataStage, DataStagePhase, condition_reasons};
 use crate::validation::FieldErrors;
-use status::{ClaimState, CopyState};
+use status::{ClaimState, CopyState, NotOurs};
 
 /// The controller's name in metrics and logs.
 pub const CONTROLLER: &str = "datastage";
@@ -30,8 +30,17 @@ pub const CONTROLLER: &str = "datastage";
 /// holds, is looked at again (changes of claims we own wake it at once).
 const BINDING_RECHECK: Duration = Duration::from_secs(10);
 
-/// How often a DataStage waiting for an earlier DataStage's child to be deleted is looked at.
-const EARLIER_STAGE_RECHECK: Duration = Duration::from_secs(2);
+/// When a DataStage held back by `held` is looked at again. The deletion of an earlier
+/// DataStage's claim or Job wakes it (they are watched, and the earlier DataStage had its
+/// name): a slow look then, since a claim stays while any pod mounts it, maybe for days. Its
+/// stager's ServiceAccount, Role, RoleBinding and pods are not watched, and go within seconds.
+fn recheck_after(held: &NotOurs) -> Duration {
+    match (held.earlier_stage, held.kind) {
+        (true, "PersistentVolumeClaim" | "Job") => Duration::from_secs(60),
+        (true, _) => Duration::from_secs(2),
+        (false, _) => BINDING_RECHECK,
+    }
+}
 
 /// Reconciles one DataStage.
 pub async fn reconcile(
@@ -100,22 +109,16 @@ pub async fn reconcile(
     }
     ctx.succeeded(&key);
     Ok(match (&claim, &copy) {
-        // The garbage collector's deletion of the earlier stage's child wakes this one only
-        // when it was that child's owner by name; it is looked at again soon either way.
         (ClaimState::NotOurs(held), _) | (_, CopyState::NotOurs(held)) => {
-            Action::requeue(if held.earlier_stage {
-                EARLIER_STAGE_RECHECK
-            } else {
-                BINDING_RECHECK
-            })
+            Action::requeue(recheck_after(held))
         }
         (ClaimState::Bound, _) => Action::await_change(),
         _ => Action::requeue(BINDING_RECHECK),
     })
 }
 
-/// The apply steps: the finalizer, volume, claim and the stager's RBAC, then the copy Job
-/// once the claim is bound; what they observed of the claim and the copy.
+/// The apply steps: the finalizer, volume and claim, then the stager's RBAC and the copy
+/// Job once the claim is bound; what they observed of the claim and the copy.
 async fn carry_out(
     ctx: &Context,
     raw: &DataStage,
@@ -181,7 +184,8 @@ async fn write(
 }
 
 /// Warning Events for what stops a DataStage until a person acts: an invalid spec, a claim
-/// that does not exist, a copy that failed. The other transitions are Normal.
+/// that does not exist, a copy that failed, a child's name another object holds. The other
+/// transitions are Normal.
 pub fn is_stage_warning(condition: &Condition) -> bool {
     is_warning(condition)
         || (condition.status == "False"

@@ -1,7 +1,8 @@
 //! Status step of the DataStage controller. Pure: what was observed and the clock are
 //! passed in.
 //!
-//! Phases: Pending (nothing made yet, or the spec is invalid), Binding (the claim is not
+//! Phases: Pending (nothing made yet, the spec is invalid, or a child's name is held by an
+//! object the DataStage does not control: [`NotOurs`]), Binding (the claim is not
 //! bound), Copying (the Job runs), Ready (the Job succeeded), Failed (the Job gave up). The
 //! `progress` block belongs to the stager, which patches it while it copies; this step
 //! never writes it.
@@ -70,7 +71,13 @@ impl NotOurs {
     /// What the DataStage says about it.
     pub fn message(&self) -> String {
         let (kind, name) = (self.kind, &self.name);
-        if self.earlier_stage {
+        if self.earlier_stage && kind == "Pod" {
+            format!(
+                "Pod {name} of an earlier copy Job ({}) has not stopped yet; this copy starts \
+                 once it has: two stagers must not write one folder",
+                self.owner
+            )
+        } else if self.earlier_stage {
             let claims_wait = if kind == "PersistentVolumeClaim" {
                 " (a claim is deleted once no pod mounts it)"
             } else {
@@ -206,7 +213,15 @@ pub fn observed(
         CopyState::NotStarted | CopyState::NotOurs(_)
             if let ClaimState::NotOurs(not_ours) = claim =>
         {
-            not_started_by(not_ours)
+            let mut said = not_started_by(not_ours);
+            // Copied waits for the claim: VolumeBound says why (one Warning, not two).
+            said.1 = DesiredCondition::new(
+                types::COPIED,
+                false,
+                reasons::BINDING,
+                format!("waiting for claim {claim_name}"),
+            );
+            said
         }
         CopyState::NotOurs(not_ours) => not_started_by(not_ours),
         CopyState::NotStarted => {

@@ -283,18 +283,19 @@ async fn run(
     // The Secret and Service go out with a gang's workers (the launcher comes later, into a
     // gang that has them) and with a new spec, once.
     let spec_changed = old.observed_generation.is_some() && old.observed_generation != generation;
-    let children = if ctx
-        .recent
-        .children_fresh(&uid, generation, plan.restarts, clock)
-    {
-        apply::Children::Keep
-    } else if spec_changed {
-        apply::Children::Update
-    } else if !plan.create_workers.is_empty() {
-        apply::Children::Ensure
-    } else {
-        apply::Children::Keep
-    };
+    let children =
+        if ctx
+            .recent
+            .children_fresh(&uid, generation, plan.restarts, inputs.naming, clock)
+        {
+            apply::Children::Keep
+        } else if spec_changed {
+            apply::Children::Update
+        } else if !plan.create_workers.is_empty() {
+            apply::Children::Ensure
+        } else {
+            apply::Children::Keep
+        };
     let mut written = apply::Written::default();
     let applied = apply::execute(
         &ctx.client,
@@ -308,7 +309,7 @@ async fn run(
     // Remembered also when something failed after: a retry does not write it again.
     if written.children {
         ctx.recent
-            .children_applied(&uid, generation, plan.restarts, clock);
+            .children_applied(&uid, generation, plan.restarts, inputs.naming, clock);
     }
     let made_pods = !written.pods.is_empty();
     ctx.recent

@@ -126,14 +126,19 @@ pub fn job_labels(job: &str) -> BTreeMap<String, String> {
     ])
 }
 
-/// Labels of a pod of `role` in gang `attempt`.
+/// Labels of a pod of `role` in gang `attempt` named by `naming`: the job's UID only on the
+/// pods of a UID-tagged gang, so a gang an older operator started stays untagged until it
+/// restarts, whichever of its pods are made again meanwhile.
 pub fn pod_labels(
     job: &ValidatedTrainingJob,
+    naming: ChildNaming,
     role: &str,
     attempt: i32,
 ) -> BTreeMap<String, String> {
     let mut labels = job_labels(&job.name);
-    labels.insert(JOB_UID_LABEL.into(), job.uid.clone());
+    if naming == ChildNaming::UidTagged {
+        labels.insert(JOB_UID_LABEL.into(), job.uid.clone());
+    }
     labels.insert(ROLE_LABEL.into(), role.into());
     labels.insert(ATTEMPT_LABEL.into(), attempt.to_string());
     labels

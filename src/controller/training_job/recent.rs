@@ -15,8 +15,11 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 
-use super::names::ATTEMPT_LABEL;
+use super::names::{ATTEMPT_LABEL, ChildNaming};
 use crate::api::TrainingJobStatus;
+
+/// The (generation, gang attempt, naming) a job's Secret and Service were applied for.
+type ChildrenFor = (Option<i64>, i32, ChildNaming);
 
 /// How long a write is trusted to be on its way to the cache.
 pub const FRESH_FOR: Duration = Duration::from_secs(60);
@@ -28,8 +31,8 @@ const PRUNE_AT: usize = 4096;
 struct JobWrites {
     /// The status last written, and when.
     status: Option<(TrainingJobStatus, Instant)>,
-    /// The (generation, gang attempt) the Secret and Service were last applied for, and when.
-    children: Option<((Option<i64>, i32), Instant)>,
+    /// What the Secret and Service were last applied for, and when.
+    children: Option<(ChildrenFor, Instant)>,
     /// Pods made and not yet seen in the cache: name → (gang attempt, when).
     pods: HashMap<String, (i32, Instant)>,
 }
@@ -99,19 +102,27 @@ impl RecentWrites {
         uid: &str,
         generation: Option<i64>,
         attempt: i32,
+        naming: ChildNaming,
         now: Instant,
     ) -> bool {
         self.with(uid, now, |job| {
             job.children.as_ref().is_some_and(|(for_, at)| {
-                *for_ == (generation, attempt) && now.duration_since(*at) < FRESH_FOR
+                *for_ == (generation, attempt, naming) && now.duration_since(*at) < FRESH_FOR
             })
         })
     }
 
     /// The Secret and Service of job `uid` were applied for this generation and attempt.
-    pub fn children_applied(&self, uid: &str, generation: Option<i64>, attempt: i32, now: Instant) {
+    pub fn children_applied(
+        &self,
+        uid: &str,
+        generation: Option<i64>,
+        attempt: i32,
+        naming: ChildNaming,
+        now: Instant,
+    ) {
         self.with(uid, now, |job| {
-            job.children = Some(((generation, attempt), now));
+            job.children = Some(((generation, attempt, naming), now));
         });
     }
 
@@ -189,12 +200,23 @@ mod tests {
     fn children_are_fresh_for_one_generation_and_gang() {
         let recent = RecentWrites::default();
         let t0 = Instant::now();
-        assert!(!recent.children_fresh("uid", Some(1), 0, t0));
-        recent.children_applied("uid", Some(1), 0, t0);
-        assert!(recent.children_fresh("uid", Some(1), 0, t0));
-        assert!(!recent.children_fresh("uid", Some(2), 0, t0), "a new spec");
-        assert!(!recent.children_fresh("uid", Some(1), 1, t0), "a restart");
-        assert!(!recent.children_fresh("uid", Some(1), 0, t0 + FRESH_FOR));
+        let tagged = ChildNaming::UidTagged;
+        assert!(!recent.children_fresh("uid", Some(1), 0, tagged, t0));
+        recent.children_applied("uid", Some(1), 0, tagged, t0);
+        assert!(recent.children_fresh("uid", Some(1), 0, tagged, t0));
+        assert!(
+            !recent.children_fresh("uid", Some(2), 0, tagged, t0),
+            "a new spec"
+        );
+        assert!(
+            !recent.children_fresh("uid", Some(1), 1, tagged, t0),
+            "a restart"
+        );
+        assert!(
+            !recent.children_fresh("uid", Some(1), 0, ChildNaming::Untagged, t0),
+            "other names"
+        );
+        assert!(!recent.children_fresh("uid", Some(1), 0, tagged, t0 + FRESH_FOR));
     }
 
     #[test]
@@ -228,9 +250,9 @@ mod tests {
         let recent = RecentWrites::default();
         let t0 = Instant::now();
         for i in 0..PRUNE_AT {
-            recent.children_applied(&i.to_string(), Some(1), 0, t0);
+            recent.children_applied(&i.to_string(), Some(1), 0, ChildNaming::UidTagged, t0);
         }
-        recent.children_applied("new", Some(1), 0, t0 + FRESH_FOR);
+        recent.children_applied("new", Some(1), 0, ChildNaming::UidTagged, t0 + FRESH_FOR);
         assert_eq!(recent.remembered(), 1);
     }
 }
