@@ -361,46 +361,6 @@ async fn a_worker_the_kubelet_cannot_start_blocks_the_job_visibly_until_it_is_fi
     assert_eq!(status["restarts"], 0, "{status:#}");
 }
 
-/// The workers' environment reaches every rank over ssh: a plain value through mpirun, and an
-/// entry the kubelet resolves per pod (the pod's name) with each rank's own worker's value,
-/// which that worker's sshd sets (mpirun would have sent the launcher's on).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_rank_gets_the_worker_environment_with_its_own_workers_values() {
-    let _node = REAL_NODE_IN_USE.lock().await;
-    let client = client().await;
-    ensure_crds(&client).await;
-    let ns = TestNamespace::new(&client, "real-env").await;
-    let _operator = Operator::start(&client, &ns.name).await;
-    let job = sample_on_real_node("env", |spec| {
-        spec.as_object_mut().unwrap().remove("trainer");
-        spec["command"] = json!([
-            "sh",
-            "-c",
-            "echo \"rank=$OMPI_COMM_WORLD_RANK pod=$POD_NAME team=$TEAM\""
-        ]);
-        spec["worker"]["env"] = json!([
-            {"name": "TEAM", "value": "vision"},
-            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        ]);
-    });
-    apply(&client, &job, &ns.name, false).await.unwrap();
-    wait_phase(&client, &ns.name, "env", TrainingJobPhase::Succeeded, 180).await;
-    let log = logs(&client, &ns.name, "env-launcher").await;
-    let mut ranks: Vec<&str> = log.lines().filter(|l| l.starts_with("rank=")).collect();
-    ranks.sort();
-    // Two slots per worker, mapped by slot: ranks 0 and 1 on worker 0, 2 and 3 on worker 1.
-    assert_eq!(
-        ranks,
-        [
-            "rank=0 pod=env-worker-0 team=vision",
-            "rank=1 pod=env-worker-0 team=vision",
-            "rank=2 pod=env-worker-1 team=vision",
-            "rank=3 pod=env-worker-1 team=vision",
-        ],
-        "{log}"
-    );
-}
-
 /// Kills a container through containerd (SIGKILL to its task), as the OOM killer or a crash
 /// would end it: the kubelet sees it exit.
 fn kill_container(container_id: &str) {

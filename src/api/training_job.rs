@@ -184,10 +184,7 @@ pub struct TrainingJobSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub launcher: Option<PodOverrides>,
 
-    /// Additions to every worker pod. Its `env` reaches every rank too: plain values and
-    /// Secret or ConfigMap keys through the launcher (mpirun forwards them), `fieldRef` and
-    /// `resourceFieldRef` entries with each worker's own values (its sshd sets them for the
-    /// ranks it starts, which needs OpenSSH 8.7 or later in the image).
+    /// Additions to every worker pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker: Option<PodOverrides>,
 

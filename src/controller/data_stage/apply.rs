@@ -211,8 +211,9 @@ where
     write_child(api, kind, object, stage, held).await
 }
 
-/// Writes the volume and the claim, unless a claim of its name is not this DataStage's
-/// (then nothing: a volume pre-bound by name could bind that claim), and reads the claim.
+/// Writes the claim, unless a claim of its name is not this DataStage's, then the volume
+/// pre-bound to that claim by its UID (by name alone, it could bind a claim someone made
+/// under that name meanwhile); what the claim says.
 pub async fn storage(
     client: &Client,
     stage: &ValidatedDataStage,
@@ -223,19 +224,22 @@ pub async fn storage(
     let claim = match build::claim(stage) {
         Some(claim) => {
             let held = holder(&api, "PersistentVolumeClaim", &name, stage).await?;
-            if let Holder::NotOurs(not_ours) = held {
-                return Ok(ClaimState::NotOurs(not_ours));
-            }
-            if let Some(volume) = build::volume(stage) {
-                // Named for the DataStage's UID: no one else's.
+            let written =
+                match write_child(&api, "PersistentVolumeClaim", &claim, stage, held).await? {
+                    Ok(written) => written,
+                    Err(not_ours) => return Ok(ClaimState::NotOurs(not_ours)),
+                };
+            if let Some(mut volume) = build::volume(stage) {
+                // Named for the DataStage's UID: no one else's. A claim waits for the volume
+                // it names, so the order costs nothing.
+                if let Some(claim_ref) = volume.spec.as_mut().and_then(|s| s.claim_ref.as_mut()) {
+                    claim_ref.uid = written.metadata.uid.clone();
+                }
                 server_side_apply(&Api::<PersistentVolume>::all(client.clone()), &volume)
                     .await
                     .map_err(kube_error("apply", "PersistentVolume", &volume.name_any()))?;
             }
-            match write_child(&api, "PersistentVolumeClaim", &claim, stage, held).await? {
-                Ok(written) => Some(written),
-                Err(not_ours) => return Ok(ClaimState::NotOurs(not_ours)),
-            }
+            Some(written)
         }
         // The user's own claim (existingClaim): only read.
         None => {

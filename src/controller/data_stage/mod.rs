@@ -112,6 +112,8 @@ pub async fn reconcile(
         (ClaimState::NotOurs(held), _) | (_, CopyState::NotOurs(held)) => {
             Action::requeue(recheck_after(held))
         }
+        // Bound and no Job: the copy Job's create found one that went away again.
+        (ClaimState::Bound, CopyState::NotStarted) => Action::requeue(Duration::from_secs(2)),
         (ClaimState::Bound, _) => Action::await_change(),
         _ => Action::requeue(BINDING_RECHECK),
     })

@@ -484,7 +484,7 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
                 // The controller reads this container's state by its name (observe.rs).
                 "name": WORKER_ROLE,
                 "image": job.image,
-                "command": with_private_ssh_keys(sshd_command(port, &per_pod_env_names(job))),
+                "command": with_private_ssh_keys(sshd_command(port)),
                 "ports": [
                     {"name": "ssh", "containerPort": port},
                     {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
@@ -514,11 +514,8 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
 /// job's public key as the only one it accepts. `StrictModes=no`: the folders above the key
 /// copies are volume mounts the user does not own (sshd would refuse them otherwise); the
 /// copies themselves are the user's own, mode 0600. `UsePAM=no` lets it run as any user.
-/// `per_pod_env` ([`per_pod_env_names`]) go to every session it starts, the ranks among them,
-/// with this worker's values: `SetEnv` (OpenSSH 8.7+) with each `$(NAME)`, which the kubelet
-/// replaces with the container's own value.
-fn sshd_command(port: i32, per_pod_env: &[String]) -> Vec<String> {
-    let mut command: Vec<String> = [
+fn sshd_command(port: i32) -> Vec<String> {
+    [
         "/usr/sbin/sshd",
         "-D",
         "-e",
@@ -536,16 +533,7 @@ fn sshd_command(port: i32, per_pod_env: &[String]) -> Vec<String> {
         "UsePAM=no",
     ]
     .map(String::from)
-    .to_vec();
-    if !per_pod_env.is_empty() {
-        // One SetEnv with every variable: sshd keeps the first value of an option.
-        let pairs: Vec<String> = per_pod_env
-            .iter()
-            .map(|name| format!("{name}=\"$({name})\""))
-            .collect();
-        command.extend(["-o".to_string(), format!("SetEnv={}", pairs.join(" "))]);
-    }
-    command
+    .to_vec()
 }
 
 /// Environment every rank needs. Ranks are started by sshd, which passes no container
@@ -592,16 +580,8 @@ pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
         mounts.push(mount);
     }
     let mut env = rank_env(job, inputs.naming);
-    // The user's worker environment reaches the ranks through the launcher too, but for the
-    // entries each worker resolves for itself.
-    let per_pod = per_pod_env_names(job);
-    env.extend(
-        job.worker
-            .env
-            .iter()
-            .filter(|e| !per_pod.contains(&e.name))
-            .map(as_value),
-    );
+    // The user's worker environment reaches the ranks through the launcher too.
+    env.extend(job.worker.env.iter().map(as_value));
     env.push(json!({"name": "OMPI_ALLOW_RUN_AS_ROOT", "value": "1"}));
     env.push(
         json!({"name": LAUNCHER_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}),
@@ -659,32 +639,8 @@ fn spec_env_names(job: &ValidatedTrainingJob) -> Vec<String> {
         .iter()
         .filter_map(|e| e["name"].as_str().map(str::to_string))
         .collect();
-    let per_pod = per_pod_env_names(job);
-    names.extend(
-        job.worker
-            .env
-            .iter()
-            .map(|e| e.name.clone())
-            .filter(|name| !per_pod.contains(name)),
-    );
+    names.extend(job.worker.env.iter().map(|e| e.name.clone()));
     names
-}
-
-/// The worker environment's entries that the kubelet resolves per pod (`fieldRef`,
-/// `resourceFieldRef`: the pod's name or address, its node, its container's limits). The
-/// launcher's own values would be wrong on every rank, so the workers' sshd sets them for the
-/// ranks ([`sshd_command`]) and mpirun does not forward them.
-pub fn per_pod_env_names(job: &ValidatedTrainingJob) -> Vec<String> {
-    job.worker
-        .env
-        .iter()
-        .filter(|e| {
-            e.value_from
-                .as_ref()
-                .is_some_and(|v| v.field_ref.is_some() || v.resource_field_ref.is_some())
-        })
-        .map(|e| e.name.clone())
-        .collect()
 }
 
 /// Variables the image sets that the ranks need too.
