@@ -456,6 +456,111 @@ fn user_overrides_are_merged_without_losing_ringmasters_settings() {
     );
 }
 
+/// Worker environment entries each worker resolves for itself (its pod's name, its limits, a
+/// value built from them) reach each rank with its own worker's value: the worker writes them
+/// into its `authorized_keys` copy as `environment=` options, which its sshd honours, and
+/// mpirun does not forward the launcher's; the launcher does not even resolve them (a
+/// resourceFieldRef naming the worker container would make the launcher pod invalid). Plain
+/// values and Secret keys still go through the launcher, for Open MPI and Hydra. The
+/// worker's script is run here, with such values, to check what sshd will read.
+#[test]
+fn per_pod_worker_env_goes_through_each_workers_sshd_and_the_rest_through_mpirun() {
+    for implementation in ["OpenMPI", "MPICH"] {
+        let job = sample("trainingjob-cpu-small.yaml", |o| {
+            o["spec"]["mpi"] = json!({"implementation": implementation});
+            o["spec"]["worker"]["env"] = json!([
+                {"name": "TEAM", "value": "vision"},
+                {"name": "HUB_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hub", "key": "token"}}},
+                {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": "CPUS", "valueFrom": {"resourceFieldRef": {"containerName": "worker", "resource": "limits.cpu"}}},
+                {"name": "GREETING", "value": "say \"hi\" to $(POD_NAME)"},
+                {"name": "NCCL_SOCKET_IFNAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['nic']"}}},
+            ]);
+        });
+        assert_eq!(
+            build::per_pod_env_names(&job),
+            ["POD_NAME", "CPUS", "GREETING", "NCCL_SOCKET_IFNAME"]
+        );
+        let worker = value(&build::worker_pod(&job, 0, &inputs()));
+        let command: Vec<String> =
+            serde_json::from_value(worker["spec"]["containers"][0]["command"].clone()).unwrap();
+        assert!(
+            command
+                .windows(2)
+                .any(|w| w == ["-o", "PermitUserEnvironment=yes"]),
+            "{command:?}"
+        );
+        let launcher_command = build::launcher_command(&job).join(" ");
+        for forwarded in ["TEAM", "HUB_TOKEN", "RINGMASTER_RENDEZVOUS"] {
+            assert!(launcher_command.contains(forwarded), "{launcher_command}");
+        }
+        for own in ["POD_NAME", "CPUS", "GREETING", "NCCL_SOCKET_IFNAME"] {
+            assert!(!launcher_command.contains(own), "{launcher_command}");
+        }
+        let launcher = value(&build::launcher_pod(&job, &inputs()));
+        let launcher_env = launcher["spec"]["containers"][0]["env"].to_string();
+        assert!(launcher_env.contains("HUB_TOKEN"), "{launcher_env}");
+        for own in ["POD_NAME", "CPUS", "GREETING"] {
+            assert!(!launcher_env.contains(own), "{launcher_env}");
+        }
+
+        // The worker's own script, on folders of this test, with values the kubelet would give.
+        let dir =
+            std::env::temp_dir().join(format!("rm-env-{implementation}-{}", std::process::id()));
+        let (secret, own) = (dir.join("secret"), dir.join("own"));
+        std::fs::create_dir_all(&secret).unwrap();
+        std::fs::create_dir_all(&own).unwrap();
+        std::fs::write(secret.join("ssh-privatekey"), "key").unwrap();
+        std::fs::write(
+            secret.join("authorized_keys"),
+            "ssh-ed25519 AAAA ringmaster\n",
+        )
+        .unwrap();
+        let script = command[2]
+            .replace("/etc/ringmaster/ssh-secret", secret.to_str().unwrap())
+            .replace("/etc/ringmaster/ssh", own.to_str().unwrap());
+        let out = std::process::Command::new("sh")
+            .args(["-c", &script, "sh", "true"])
+            .env("POD_NAME", "sample-worker-0")
+            .env("CPUS", "2")
+            .env("GREETING", "say \"hi\" to sample-worker-0")
+            .env("NCCL_SOCKET_IFNAME", "eth0\nib0")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            std::fs::read_to_string(own.join("authorized_keys")).unwrap(),
+            "environment=\"POD_NAME=sample-worker-0\",environment=\"CPUS=2\",\
+             environment=\"GREETING=say \\\"hi\\\" to sample-worker-0\",\
+             environment=\"NCCL_SOCKET_IFNAME=eth0ib0\" ssh-ed25519 AAAA ringmaster\n"
+        );
+        // A value ending in a backslash would read as an escaped quote: the worker says so.
+        let out = std::process::Command::new("sh")
+            .args(["-c", &script, "sh", "true"])
+            .env("POD_NAME", "ends-with\\")
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        assert!(
+            String::from_utf8_lossy(&out.stderr)
+                .contains("the value of POD_NAME ends with a backslash"),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+    // Without such entries: no option, and the Secret's authorized_keys copied as it is.
+    let plain = sample("trainingjob-cpu-small.yaml", |_| {});
+    let worker = value(&build::worker_pod(&plain, 0, &inputs()));
+    let command = worker["spec"]["containers"][0]["command"].to_string();
+    assert!(!command.contains("PermitUserEnvironment"), "{command}");
+    assert!(!command.contains("environment="), "{command}");
+}
+
 #[test]
 fn the_ssh_secret_holds_a_working_key_pair_that_is_never_printed() {
     let job = gpu_job();

@@ -361,6 +361,54 @@ async fn a_worker_the_kubelet_cannot_start_blocks_the_job_visibly_until_it_is_fi
     assert_eq!(status["restarts"], 0, "{status:#}");
 }
 
+/// The workers' environment reaches every rank over ssh: a plain value through mpirun, and
+/// entries each worker resolves for itself (its pod's name, and a value with quotes built from
+/// it) with that worker's values, which its sshd sets from its `authorized_keys` options
+/// (mpirun used to send the launcher's on).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_rank_gets_the_worker_environment_with_its_own_workers_values() {
+    let _node = REAL_NODE_IN_USE.lock().await;
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "real-env").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    // Open MPI as the image's user, and MPICH's Hydra as root: each passes the worker's
+    // session environment on to its ranks.
+    for (name, implementation, image, rank_var) in [
+        ("env", "OpenMPI", IMAGE, "OMPI_COMM_WORLD_RANK"),
+        ("env-mpich", "MPICH", ROOT_IMAGE, "PMI_RANK"),
+    ] {
+        let job = sample_on_real_node(name, |spec| {
+            spec.as_object_mut().unwrap().remove("trainer");
+            spec["image"] = json!(image);
+            spec["mpi"] = json!({"implementation": implementation});
+            spec["command"] = json!([
+                "sh",
+                "-c",
+                format!("echo \"rank=${rank_var} pod=$POD_NAME team=$TEAM greeting=$GREETING\"")
+            ]);
+            spec["worker"]["env"] = json!([
+                {"name": "TEAM", "value": "vision"},
+                {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": "GREETING", "value": "say \"hi\" to $(POD_NAME)"},
+            ]);
+        });
+        apply(&client, &job, &ns.name, false).await.unwrap();
+        wait_phase(&client, &ns.name, name, TrainingJobPhase::Succeeded, 180).await;
+        let log = logs(&client, &ns.name, &format!("{name}-launcher")).await;
+        let mut ranks: Vec<&str> = log.lines().filter(|l| l.starts_with("rank=")).collect();
+        ranks.sort();
+        // Two slots per worker, in order: ranks 0 and 1 on worker 0, 2 and 3 on worker 1.
+        let expected: Vec<String> = (0..4)
+            .map(|rank| {
+                let pod = format!("{name}-worker-{}", rank / 2);
+                format!("rank={rank} pod={pod} team=vision greeting=say \"hi\" to {pod}")
+            })
+            .collect();
+        assert_eq!(ranks, expected, "{implementation}: {log}");
+    }
+}
+
 /// Kills a container through containerd (SIGKILL to its task), as the OOM killer or a crash
 /// would end it: the kubelet sees it exit.
 fn kill_container(container_id: &str) {

@@ -184,7 +184,10 @@ pub struct TrainingJobSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub launcher: Option<PodOverrides>,
 
-    /// Additions to every worker pod.
+    /// Additions to every worker pod. Its `env` reaches every rank too: plain values and
+    /// Secret or ConfigMap keys through the launcher (mpirun forwards them); `fieldRef`,
+    /// `resourceFieldRef` and `fileKeyRef` entries, and values naming `$(VAR)`, with each
+    /// worker's own values (its sshd sets them for the ranks it starts).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker: Option<PodOverrides>,
 

@@ -332,6 +332,26 @@ fn with_private_ssh_keys(command: Vec<String>) -> Vec<String> {
     wrapped
 }
 
+/// A worker's [`with_private_ssh_keys`]: when the worker environment has entries each worker
+/// resolves for itself ([`per_pod_env_names`]), its `authorized_keys` copy starts with an
+/// `environment="NAME=value"` option per entry, holding this container's value (`"` escaped,
+/// line breaks dropped; a value ending in `\` stops the container with a message, as sshd
+/// would read it as an escaped quote), so that sshd, run with `PermitUserEnvironment`, sets them in every
+/// session the job's key opens: the ranks'. Any OpenSSH reads these options. No `$(` in the
+/// script: the kubelet would take it for a variable to substitute.
+fn worker_with_private_ssh_keys(command: Vec<String>, per_pod_env: &[String]) -> Vec<String> {
+    if per_pod_env.is_empty() {
+        return with_private_ssh_keys(command);
+    }
+    let prepare = r#"umask 077 && cp SECRET/ssh-privatekey OWN/ && { sep=; for n in NAMES; do eval "v=\${$n}"; case "$v" in *'\') echo "ringmaster: the value of $n ends with a backslash, which sshd cannot take" >&2; exit 1;; esac; printf '%senvironment="%s=' "$sep" "$n"; printf '%s' "$v" | tr -d '\n' | sed 's/"/\\"/g'; printf '"'; sep=,; done; printf ' '; cat SECRET/authorized_keys; } > OWN/authorized_keys && exec "$@""#
+        .replace("SECRET", SSH_SECRET_MOUNT)
+        .replace("OWN", SSH_MOUNT)
+        .replace("NAMES", &per_pod_env.join(" "));
+    let mut wrapped: Vec<String> = vec!["sh".into(), "-c".into(), prepare, "sh".into()];
+    wrapped.extend(command);
+    wrapped
+}
+
 /// Applies the user's additions to a pod value (labels, annotations, env, volumes, ...).
 fn merge_overrides(pod: &mut Value, overrides: &PodOverrides) {
     let meta = &mut pod["metadata"];
@@ -484,7 +504,10 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
                 // The controller reads this container's state by its name (observe.rs).
                 "name": WORKER_ROLE,
                 "image": job.image,
-                "command": with_private_ssh_keys(sshd_command(port)),
+                "command": worker_with_private_ssh_keys(
+                    sshd_command(port, !per_pod_env_names(job).is_empty()),
+                    &per_pod_env_names(job),
+                ),
                 "ports": [
                     {"name": "ssh", "containerPort": port},
                     {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
@@ -514,8 +537,10 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
 /// job's public key as the only one it accepts. `StrictModes=no`: the folders above the key
 /// copies are volume mounts the user does not own (sshd would refuse them otherwise); the
 /// copies themselves are the user's own, mode 0600. `UsePAM=no` lets it run as any user.
-fn sshd_command(port: i32) -> Vec<String> {
-    [
+/// `user_environment`: the `environment=` options of `authorized_keys` are honoured
+/// ([`worker_with_private_ssh_keys`]).
+fn sshd_command(port: i32, user_environment: bool) -> Vec<String> {
+    let mut command: Vec<String> = [
         "/usr/sbin/sshd",
         "-D",
         "-e",
@@ -533,7 +558,11 @@ fn sshd_command(port: i32) -> Vec<String> {
         "UsePAM=no",
     ]
     .map(String::from)
-    .to_vec()
+    .to_vec();
+    if user_environment {
+        command.extend(["-o", "PermitUserEnvironment=yes"].map(String::from));
+    }
+    command
 }
 
 /// Environment every rank needs. Ranks are started by sshd, which passes no container
@@ -580,8 +609,17 @@ pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
         mounts.push(mount);
     }
     let mut env = rank_env(job, inputs.naming);
-    // The user's worker environment reaches the ranks through the launcher too.
-    env.extend(job.worker.env.iter().map(as_value));
+    // The user's worker environment reaches the ranks through the launcher too, but for the
+    // entries each worker resolves for itself (resolved here, they could name a container or
+    // a file the launcher does not have).
+    let per_pod = per_pod_env_names(job);
+    env.extend(
+        job.worker
+            .env
+            .iter()
+            .filter(|e| !per_pod.contains(&e.name))
+            .map(as_value),
+    );
     env.push(json!({"name": "OMPI_ALLOW_RUN_AS_ROOT", "value": "1"}));
     env.push(
         json!({"name": LAUNCHER_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}),
@@ -627,8 +665,49 @@ pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
 /// Names of the variables mpirun forwards to every rank.
 fn forwarded_env(job: &ValidatedTrainingJob) -> Vec<String> {
     let mut names = spec_env_names(job);
-    names.extend(IMAGE_ENV.map(String::from));
+    names.extend(image_env(job));
     names
+}
+
+/// [`IMAGE_ENV`] but for a name the worker environment sets per pod.
+fn image_env(job: &ValidatedTrainingJob) -> Vec<String> {
+    let per_pod = per_pod_env_names(job);
+    IMAGE_ENV
+        .iter()
+        .map(|name| name.to_string())
+        .filter(|name| !per_pod.contains(name))
+        .collect()
+}
+
+/// The names of the worker environment's entries that each worker resolves for itself: every
+/// `valueFrom` but a Secret's or ConfigMap's key (`fieldRef`: the pod's name, IP or node;
+/// `resourceFieldRef`: its container's limits; `fileKeyRef`: a file in the pod), and plain
+/// values that refer to other variables (`$(NAME)`). The launcher's values would be wrong on
+/// every rank, so these reach the ranks through each worker's sshd
+/// ([`worker_with_private_ssh_keys`]), not mpirun. Names that are not shell identifiers
+/// cannot be read by the worker's shell and stay with the launcher.
+pub fn per_pod_env_names(job: &ValidatedTrainingJob) -> Vec<String> {
+    let identifier = |name: &str| {
+        name.chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    };
+    job.worker
+        .env
+        .iter()
+        .filter(|e| match &e.value_from {
+            Some(from) => from.secret_key_ref.is_none() && from.config_map_key_ref.is_none(),
+            None => e.value.as_deref().is_some_and(|v| v.contains("$(")),
+        })
+        .map(|e| e.name.clone())
+        .filter(|name| identifier(name))
+        .fold(Vec::new(), |mut names, name| {
+            if !names.contains(&name) {
+                names.push(name);
+            }
+            names
+        })
 }
 
 /// The variables of the launcher container's spec that every rank needs: Ringmaster's own and
@@ -640,6 +719,10 @@ fn spec_env_names(job: &ValidatedTrainingJob) -> Vec<String> {
         .filter_map(|e| e["name"].as_str().map(str::to_string))
         .collect();
     names.extend(job.worker.env.iter().map(|e| e.name.clone()));
+    // Each worker sets these for its own ranks, Ringmaster's own names among them when the
+    // worker environment sets them per pod.
+    let per_pod = per_pod_env_names(job);
+    names.retain(|name| !per_pod.contains(name));
     names
 }
 
@@ -655,7 +738,7 @@ fn hydra_env_flags(job: &ValidatedTrainingJob) -> Vec<String> {
     for name in spec_env_names(job) {
         flags.extend(["-genv".to_string(), name.clone(), format!("$({name})")]);
     }
-    flags.extend(["-genvlist".to_string(), IMAGE_ENV.join(",")]);
+    flags.extend(["-genvlist".to_string(), image_env(job).join(",")]);
     flags
 }
 

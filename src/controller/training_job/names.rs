@@ -8,9 +8,10 @@ use crate::controller::uid_tag;
 
 /// Label with the owning job's name, on every child.
 pub const JOB_NAME_LABEL: &str = "ringmaster.dev/job-name";
-/// Label with the owning job's UID, on its pods: which job made a pod, also while the pods
-/// of an earlier job of the same name are still being deleted. A pod without it was made
-/// before the Secret and Service names carried the UID ([`ChildNaming::Untagged`]).
+/// Label with the owning job's UID, on the pods of a gang whose Secret and Service names carry
+/// it: which job made a pod, also while the pods of an earlier job of the same name are still
+/// being deleted. The pods of a gang an older operator started have none
+/// ([`ChildNaming::Untagged`]), and its pods made again keep it that way.
 pub const JOB_UID_LABEL: &str = "ringmaster.dev/job-uid";
 /// Label with the child's role: `worker` or `launcher` (pods), or the object kind's role.
 pub const ROLE_LABEL: &str = "ringmaster.dev/role";
