@@ -490,6 +490,12 @@ fn per_pod_worker_env_goes_through_each_workers_sshd_and_the_rest_through_mpirun
                 .any(|w| w == ["-o", "PermitUserEnvironment=yes"]),
             "{command:?}"
         );
+        // The kubelet rewrites `$(NAME)` and `$$` in a command: the script has neither.
+        assert!(
+            !command[2].contains("$(") && !command[2].contains("$$"),
+            "{}",
+            command[2]
+        );
         let launcher_command = build::launcher_command(&job).join(" ");
         for forwarded in ["TEAM", "HUB_TOKEN", "RINGMASTER_RENDEZVOUS"] {
             assert!(launcher_command.contains(forwarded), "{launcher_command}");
@@ -525,6 +531,7 @@ fn per_pod_worker_env_goes_through_each_workers_sshd_and_the_rest_through_mpirun
             .env("CPUS", "2")
             .env("GREETING", "say \"hi\" to sample-worker-0")
             .env("NCCL_SOCKET_IFNAME", "eth0\nib0")
+            .env_remove("CPUS")
             .output()
             .unwrap();
         assert!(
@@ -534,14 +541,16 @@ fn per_pod_worker_env_goes_through_each_workers_sshd_and_the_rest_through_mpirun
         );
         assert_eq!(
             std::fs::read_to_string(own.join("authorized_keys")).unwrap(),
-            "environment=\"POD_NAME=sample-worker-0\",environment=\"CPUS=2\",\
+            "environment=\"POD_NAME=sample-worker-0\",\
              environment=\"GREETING=say \\\"hi\\\" to sample-worker-0\",\
-             environment=\"NCCL_SOCKET_IFNAME=eth0ib0\" ssh-ed25519 AAAA ringmaster\n"
+             environment=\"NCCL_SOCKET_IFNAME=eth0ib0\" ssh-ed25519 AAAA ringmaster\n",
+            "CPUS is unset: left out, not set empty"
         );
-        // A value ending in a backslash would read as an escaped quote: the worker says so.
+        // A value ending in a backslash would read as an escaped quote (also before a line
+        // break, which is dropped): the worker says so.
         let out = std::process::Command::new("sh")
             .args(["-c", &script, "sh", "true"])
-            .env("POD_NAME", "ends-with\\")
+            .env("POD_NAME", "ends-with\\\n")
             .output()
             .unwrap();
         assert!(!out.status.success());
@@ -553,6 +562,22 @@ fn per_pod_worker_env_goes_through_each_workers_sshd_and_the_rest_through_mpirun
         );
         std::fs::remove_dir_all(&dir).unwrap();
     }
+    // Set per pod, one of Ringmaster's own rank variables (InfiniBand's NCCL_SOCKET_IFNAME)
+    // is the worker's too: mpirun does not send the launcher's over it.
+    let job = sample("trainingjob-resnet50-nd96asr-v4.yaml", |o| {
+        o["spec"]["worker"]["env"] = json!([
+            {"name": "NCCL_SOCKET_IFNAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['nic']"}}},
+        ]);
+    });
+    let launcher_command = build::launcher_command(&job).join(" ");
+    assert!(
+        !launcher_command.contains("NCCL_SOCKET_IFNAME"),
+        "{launcher_command}"
+    );
+    assert!(
+        launcher_command.contains("-x NCCL_IB_DISABLE"),
+        "{launcher_command}"
+    );
     // Without such entries: no option, and the Secret's authorized_keys copied as it is.
     let plain = sample("trainingjob-cpu-small.yaml", |_| {});
     let worker = value(&build::worker_pod(&plain, 0, &inputs()));

@@ -187,7 +187,9 @@ pub struct TrainingJobSpec {
     /// Additions to every worker pod. Its `env` reaches every rank too: plain values and
     /// Secret or ConfigMap keys through the launcher (mpirun forwards them); `fieldRef`,
     /// `resourceFieldRef` and `fileKeyRef` entries, and values naming `$(VAR)`, with each
-    /// worker's own values (its sshd sets them for the ranks it starts).
+    /// worker's own values (its sshd sets them for the ranks it starts; line breaks are
+    /// dropped, a value ending in a backslash stops the worker, and a name that is not a shell
+    /// identifier keeps the launcher's value).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worker: Option<PodOverrides>,
 

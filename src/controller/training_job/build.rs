@@ -336,14 +336,16 @@ fn with_private_ssh_keys(command: Vec<String>) -> Vec<String> {
 /// resolves for itself ([`per_pod_env_names`]), its `authorized_keys` copy starts with an
 /// `environment="NAME=value"` option per entry, holding this container's value (`"` escaped,
 /// line breaks dropped; a value ending in `\` stops the container with a message, as sshd
-/// would read it as an escaped quote), so that sshd, run with `PermitUserEnvironment`, sets them in every
-/// session the job's key opens: the ranks'. Any OpenSSH reads these options. No `$(` in the
-/// script: the kubelet would take it for a variable to substitute.
+/// would read it as an escaped quote; an unset one is left out), so that sshd, run with
+/// `PermitUserEnvironment`, sets them in every session the job's key opens: the ranks'. Any
+/// OpenSSH reads these options. Values come from `printenv`, not the shell's variables (the
+/// script's own are `_rm_*`), and command substitution is written with backquotes: the
+/// kubelet would take `$(` for a variable to substitute.
 fn worker_with_private_ssh_keys(command: Vec<String>, per_pod_env: &[String]) -> Vec<String> {
     if per_pod_env.is_empty() {
         return with_private_ssh_keys(command);
     }
-    let prepare = r#"umask 077 && cp SECRET/ssh-privatekey OWN/ && { sep=; for n in NAMES; do eval "v=\${$n}"; case "$v" in *'\') echo "ringmaster: the value of $n ends with a backslash, which sshd cannot take" >&2; exit 1;; esac; printf '%senvironment="%s=' "$sep" "$n"; printf '%s' "$v" | tr -d '\n' | sed 's/"/\\"/g'; printf '"'; sep=,; done; printf ' '; cat SECRET/authorized_keys; } > OWN/authorized_keys && exec "$@""#
+    let prepare = r#"umask 077 && cp SECRET/ssh-privatekey OWN/ && { _rm_sep=; for _rm_n in NAMES; do _rm_v=`printenv "$_rm_n"` || continue; _rm_v=`printf '%s' "$_rm_v" | tr -d '\n'`; case "$_rm_v" in *'\') echo "ringmaster: the value of $_rm_n ends with a backslash, which sshd cannot take" >&2; exit 1;; esac; printf '%senvironment="%s=' "$_rm_sep" "$_rm_n"; printf '%s' "$_rm_v" | sed 's/"/\\"/g'; printf '"'; _rm_sep=,; done; printf ' '; cat SECRET/authorized_keys; } > OWN/authorized_keys && exec "$@""#
         .replace("SECRET", SSH_SECRET_MOUNT)
         .replace("OWN", SSH_MOUNT)
         .replace("NAMES", &per_pod_env.join(" "));
@@ -738,7 +740,13 @@ fn hydra_env_flags(job: &ValidatedTrainingJob) -> Vec<String> {
     for name in spec_env_names(job) {
         flags.extend(["-genv".to_string(), name.clone(), format!("$({name})")]);
     }
-    flags.extend(["-genvlist".to_string(), image_env(job).join(",")]);
+    let image_env = image_env(job);
+    if image_env.is_empty() {
+        // Every image variable is set per pod: nothing from the launcher's environment.
+        flags.push("-genvnone".to_string());
+    } else {
+        flags.extend(["-genvlist".to_string(), image_env.join(",")]);
+    }
     flags
 }
 
