@@ -458,11 +458,20 @@ async fn a_datastage_made_again_under_its_name_waits_for_the_first_ones_children
         .unwrap();
     common::hold(&claims, "again-data", false).await;
     waits_for("Job again-stage belongs to an earlier DataStage").await;
+    // The new claim binds to the new volume meanwhile; the first Job still holds the copy back.
+    eventually(Duration::from_secs(30), "the new claim bound", || async {
+        condition(
+            &stage_status(&client, &ns.name, "again").await,
+            "VolumeBound",
+        )["status"]
+            == "True"
+    })
+    .await;
     let status = stage_status(&client, &ns.name, "again").await;
     assert_eq!(status["phase"], "Pending", "{status:#}");
     assert_eq!(
-        condition(&status, "VolumeBound")["status"],
-        "True",
+        condition(&status, "Ready")["reason"],
+        "EarlierStageDeleting",
         "{status:#}"
     );
     let second = stages.get("again").await.unwrap().uid().unwrap();
