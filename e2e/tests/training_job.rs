@@ -368,6 +368,19 @@ async fn deleting_a_job_leaves_no_child() {
     .await;
 }
 
+/// The names of the objects `selector` lists.
+async fn names_of<K>(api: &Api<K>, selector: &ListParams) -> Vec<String>
+where
+    K: kube::Resource + Clone + k8s_openapi::serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    api.list(selector)
+        .await
+        .unwrap()
+        .iter()
+        .map(ResourceExt::name_any)
+        .collect()
+}
+
 /// A job deleted and made again at once (`kubectl replace --force`, Flux's `force`) while
 /// the first job's Secret and Service are still being deleted: the new job runs with a Secret
 /// and Service of its own, which outlive the first job's. A finalizer of the test's holds the
@@ -388,20 +401,8 @@ async fn a_job_made_again_under_its_name_runs_with_a_secret_and_service_of_its_o
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns.name);
     let services: Api<Service> = Api::namespaced(client.clone(), &ns.name);
     let selector = ListParams::default().labels("ringmaster.dev/job-name=again");
-    let held_secrets: Vec<String> = secrets
-        .list(&selector)
-        .await
-        .unwrap()
-        .iter()
-        .map(ResourceExt::name_any)
-        .collect();
-    let held_services: Vec<String> = services
-        .list(&selector)
-        .await
-        .unwrap()
-        .iter()
-        .map(ResourceExt::name_any)
-        .collect();
+    let held_secrets = names_of(&secrets, &selector).await;
+    let held_services = names_of(&services, &selector).await;
     assert_eq!((held_secrets.len(), held_services.len()), (1, 1));
     common::hold(&secrets, &held_secrets[0], true).await;
     common::hold(&services, &held_services[0], true).await;

@@ -474,6 +474,7 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
     }
     let host = names::worker_host(job, inputs.naming, index);
     let probe = format!("ssh {} {host} true", ssh_options(job));
+    let per_pod_env = per_pod_env_names(job);
     let mut node_selector = serde_json::Map::new();
     let mut tolerations = Vec::new();
     if let Some(pool) = &job.node_pool {
@@ -507,8 +508,8 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
                 "name": WORKER_ROLE,
                 "image": job.image,
                 "command": worker_with_private_ssh_keys(
-                    sshd_command(port, !per_pod_env_names(job).is_empty()),
-                    &per_pod_env_names(job),
+                    sshd_command(port, !per_pod_env.is_empty()),
+                    &per_pod_env,
                 ),
                 "ports": [
                     {"name": "ssh", "containerPort": port},
