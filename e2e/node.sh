@@ -164,6 +164,10 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   # Root here lacks CAP_SYS_RESOURCE, so runc cannot set the negative OOM scores the kubelet
   # asks for (-998 for the sandbox); this keeps them at containerd's own (0) instead.
   restrict_oom_score_adj = true
+  # As containerd 1.7 (the AKS node images') leaves it: a user other than root opens no port
+  # below 1024 unless the pod's own sysctls say so. containerd 2 opens them all by default,
+  # which would hide what a job needs on AKS.
+  enable_unprivileged_ports = false
   [plugins."io.containerd.cri.v1.runtime".containerd]
     default_runtime_name = "runc"
     [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]

@@ -416,6 +416,28 @@ fn mpich_and_a_users_command() {
 }
 
 #[test]
+fn a_privileged_ssh_port_is_opened_to_the_image_user_in_the_pods_own_network() {
+    let worker_security = |port: Option<i32>| {
+        let job = sample("trainingjob-cpu-small.yaml", |o| {
+            if let Some(port) = port {
+                o["spec"]["mpi"] = json!({"sshPort": port});
+            }
+        });
+        let pod = value(&build::worker_pod(&job, 0, &inputs()));
+        let command = pod["spec"]["containers"][0]["command"].to_string();
+        let port = job.mpi.ssh_port.to_string();
+        assert!(command.contains(&format!(r#""-p","{port}""#)), "{command}");
+        pod["spec"]["securityContext"].clone()
+    };
+    let sysctl = |port: &str| json!({"fsGroup": 1000, "sysctls": [{"name": "net.ipv4.ip_unprivileged_port_start", "value": port}]});
+    assert_eq!(worker_security(Some(22)), sysctl("22"));
+    assert_eq!(worker_security(Some(1023)), sysctl("1023"));
+    // Ports that need no root are left as they are, the default among them.
+    assert_eq!(worker_security(Some(1024)), json!({"fsGroup": 1000}));
+    assert_eq!(worker_security(None), json!({"fsGroup": 1000}));
+}
+
+#[test]
 fn user_overrides_are_merged_without_losing_ringmasters_settings() {
     let job = sample("trainingjob-resnet50-nd96asr-v4.yaml", |o| {
         o["spec"]["worker"] = json!({
@@ -955,4 +977,19 @@ fn a_cpu_jobs_pod_group_asks_for_no_devices() {
     let group = build::pod_group(&job);
     assert_eq!(group.spec.min_member, i32::try_from(job.workers).unwrap());
     assert!(group.spec.min_resources.is_empty());
+}
+
+#[test]
+fn a_jobs_schedule_timeout_goes_to_its_pod_group() {
+    let job = sample("trainingjob-cpu-small.yaml", |o| {
+        o["spec"]["runPolicy"]["schedulingPolicy"] = json!({"scheduleTimeoutSeconds": 300});
+    });
+    let group = value(&build::pod_group(&job));
+    assert_eq!(group["spec"]["scheduleTimeoutSeconds"], 300);
+    let job = sample("trainingjob-cpu-small.yaml", |_| {});
+    let group = value(&build::pod_group(&job));
+    assert!(
+        group["spec"].get("scheduleTimeoutSeconds").is_none(),
+        "{group}"
+    );
 }

@@ -3,6 +3,7 @@
 #[path = "common/mod.rs"]
 mod fixtures;
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
@@ -802,19 +803,25 @@ fn a_launcher_that_lost_a_peer_waits_a_moment_for_the_worker_that_caused_it() {
 
 #[test]
 fn pods_of_an_earlier_job_of_the_same_name_are_waited_out_not_overwritten() {
+    use plan::NameHolder;
+    let going = |name: &str| BTreeMap::from([(name.to_string(), NameHolder::Going)]);
     let mut p = Scenario::new(job(|_| {})).plan();
     assert_eq!(p.create_workers, vec![0, 1]);
-    // The deleted job's worker 1 is still terminating: only worker 0 is made now.
-    let in_use = std::collections::BTreeSet::from(["resnet18-cpu-worker-1".to_string()]);
-    plan::hold_back_names_in_use(&mut p, "resnet18-cpu", &in_use);
+    let before = p.clone();
+    // The deleted job's worker 1 is still terminating: only worker 0 is made now, and the
+    // job says nothing of it (it goes by itself).
+    plan::hold_back_names_in_use(&mut p, "resnet18-cpu", &going("resnet18-cpu-worker-1"));
     assert_eq!(p.create_workers, vec![0]);
     assert_eq!(p.requeue_after, Some(Duration::from_secs(1)));
+    assert_eq!(
+        (&p.conditions, &p.message),
+        (&before.conditions, &before.message)
+    );
 
     let ready = vec![pod("worker", 0, 0, "ready"), pod("worker", 1, 0, "ready")];
     let mut p = Scenario::new(job(|_| {})).pods(ready).plan();
     assert!(p.create_launcher);
-    let in_use = std::collections::BTreeSet::from(["resnet18-cpu-launcher".to_string()]);
-    plan::hold_back_names_in_use(&mut p, "resnet18-cpu", &in_use);
+    plan::hold_back_names_in_use(&mut p, "resnet18-cpu", &going("resnet18-cpu-launcher"));
     assert!(!p.create_launcher);
 
     // Nothing held: the plan is unchanged.
@@ -822,6 +829,134 @@ fn pods_of_an_earlier_job_of_the_same_name_are_waited_out_not_overwritten() {
     let before = p.clone();
     plan::hold_back_names_in_use(&mut p, "resnet18-cpu", &Default::default());
     assert_eq!(p, before);
+}
+
+#[test]
+fn a_pod_name_held_by_a_pod_that_stays_blocks_the_job_visibly() {
+    use plan::NameHolder;
+    let staying = |name: &str, controller: &str| {
+        (
+            name.to_string(),
+            NameHolder::Staying {
+                controller: controller.into(),
+            },
+        )
+    };
+    let mut p = Scenario::new(job(|_| {})).plan();
+    let in_use = BTreeMap::from([
+        staying("resnet18-cpu-worker-1", "none"),
+        ("resnet18-cpu-worker-0".to_string(), NameHolder::Going),
+    ]);
+    plan::hold_back_names_in_use(&mut p, "resnet18-cpu", &in_use);
+    assert!(p.create_workers.is_empty());
+    // Its deletion does not wake the job: looked at again after a while.
+    assert_eq!(p.requeue_after, Some(plan::NAME_IN_USE_RECHECK));
+    assert_eq!(p.phase, Phase::Starting);
+    let said = "worker resnet18-cpu-worker-1 cannot be made: a pod of that name exists that \
+        this job does not control (its controller: none); delete or rename that pod, and the \
+        job goes on";
+    for type_ in [
+        condition_types::READY,
+        condition_types::RECONCILING,
+        condition_types::WORKERS_READY,
+    ] {
+        let c = p.conditions.iter().find(|c| c.type_ == type_).unwrap();
+        assert_eq!(
+            (c.status, c.reason, c.message.as_str()),
+            (
+                type_ == condition_types::RECONCILING,
+                reasons::NAME_IN_USE,
+                said
+            ),
+            "{type_}"
+        );
+    }
+    assert_eq!(p.message, said);
+    assert!(reasons::BLOCKING.contains(&reasons::NAME_IN_USE));
+
+    // The launcher's name: the workers are ready, and stay so.
+    let ready = vec![pod("worker", 0, 0, "ready"), pod("worker", 1, 0, "ready")];
+    let mut p = Scenario::new(job(|_| {})).pods(ready).plan();
+    let in_use = BTreeMap::from([staying("resnet18-cpu-launcher", "Deployment web")]);
+    plan::hold_back_names_in_use(&mut p, "resnet18-cpu", &in_use);
+    assert!(!p.create_launcher);
+    let workers = p
+        .conditions
+        .iter()
+        .find(|c| c.type_ == condition_types::WORKERS_READY)
+        .unwrap();
+    assert_eq!((workers.status, workers.reason), (true, reasons::RUNNING));
+    let ready = p
+        .conditions
+        .iter()
+        .find(|c| c.type_ == condition_types::READY)
+        .unwrap();
+    assert_eq!(ready.reason, reasons::NAME_IN_USE);
+    assert!(
+        ready
+            .message
+            .starts_with("launcher resnet18-cpu-launcher cannot be made: ")
+            && ready.message.contains("(its controller: Deployment web)"),
+        "{}",
+        ready.message
+    );
+}
+
+#[test]
+fn a_pod_not_the_jobs_goes_by_itself_when_deleted_or_an_earlier_jobs() {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+    use plan::NameHolder;
+    let owned_by = |kind: &str, name: &str, api_version: &str| ObjectMeta {
+        owner_references: Some(vec![OwnerReference {
+            api_version: api_version.into(),
+            kind: kind.into(),
+            name: name.into(),
+            uid: "earlier".into(),
+            controller: Some(true),
+            ..Default::default()
+        }]),
+        ..Default::default()
+    };
+    let job = "resnet18-cpu";
+    let api = "ringmaster.dev/v1alpha1";
+    assert_eq!(
+        NameHolder::of(&owned_by("TrainingJob", job, api), job),
+        NameHolder::Going
+    );
+    let deleting = ObjectMeta {
+        deletion_timestamp: Some(at(0)),
+        ..Default::default()
+    };
+    assert_eq!(NameHolder::of(&deleting, job), NameHolder::Going);
+    // Left by a job deleted with --cascade=orphan: no controller, and nobody deletes it.
+    assert_eq!(
+        NameHolder::of(&ObjectMeta::default(), job),
+        NameHolder::Staying {
+            controller: "none".into()
+        }
+    );
+    for (kind, name, api_version) in [
+        ("TrainingJob", "another", api),
+        ("TrainingJob", job, "kubeflow.org/v1"),
+        ("MPIJob", job, "kubeflow.org/v2beta1"),
+    ] {
+        assert_eq!(
+            NameHolder::of(&owned_by(kind, name, api_version), job),
+            NameHolder::Staying {
+                controller: format!("{kind} {name}")
+            },
+            "{kind} {name} {api_version}"
+        );
+    }
+    // An owner that is not the controller does not count.
+    let mut not_controller = owned_by("TrainingJob", job, api);
+    not_controller.owner_references.as_mut().unwrap()[0].controller = None;
+    assert_eq!(
+        NameHolder::of(&not_controller, job),
+        NameHolder::Staying {
+            controller: "none".into()
+        }
+    );
 }
 
 #[test]

@@ -16,6 +16,7 @@ use common::{
 };
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Pod, Taint};
+use kube::api::{Patch, PatchParams};
 use kube::runtime::watcher;
 use kube::{Api, Client, ResourceExt};
 use ringmaster::api::{TrainingJob, TrainingJobPhase};
@@ -170,9 +171,9 @@ async fn a_gang_that_does_not_fit_holds_no_node_and_runs_once_there_is_room() {
     let _operator = operator(&client, &ns.name).await;
 
     // The first job runs whole, on the pool, through the gang scheduler, in its PodGroup.
-    apply(&client, &gang_job("first"), &ns.name, false)
-        .await
-        .unwrap();
+    let mut first = gang_job("first");
+    first["spec"]["runPolicy"] = json!({"schedulingPolicy": {"scheduleTimeoutSeconds": 120}});
+    apply(&client, &first, &ns.name, false).await.unwrap();
     wait_phase(&client, &ns.name, "first", TrainingJobPhase::Running, 60).await;
     let groups: Api<PodGroup> = Api::namespaced(client.clone(), &ns.name);
     let listed = groups.list(&Default::default()).await.unwrap().items;
@@ -180,6 +181,7 @@ async fn a_gang_that_does_not_fit_holds_no_node_and_runs_once_there_is_room() {
     let group = &listed[0];
     assert_eq!(group.spec.min_member, 2, "the workers are the gang");
     assert_eq!(group.spec.min_resources["nvidia.com/gpu"].0, "16");
+    assert_eq!(group.spec.schedule_timeout_seconds, Some(120));
     let jobs: Api<TrainingJob> = Api::namespaced(client.clone(), &ns.name);
     let owner = &group.owner_references()[0];
     assert_eq!(
@@ -191,6 +193,27 @@ async fn a_gang_that_does_not_fit_holds_no_node_and_runs_once_there_is_room() {
         jobs.get("first").await.unwrap().metadata.uid.as_ref()
     );
     assert_eq!(owner.controller, Some(true));
+    // The job's timeout changed is the group's timeout changed; taken out, taken out.
+    for (timeout, expected) in [(json!(45), Some(45)), (Value::Null, None)] {
+        let change = json!({"spec": {"runPolicy": {"schedulingPolicy": {"scheduleTimeoutSeconds": timeout}}}});
+        jobs.patch("first", &PatchParams::default(), &Patch::Merge(&change))
+            .await
+            .unwrap();
+        eventually(
+            Duration::from_secs(30),
+            &format!("the PodGroup's scheduleTimeoutSeconds {expected:?}"),
+            || async {
+                groups
+                    .get(&group.name_any())
+                    .await
+                    .unwrap()
+                    .spec
+                    .schedule_timeout_seconds
+                    == expected
+            },
+        )
+        .await;
+    }
     for pod in pods(&client, &ns.name, "first").await {
         let spec = pod.spec.as_ref().unwrap();
         assert_eq!(

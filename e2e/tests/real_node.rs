@@ -409,6 +409,56 @@ async fn every_rank_gets_the_worker_environment_with_its_own_workers_values() {
     }
 }
 
+/// `mpi.sshPort: 22` with the image's non-root user: sshd listens on the privileged port
+/// (the pod's own network opens it to every user), and mpirun reaches every rank through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_root_worker_serves_ssh_on_port_22() {
+    let _node = REAL_NODE_IN_USE.lock().await;
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "real-port22").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    let job = sample_on_real_node("port22", |spec| {
+        spec.as_object_mut().unwrap().remove("trainer");
+        spec["mpi"] = json!({"sshPort": 22});
+        spec["command"] = json!([
+            "sh",
+            "-c",
+            "echo \"rank=$OMPI_COMM_WORLD_RANK uid=`id -u`\""
+        ]);
+    });
+    apply(&client, &job, &ns.name, false).await.unwrap();
+    let workers = launcher_started_after_ready_workers(&client, &ns.name, "port22").await;
+    let sshd_log = logs(&client, &ns.name, &workers[0]).await;
+    assert!(
+        sshd_log.contains("Server listening on 0.0.0.0 port 22.")
+            && sshd_log.contains("Accepted publickey for trainer"),
+        "{sshd_log}"
+    );
+    let status = wait_phase(
+        &client,
+        &ns.name,
+        "port22",
+        TrainingJobPhase::Succeeded,
+        180,
+    )
+    .await;
+    assert_eq!(status["restarts"], 0, "{status:#}");
+    let log = logs(&client, &ns.name, "port22-launcher").await;
+    let mut ranks: Vec<&str> = log.lines().filter(|l| l.starts_with("rank=")).collect();
+    ranks.sort();
+    assert_eq!(
+        ranks,
+        [
+            "rank=0 uid=1000",
+            "rank=1 uid=1000",
+            "rank=2 uid=1000",
+            "rank=3 uid=1000"
+        ],
+        "{log}"
+    );
+}
+
 /// Kills a container through containerd (SIGKILL to its task), as the OOM killer or a crash
 /// would end it: the kubelet sees it exit.
 fn kill_container(container_id: &str) {

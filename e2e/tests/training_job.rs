@@ -732,3 +732,133 @@ async fn a_worker_the_api_server_refuses_stalls_the_job_with_its_message() {
     assert_eq!(condition(&status, "Stalled")["status"], "False");
     classes.delete(&class, &Default::default()).await.unwrap();
 }
+
+/// A pod that will not be scheduled and is not the job's: it holds `name` until deleted.
+fn foreign_pod(name: &str, labels: Value) -> Pod {
+    serde_json::from_value(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "nodeSelector": {"ringmaster.dev/no-such-node": "true"},
+            "containers": [{"name": "main", "image": "busybox"}],
+        },
+    }))
+    .unwrap()
+}
+
+/// Pods not of the job hold the names of its pods: one left with the job's labels and no
+/// controller (what `kubectl delete --cascade=orphan` leaves of an earlier job, which the
+/// operator sees in its cache), and one without them (which only the API server's 409
+/// tells). Each blocks the job visibly (NameInUse, ChildRejected, each with a Warning),
+/// nothing of them is taken over, and the job goes on once they are deleted. The operator
+/// runs with the chart's rights.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_of_another_holding_the_jobs_pod_names_block_it_visibly_until_deleted() {
+    let admin = client().await;
+    ensure_crds(&admin).await;
+    let ns = TestNamespace::new(&admin, "tj-names").await;
+    common::apply_chart_rbac(
+        &admin,
+        "tj-names-system",
+        "names",
+        "logFormat=json",
+        "resources: [pods]",
+    )
+    .await;
+    let operator_client = common::impersonating("tj-names-system", "names-ringmaster").await;
+    let _operator = Operator::start(&operator_client, &ns.name).await;
+    let pod_api: Api<Pod> = Api::namespaced(admin.clone(), &ns.name);
+    let orphan = foreign_pod(
+        "taken-worker-1",
+        json!({"ringmaster.dev/job-name": "taken"}),
+    );
+    let stranger = foreign_pod("taken-launcher", json!({"app": "someone-elses"}));
+    for pod in [&orphan, &stranger] {
+        pod_api.create(&Default::default(), pod).await.unwrap();
+    }
+
+    apply(&admin, &cpu_job("taken", 2, |_| {}), &ns.name, false)
+        .await
+        .unwrap();
+    // The orphan's name: Ready says so with a Warning; worker 0 is made meanwhile.
+    let said = "worker taken-worker-1 cannot be made: a pod of that name exists that this job \
+        does not control (its controller: none); delete or rename that pod, and the job goes on";
+    eventually(
+        Duration::from_secs(30),
+        "NameInUse for worker 1",
+        || async {
+            let status = job_status(&admin, &ns.name, "taken").await;
+            condition(&status, "Ready")["reason"] == "NameInUse"
+                && !common::warnings_for(&admin, &ns.name, "taken", "NameInUse")
+                    .await
+                    .is_empty()
+        },
+    )
+    .await;
+    let status = job_status(&admin, &ns.name, "taken").await;
+    for type_ in ["Ready", "WorkersReady"] {
+        assert_eq!(condition(&status, type_)["message"], said, "{type_}");
+    }
+    assert!(phase_is(&status, TrainingJobPhase::Starting), "{status:#}");
+    let ours: Vec<String> = pods(&admin, &ns.name, "taken")
+        .await
+        .into_iter()
+        .filter(|p| !p.owner_references().is_empty())
+        .map(|p| p.name_any())
+        .collect();
+    assert_eq!(ours, ["taken-worker-0"]);
+
+    // Deleted, the name is made the job's: worker 1, then the launcher's name is refused.
+    pod_api
+        .delete("taken-worker-1", &DeleteParams::default().grace_period(0))
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(60),
+        "ChildRejected for the launcher",
+        || async {
+            let status = job_status(&admin, &ns.name, "taken").await;
+            let stalled = condition(&status, "Stalled");
+            stalled["status"] == "True" && stalled["reason"] == "ChildRejected"
+        },
+    )
+    .await;
+    let status = job_status(&admin, &ns.name, "taken").await;
+    let rejected = condition(&status, "Stalled")["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(
+        rejected,
+        "creating Pod taken-launcher: a pod of that name exists that this job does not \
+         control (its controller: none); delete or rename that pod, and the job goes on"
+    );
+    assert!(
+        !common::warnings_for(&admin, &ns.name, "taken", "ChildRejected")
+            .await
+            .is_empty()
+    );
+    // Neither held pod was taken over.
+    let launcher = pod_api.get("taken-launcher").await.unwrap();
+    assert!(launcher.owner_references().is_empty());
+    assert_eq!(launcher.labels(), stranger.labels());
+
+    pod_api
+        .delete("taken-launcher", &DeleteParams::default().grace_period(0))
+        .await
+        .unwrap();
+    let status = wait_phase(&admin, &ns.name, "taken", TrainingJobPhase::Running, 90).await;
+    assert_eq!(
+        condition(&status, "Stalled")["status"],
+        "False",
+        "{status:#}"
+    );
+    let mut ours: Vec<String> = pods(&admin, &ns.name, "taken")
+        .await
+        .into_iter()
+        .map(|p| p.name_any())
+        .collect();
+    ours.sort();
+    assert_eq!(ours, ["taken-launcher", "taken-worker-0", "taken-worker-1"]);
+}

@@ -479,7 +479,10 @@ pub struct MpiSpec {
     /// Default: OpenMPI.
     #[serde(default)]
     pub implementation: MpiImplementation,
-    /// Port the workers' sshd listens on (not 22, so sshd runs without root). Default: 2222.
+    /// Port the workers' sshd listens on. Default: 2222. A port below 1024 (22, as some MPI
+    /// images expect) works for images that run as a user other than root too: the worker
+    /// pods then set the namespaced sysctl `net.ipv4.ip_unprivileged_port_start` to it,
+    /// which the kubelet allows by default and affects only the pod's own network.
     #[serde(default = "default_ssh_port")]
     #[schemars(range(min = 1, max = 65535))]
     #[x_kube(validation = Rule::new("self != 29500")
@@ -604,6 +607,10 @@ pub struct RunPolicy {
     /// Stop the job's pods and keep the job; set back to false to start it again.
     #[serde(default)]
     pub suspend: bool,
+    /// How the gang scheduler treats the job's workers, when the operator gang-schedules
+    /// (Helm: `gangScheduler`); ignored otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduling_policy: Option<SchedulingPolicy>,
 }
 
 impl Default for RunPolicy {
@@ -614,8 +621,23 @@ impl Default for RunPolicy {
             ttl_seconds_after_finished: None,
             clean_pod_policy: CleanPodPolicy::default(),
             suspend: false,
+            scheduling_policy: None,
         }
     }
+}
+
+/// Gang-scheduling settings of a job (its PodGroup's), as MPI Operator's
+/// `runPolicy.schedulingPolicy`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SchedulingPolicy {
+    /// Seconds the gang scheduler holds the workers it has placed while it waits for room
+    /// for the rest of the gang; then it lets them go and tries the whole gang again later.
+    /// Unset: the scheduler's own setting (scheduler-plugins' `permitWaitingTimeSeconds`).
+    /// Can be changed while the job runs: it applies to the next placement.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 86400))]
+    pub schedule_timeout_seconds: Option<i32>,
 }
 
 fn default_backoff_limit() -> i32 {

@@ -4,8 +4,9 @@
 //! hostfile). Everything is owned by the job.
 
 use k8s_openapi::api::core::v1::{Pod, Secret, Service};
-use kube::api::{DeleteParams, PostParams};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
+use serde_json::json;
 
 use super::build::{self, BuildInputs, SshKeys};
 use super::names::{self, ChildNaming};
@@ -29,6 +30,11 @@ pub enum ApplyError {
     /// No randomness for the SSH key.
     #[error("drawing a seed for the SSH key: {0}")]
     Random(#[source] getrandom::Error),
+    /// A pod the job would make has a name that a pod the job does not control holds (one
+    /// without the job's labels, so not in the pod cache: [`super::plan::NameHolder`] covers
+    /// those with them).
+    #[error("creating Pod {name}: {}", name_in_use(controller))]
+    PodNameInUse { name: String, controller: String },
     /// The operator gang-schedules, and the cluster has no PodGroup API.
     #[error("creating PodGroup {name}: {}", NO_POD_GROUP_API)]
     NoPodGroupApi {
@@ -36,6 +42,13 @@ pub enum ApplyError {
         #[source]
         source: kube::Error,
     },
+}
+
+fn name_in_use(controller: &str) -> String {
+    format!(
+        "a pod of that name exists that this job does not control (its controller: \
+         {controller}); delete or rename that pod, and the job goes on"
+    )
 }
 
 /// What a job that cannot get its PodGroup says: the fix is the cluster's or the operator's.
@@ -55,8 +68,8 @@ impl ApplyError {
                 source,
             } => crate::controller::rejection(source)
                 .map(|message| format!("{action} {kind} {name}: {message}")),
-            ApplyError::NoPodGroupApi { name, .. } => {
-                Some(format!("creating PodGroup {name}: {NO_POD_GROUP_API}"))
+            ApplyError::NoPodGroupApi { .. } | ApplyError::PodNameInUse { .. } => {
+                Some(self.to_string())
             }
             ApplyError::Random(_) => None,
         }
@@ -123,22 +136,40 @@ async fn ensure_ssh_secret(
     }
 }
 
-/// Makes the job's PodGroup unless it exists. Never applied again: what it holds (workers,
-/// their GPUs and InfiniBand devices) is immutable in the spec.
-async fn ensure_pod_group(client: &Client, job: &ValidatedTrainingJob) -> Result<(), ApplyError> {
+/// Makes the job's PodGroup unless it exists. When the spec changed (`update`), the one
+/// there gets the job's schedule timeout, the only thing of it that can change: what it
+/// holds (workers, their GPUs and InfiniBand devices) is immutable in the spec. A merge
+/// patch, so a timeout taken out of the spec is taken out of the group too.
+async fn ensure_pod_group(
+    client: &Client,
+    job: &ValidatedTrainingJob,
+    update: bool,
+) -> Result<(), ApplyError> {
     let groups: Api<PodGroup> = Api::namespaced(client.clone(), &job.namespace);
     let group = build::pod_group(job);
-    create_unless_exists(&groups, &group)
-        .await
-        .map(|_| ())
-        .map_err(|source| {
-            let name = group.name_any();
-            if is_not_found(&source) {
-                ApplyError::NoPodGroupApi { name, source }
-            } else {
-                kube_error("creating", "PodGroup", &name)(source)
+    let name = group.name_any();
+    let refused = |source: kube::Error| {
+        if is_not_found(&source) {
+            ApplyError::NoPodGroupApi {
+                name: name.clone(),
+                source,
             }
-        })
+        } else {
+            kube_error("writing", "PodGroup", &name)(source)
+        }
+    };
+    let made = create_unless_exists(&groups, &group)
+        .await
+        .map_err(refused)?;
+    if update && !made {
+        let timeout =
+            json!({"spec": {"scheduleTimeoutSeconds": group.spec.schedule_timeout_seconds}});
+        groups
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&timeout))
+            .await
+            .map_err(kube_error("updating", "PodGroup", &name))?;
+    }
+    Ok(())
 }
 
 /// What [`execute`] wrote, also when it then failed: the caller remembers it, so a retry
@@ -163,6 +194,46 @@ where
         Ok(_) => Ok(true),
         Err(e) if is_conflict(&e) => Ok(false),
         Err(e) => Err(e),
+    }
+}
+
+/// Creates one of the job's pods; true when this call made it. A pod of that name that
+/// exists already is kept when it is the job's (made by a reconcile the cache does not show
+/// yet), and refused with [`ApplyError::PodNameInUse`] when it is not: the job would wait
+/// for it for ever.
+async fn create_pod(
+    pods: &Api<Pod>,
+    job: &ValidatedTrainingJob,
+    pod: &Pod,
+) -> Result<bool, ApplyError> {
+    let name = pod.name_any();
+    if create_unless_exists(pods, pod)
+        .await
+        .map_err(kube_error("creating", "Pod", &name))?
+    {
+        return Ok(true);
+    }
+    let existing = pods
+        .get_opt(&name)
+        .await
+        .map_err(kube_error("reading", "Pod", &name))?;
+    let Some(existing) = existing else {
+        // Gone since: made on the next look.
+        return Ok(false);
+    };
+    let controller = existing
+        .owner_references()
+        .iter()
+        .find(|o| o.controller == Some(true));
+    if controller.is_some_and(|o| o.uid == job.uid) {
+        return Ok(false);
+    }
+    match super::plan::NameHolder::of(&existing.metadata, &job.name) {
+        // An earlier job's, on its way out: waited out like those the cache shows.
+        super::plan::NameHolder::Going => Ok(false),
+        super::plan::NameHolder::Staying { controller } => {
+            Err(ApplyError::PodNameInUse { name, controller })
+        }
     }
 }
 
@@ -201,7 +272,7 @@ pub async fn execute(
         result.map_err(kube_error("applying", "Service", &service.name_any()))?;
         if inputs.gang_scheduler.is_some() {
             // Before the pods: the scheduler turns away a pod whose group it cannot find.
-            ensure_pod_group(client, job).await?;
+            ensure_pod_group(client, job, children == Children::Update).await?;
         }
         written.children = true;
     }
@@ -212,10 +283,9 @@ pub async fn execute(
         let pods = pods.clone();
         async move {
             let name = pod.name_any();
-            create_unless_exists(&pods, &pod)
+            create_pod(&pods, job, &pod)
                 .await
-                .map(|made| made.then(|| name.clone()))
-                .map_err(kube_error("creating", "Pod", &name))
+                .map(|made| made.then_some(name))
         }
     });
     // Every creation is tried; the first failure in worker order is reported, so a refusal
@@ -236,14 +306,10 @@ pub async fn execute(
         if inputs.gang_scheduler.is_some() && children == Children::Keep {
             // A gang made before the operator gang-scheduled has no group: the launcher
             // would wait for one for ever. One create (409 when it exists) per launcher.
-            ensure_pod_group(client, job).await?;
+            ensure_pod_group(client, job, false).await?;
         }
         let pod = build::launcher_pod(job, inputs);
-        if create_unless_exists(&pods, &pod).await.map_err(kube_error(
-            "creating",
-            "Pod",
-            &pod.name_any(),
-        ))? {
+        if create_pod(&pods, job, &pod).await? {
             written.pods.push(pod.name_any());
         }
     }

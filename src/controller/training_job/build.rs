@@ -253,7 +253,11 @@ pub fn pod_group(job: &ValidatedTrainingJob) -> PodGroup {
             // The schema bounds workers far below i32::MAX.
             min_member: i32::try_from(job.workers).unwrap_or(i32::MAX),
             min_resources,
-            schedule_timeout_seconds: None,
+            schedule_timeout_seconds: job
+                .run_policy
+                .scheduling_policy
+                .as_ref()
+                .and_then(|p| p.schedule_timeout_seconds),
         },
     }))
 }
@@ -499,7 +503,7 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
             // Not one variable per Service of the namespace in every container: a namespace
             // with a thousand jobs has a thousand Services.
             "enableServiceLinks": false,
-            "securityContext": {"fsGroup": POD_FS_GROUP},
+            "securityContext": worker_pod_security(port),
             "nodeSelector": node_selector,
             "tolerations": tolerations,
             "volumes": volumes,
@@ -542,6 +546,26 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
 /// copies themselves are the user's own, mode 0600. `UsePAM=no` lets it run as any user.
 /// `user_environment`: the `environment=` options of `authorized_keys` are honoured
 /// ([`worker_with_private_ssh_keys`]).
+/// The worker pod's security context. sshd runs as the image's user, often not root: a
+/// port below 1024 is then opened to every user of the pod's own network namespace
+/// through `net.ipv4.ip_unprivileged_port_start`, a sysctl the kubelet allows by default
+/// (since Kubernetes 1.22) and the baseline Pod Security Standard permits. It touches no
+/// other pod or the node.
+fn worker_pod_security(ssh_port: i32) -> Value {
+    let mut security = json!({"fsGroup": POD_FS_GROUP});
+    if ssh_port < PRIVILEGED_PORTS_END {
+        security["sysctls"] = json!([{
+            "name": "net.ipv4.ip_unprivileged_port_start",
+            "value": ssh_port.to_string(),
+        }]);
+    }
+    security
+}
+
+/// Ports below this one need root (or CAP_NET_BIND_SERVICE) to listen on, unless the
+/// network namespace's `ip_unprivileged_port_start` says otherwise.
+const PRIVILEGED_PORTS_END: i32 = 1024;
+
 fn sshd_command(port: i32, user_environment: bool) -> Vec<String> {
     let mut command: Vec<String> = [
         "/usr/sbin/sshd",

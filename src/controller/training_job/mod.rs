@@ -13,7 +13,7 @@ pub mod recent;
 pub mod status;
 pub mod validate;
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Pod;
@@ -31,7 +31,7 @@ use crate::api::{
 use crate::validation::FieldErrors;
 use build::BuildInputs;
 use observe::Observed;
-use plan::{DataState, PlanInputs};
+use plan::{DataState, NameHolder, PlanInputs};
 
 /// The controller's name in metrics and logs.
 pub const CONTROLLER: &str = "trainingjob";
@@ -155,9 +155,9 @@ fn data_state(ctx: &Context, job: &validate::ValidatedTrainingJob) -> DataState 
 }
 
 /// The pods from the shared cache that carry the job's name label (same namespace), in one
-/// pass: those owned by this UID, and the names of the others (an earlier job of the same
-/// name whose pods are still terminating).
-fn pods_of(ctx: &Context, job: &TrainingJob) -> (Vec<Arc<Pod>>, BTreeSet<String>) {
+/// pass: those owned by this UID, and who holds the names of the others (an earlier job of
+/// the same name whose pods are still terminating, or pods left without a controller).
+fn pods_of(ctx: &Context, job: &TrainingJob) -> (Vec<Arc<Pod>>, BTreeMap<String, NameHolder>) {
     let namespace = job.namespace();
     let name = job.name_any();
     let uid = job.uid();
@@ -174,7 +174,11 @@ fn pods_of(ctx: &Context, job: &TrainingJob) -> (Vec<Arc<Pod>>, BTreeSet<String>
                 .iter()
                 .any(|o| o.controller == Some(true) && Some(&o.uid) == uid.as_ref())
         });
-    (ours, others.iter().map(|pod| pod.name_any()).collect())
+    let holders = others
+        .iter()
+        .map(|pod| (pod.name_any(), NameHolder::of(&pod.metadata, &name)))
+        .collect();
+    (ours, holders)
 }
 
 async fn run(

@@ -1,10 +1,10 @@
 //! The TrainingJob state machine: from the validated spec, the last status and the observed
 //! pods, what to create, what to delete and what the status says. Pure: the clock comes in.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::time::Duration;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 
 use super::observe::{Exit, Observed, PodLife, PodState, StuckKind};
 use super::queue::QueueState;
@@ -46,14 +46,17 @@ pub mod reasons {
     /// A pod's container cannot be created or run: a missing Secret or ConfigMap key in its
     /// environment, a command the runtime refuses (the kubelet keeps trying).
     pub const CONTAINER_CANNOT_START: &str = "ContainerCannotStart";
+    /// A pod the job would make has a name another pod, not the job's, holds.
+    pub const NAME_IN_USE: &str = "NameInUse";
 
     /// The reasons that say the job waits on something a person must fix: each is written at
     /// once and comes with a Warning Event.
-    pub const BLOCKING: [&str; 4] = [
+    pub const BLOCKING: [&str; 5] = [
         UNSCHEDULABLE,
         IMAGE_PULL_FAILED,
         CONTAINER_CANNOT_START,
         DATA_STAGE_FAILED,
+        NAME_IN_USE,
     ];
     /// Waiting for the DataStage.
     pub const WAITING_FOR_DATA: &str = "WaitingForData";
@@ -218,22 +221,92 @@ impl Plan {
     }
 }
 
-/// Holds back the creation of pods whose names are still taken by pods of another job: an
-/// earlier job of the same name, deleted, whose pods are still terminating. Creating over
-/// them would be refused by the API server (they are not ours); their deletion wakes the job
-/// again, and a look after a second covers a missed event.
-pub fn hold_back_names_in_use(plan: &mut Plan, job: &str, in_use: &BTreeSet<String>) {
-    let before = plan.create_workers.len();
-    plan.create_workers
-        .retain(|i| !in_use.contains(&super::names::worker_pod(job, *i)));
-    let mut held = plan.create_workers.len() != before;
-    if plan.create_launcher && in_use.contains(&super::names::launcher_pod(job)) {
+/// Who holds the name of a pod the job would make.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NameHolder {
+    /// A pod on its way out: one being deleted, or one of an earlier job of the same name
+    /// (deleted; the garbage collector takes its pods). Waited out quietly.
+    Going,
+    /// A pod that stays until a person deletes it: one without a controller (a job deleted
+    /// with `--cascade=orphan` leaves its pods so) or controlled by something else. `controller`
+    /// says which, in words.
+    Staying { controller: String },
+}
+
+impl NameHolder {
+    /// Whether `pod`, not the job's (named `job`), goes by itself.
+    pub fn of(pod: &ObjectMeta, job: &str) -> Self {
+        let controller = pod
+            .owner_references
+            .iter()
+            .flatten()
+            .find(|o| o.controller == Some(true));
+        let earlier_job = controller.is_some_and(|o| {
+            o.kind == "TrainingJob" && o.name == job && o.api_version.starts_with(crate::api::GROUP)
+        });
+        if pod.deletion_timestamp.is_some() || earlier_job {
+            NameHolder::Going
+        } else {
+            NameHolder::Staying {
+                controller: controller.map_or("none".into(), |o| format!("{} {}", o.kind, o.name)),
+            }
+        }
+    }
+}
+
+/// How soon a job whose pod's name a staying pod holds looks again: that pod's deletion
+/// does not wake the job (it is not the job's).
+pub const NAME_IN_USE_RECHECK: Duration = Duration::from_secs(10);
+
+/// Holds back the creation of pods whose names are taken by pods of another owner.
+/// Creating over them would be refused by the API server (they are not ours). A pod on its
+/// way out ([`NameHolder::Going`]) is waited out quietly: its deletion wakes the job again,
+/// and a look after a second covers a missed event. A pod that stays blocks the job
+/// visibly: Ready and Reconciling (and WorkersReady, for a worker) say `NameInUse`, with
+/// the pod and its controller, and a Warning Event goes out.
+pub fn hold_back_names_in_use(plan: &mut Plan, job: &str, in_use: &BTreeMap<String, NameHolder>) {
+    use super::names::{LAUNCHER_ROLE, WORKER_ROLE};
+    let mut held: Vec<(&str, String)> = Vec::new();
+    plan.create_workers.retain(|i| {
+        let name = super::names::worker_pod(job, *i);
+        let taken = in_use.contains_key(&name);
+        if taken {
+            held.push((WORKER_ROLE, name));
+        }
+        !taken
+    });
+    let launcher = super::names::launcher_pod(job);
+    if plan.create_launcher && in_use.contains_key(&launcher) {
         plan.create_launcher = false;
-        held = true;
+        held.push((LAUNCHER_ROLE, launcher));
     }
-    if held {
-        plan.requeue(Duration::from_secs(1));
+    let staying = held.iter().find_map(|(role, name)| match &in_use[name] {
+        NameHolder::Going => None,
+        NameHolder::Staying { controller } => Some((*role, name, controller)),
+    });
+    let Some((role, name, controller)) = staying else {
+        if !held.is_empty() {
+            plan.requeue(Duration::from_secs(1));
+        }
+        return;
+    };
+    plan.requeue(NAME_IN_USE_RECHECK);
+    let message = format!(
+        "{role} {name} cannot be made: a pod of that name exists that this job does not \
+         control (its controller: {controller}); delete or rename that pod, and the job goes on"
+    );
+    for condition in plan.conditions.iter_mut() {
+        let this_one = match condition.type_ {
+            condition_types::READY | condition_types::RECONCILING => true,
+            condition_types::WORKERS_READY => role == WORKER_ROLE,
+            _ => false,
+        };
+        if this_one {
+            condition.reason = reasons::NAME_IN_USE;
+            condition.message.clone_from(&message);
+        }
     }
+    plan.message = message;
 }
 
 fn seconds_between(from: &Time, to: &Time) -> f64 {
