@@ -11,6 +11,8 @@
 #   e2e/gang-scheduler.sh status   say whether it runs
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=tools/pidfile.sh
+source "$here/tools/pidfile.sh"
 state="$here/.state"
 kubeconfig="$state/kubeconfig"
 dir="$state/gang-scheduler"
@@ -25,9 +27,7 @@ permit_wait_seconds=${GANG_PERMIT_WAIT_SECONDS:-10}
 log() { printf '[gang-scheduler] %s\n' "$*" >&2; }
 kubectl() { "$("$here/tools/build.sh")/kubectl" --kubeconfig "$kubeconfig" "$@"; }
 
-running() {
-  [ -f "$dir/pid" ] && kill -0 "$(cat "$dir/pid")" 2>/dev/null
-}
+running() { pidfile_running "$dir/pid"; }
 
 healthy() {
   curl -ksf "https://127.0.0.1:$port/healthz" >/dev/null 2>&1
@@ -81,15 +81,7 @@ CONFIG
   exit 1
 }
 
-stop() {
-  if running; then
-    local pid
-    pid=$(cat "$dir/pid")
-    kill "$pid" 2>/dev/null || true
-    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-    kill -9 "$pid" 2>/dev/null || true
-  fi
-}
+stop() { pidfile_stop "$dir/pid"; }
 
 case "${1:-}" in
   up) up ;;

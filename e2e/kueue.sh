@@ -20,6 +20,8 @@
 # the Service's name.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=tools/pidfile.sh
+source "$here/tools/pidfile.sh"
 state="$here/.state"
 kubeconfig="$state/kubeconfig"
 dir="$state/kueue"
@@ -32,9 +34,7 @@ external_framework=TrainingJob.v1alpha1.ringmaster.dev
 log() { printf '[kueue] %s\n' "$*" >&2; }
 kubectl() { "$("$here/tools/build.sh")/kubectl" --kubeconfig "$kubeconfig" "$@"; }
 
-running() {
-  [ -f "$dir/pid" ] && kill -0 "$(cat "$dir/pid")" 2>/dev/null
-}
+running() { pidfile_running "$dir/pid"; }
 
 # Kueue answers through its webhooks: a server-side dry run of a ResourceFlavor passes them.
 answering() {
@@ -126,15 +126,7 @@ EOF
   exit 1
 }
 
-stop() {
-  if running; then
-    local pid
-    pid=$(cat "$dir/pid")
-    kill "$pid" 2>/dev/null || true
-    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-    kill -9 "$pid" 2>/dev/null || true
-  fi
-}
+stop() { pidfile_stop "$dir/pid"; }
 
 down() {
   stop

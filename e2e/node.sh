@@ -36,6 +36,8 @@ log() { printf '[node] %s\n' "$*" >&2; }
 
 # shellcheck source=tools/need.sh
 source "$here/tools/need.sh"
+# shellcheck source=tools/pidfile.sh
+source "$here/tools/pidfile.sh"
 
 # start NAME COMMAND...: runs it in its own session, logging to $state/logs/NAME.log.
 start() {
@@ -236,7 +238,7 @@ kube_proxy() {
 
 up() {
   bin=$("$here/tools/build.sh")
-  if [ -f "$state/pids/kubelet.pid" ] && kill -0 "$(cat "$state/pids/kubelet.pid")" 2>/dev/null; then
+  if pidfile_running "$state/pids/kubelet.pid"; then
     log "already up"; return 0
   fi
   local started=$SECONDS
@@ -261,15 +263,7 @@ up() {
 }
 
 # kill_pidfile NAME: stops a process started by `start` and waits for it.
-kill_pidfile() {
-  local f="$state/pids/$1.pid"
-  [ -f "$f" ] || return 0
-  local pid; pid=$(cat "$f")
-  kill "$pid" 2>/dev/null || true
-  for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-  kill -9 "$pid" 2>/dev/null || true
-  rm -f "$f"
-}
+kill_pidfile() { pidfile_stop "$state/pids/$1.pid"; }
 
 down() {
   [ -d "$state" ] || { ip link del "$bridge" 2>/dev/null || true; return 0; }
