@@ -810,7 +810,12 @@ fn pods_of_an_earlier_job_of_the_same_name_are_waited_out_not_overwritten() {
     let before = p.clone();
     // The deleted job's worker 1 is still terminating: only worker 0 is made now, and the
     // job says nothing of it (it goes by itself).
-    plan::hold_back_names_in_use(&mut p, "resnet18-cpu", &going("resnet18-cpu-worker-1"));
+    plan::hold_back_names_in_use(
+        &mut p,
+        "resnet18-cpu",
+        &going("resnet18-cpu-worker-1"),
+        None,
+    );
     assert_eq!(p.create_workers, vec![0]);
     assert_eq!(p.requeue_after, Some(Duration::from_secs(1)));
     assert_eq!(
@@ -821,13 +826,18 @@ fn pods_of_an_earlier_job_of_the_same_name_are_waited_out_not_overwritten() {
     let ready = vec![pod("worker", 0, 0, "ready"), pod("worker", 1, 0, "ready")];
     let mut p = Scenario::new(job(|_| {})).pods(ready).plan();
     assert!(p.create_launcher);
-    plan::hold_back_names_in_use(&mut p, "resnet18-cpu", &going("resnet18-cpu-launcher"));
+    plan::hold_back_names_in_use(
+        &mut p,
+        "resnet18-cpu",
+        &going("resnet18-cpu-launcher"),
+        None,
+    );
     assert!(!p.create_launcher);
 
     // Nothing held: the plan is unchanged.
     let mut p = Scenario::new(job(|_| {})).plan();
     let before = p.clone();
-    plan::hold_back_names_in_use(&mut p, "resnet18-cpu", &Default::default());
+    plan::hold_back_names_in_use(&mut p, "resnet18-cpu", &Default::default(), None);
     assert_eq!(p, before);
 }
 
@@ -847,10 +857,10 @@ fn a_pod_name_held_by_a_pod_that_stays_blocks_the_job_visibly() {
         staying("resnet18-cpu-worker-1", "none"),
         ("resnet18-cpu-worker-0".to_string(), NameHolder::Going),
     ]);
-    plan::hold_back_names_in_use(&mut p, "resnet18-cpu", &in_use);
+    plan::hold_back_names_in_use(&mut p, "resnet18-cpu", &in_use, None);
     assert!(p.create_workers.is_empty());
-    // Its deletion does not wake the job: looked at again after a while.
-    assert_eq!(p.requeue_after, Some(plan::NAME_IN_USE_RECHECK));
+    // Worker 0's name is free again in a moment: looked at again then.
+    assert_eq!(p.requeue_after, Some(Duration::from_secs(1)));
     assert_eq!(p.phase, Phase::Starting);
     let said = "worker resnet18-cpu-worker-1 cannot be made: a pod of that name exists that \
         this job does not control (its controller: none); delete or rename that pod, and the \
@@ -873,13 +883,23 @@ fn a_pod_name_held_by_a_pod_that_stays_blocks_the_job_visibly() {
     }
     assert_eq!(p.message, said);
     assert!(reasons::BLOCKING.contains(&reasons::NAME_IN_USE));
+    // Held by the staying pod alone, the job looks again after a while: that pod's deletion
+    // does not wake it.
+    let mut p = Scenario::new(job(|_| {})).plan();
+    let in_use = BTreeMap::from([staying("resnet18-cpu-worker-1", "none")]);
+    plan::hold_back_names_in_use(&mut p, "resnet18-cpu", &in_use, None);
+    assert_eq!(p.create_workers, vec![0]);
+    assert_eq!(p.requeue_after, Some(plan::NAME_IN_USE_RECHECK));
 
     // The launcher's name: the workers are ready, and stay so.
     let ready = vec![pod("worker", 0, 0, "ready"), pod("worker", 1, 0, "ready")];
     let mut p = Scenario::new(job(|_| {})).pods(ready).plan();
     let in_use = BTreeMap::from([staying("resnet18-cpu-launcher", "Deployment web")]);
-    plan::hold_back_names_in_use(&mut p, "resnet18-cpu", &in_use);
+    assert!(p.create_launcher && p.start_time.is_some());
+    plan::hold_back_names_in_use(&mut p, "resnet18-cpu", &in_use, None);
     assert!(!p.create_launcher);
+    // The job has not started: its deadline does not run.
+    assert_eq!(p.start_time, None);
     let workers = p
         .conditions
         .iter()
@@ -938,6 +958,7 @@ fn a_pod_not_the_jobs_goes_by_itself_when_deleted_or_an_earlier_jobs() {
     for (kind, name, api_version) in [
         ("TrainingJob", "another", api),
         ("TrainingJob", job, "kubeflow.org/v1"),
+        ("TrainingJob", job, "ringmaster.dev.example.com/v1"),
         ("MPIJob", job, "kubeflow.org/v2beta1"),
     ] {
         assert_eq!(

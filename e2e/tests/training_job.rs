@@ -750,9 +750,9 @@ fn foreign_pod(name: &str, labels: Value) -> Pod {
 /// Pods not of the job hold the names of its pods: one left with the job's labels and no
 /// controller (what `kubectl delete --cascade=orphan` leaves of an earlier job, which the
 /// operator sees in its cache), and one without them (which only the API server's 409
-/// tells). Each blocks the job visibly (NameInUse, ChildRejected, each with a Warning),
-/// nothing of them is taken over, and the job goes on once they are deleted. The operator
-/// runs with the chart's rights.
+/// tells). Each blocks the job visibly (Ready says NameInUse, with a Warning), nothing of
+/// them is taken over, and the job goes on once they are deleted. The operator runs with
+/// the chart's rights.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pods_of_another_holding_the_jobs_pod_names_block_it_visibly_until_deleted() {
     let admin = client().await;
@@ -809,36 +809,38 @@ async fn pods_of_another_holding_the_jobs_pod_names_block_it_visibly_until_delet
         .collect();
     assert_eq!(ours, ["taken-worker-0"]);
 
-    // Deleted, the name is made the job's: worker 1, then the launcher's name is refused.
+    // Deleted, the name is made the job's: worker 1. Then the launcher's name, which only the
+    // create's 409 tells, is said the same way.
     pod_api
         .delete("taken-worker-1", &DeleteParams::default().grace_period(0))
         .await
         .unwrap();
+    let said = "launcher taken-launcher cannot be made: a pod of that name exists that this \
+        job does not control (its controller: none); delete or rename that pod, and the job \
+        goes on";
     eventually(
         Duration::from_secs(60),
-        "ChildRejected for the launcher",
+        "NameInUse for the launcher",
         || async {
             let status = job_status(&admin, &ns.name, "taken").await;
-            let stalled = condition(&status, "Stalled");
-            stalled["status"] == "True" && stalled["reason"] == "ChildRejected"
+            condition(&status, "Ready")["message"] == said
         },
     )
     .await;
     let status = job_status(&admin, &ns.name, "taken").await;
-    let rejected = condition(&status, "Stalled")["message"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    assert_eq!(
-        rejected,
-        "creating Pod taken-launcher: a pod of that name exists that this job does not \
-         control (its controller: none); delete or rename that pod, and the job goes on"
-    );
-    assert!(
-        !common::warnings_for(&admin, &ns.name, "taken", "ChildRejected")
-            .await
-            .is_empty()
-    );
+    assert_eq!(condition(&status, "Ready")["reason"], "NameInUse");
+    assert_eq!(condition(&status, "WorkersReady")["status"], "True");
+    assert_eq!(condition(&status, "Stalled")["status"], "False");
+    // Not started: no start time, so no deadline runs.
+    assert!(status.get("startTime").is_none(), "{status:#}");
+    // A second NameInUse Warning. The Event recorder counts it on the first one's Event
+    // (its series), whose note stays the first's: the condition has the words.
+    let warnings = common::warnings_for(&admin, &ns.name, "taken", "NameInUse").await;
+    let raised: i32 = warnings
+        .iter()
+        .map(|e| e.series.as_ref().map_or(1, |s| s.count))
+        .sum();
+    assert!(raised >= 2, "{warnings:#?}");
     // Neither held pod was taken over.
     let launcher = pod_api.get("taken-launcher").await.unwrap();
     assert!(launcher.owner_references().is_empty());
@@ -848,10 +850,11 @@ async fn pods_of_another_holding_the_jobs_pod_names_block_it_visibly_until_delet
         .delete("taken-launcher", &DeleteParams::default().grace_period(0))
         .await
         .unwrap();
-    let status = wait_phase(&admin, &ns.name, "taken", TrainingJobPhase::Running, 90).await;
+    // Looked at again within 10 s: the deletion of a pod not the job's wakes nothing.
+    let status = wait_phase(&admin, &ns.name, "taken", TrainingJobPhase::Running, 30).await;
     assert_eq!(
-        condition(&status, "Stalled")["status"],
-        "False",
+        condition(&status, "Ready")["reason"],
+        "Running",
         "{status:#}"
     );
     let mut ours: Vec<String> = pods(&admin, &ns.name, "taken")

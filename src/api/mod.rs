@@ -17,5 +17,14 @@ pub use training_job::*;
 
 /// The API group of every Ringmaster resource.
 pub const GROUP: &str = "ringmaster.dev";
+
+/// Whether an `apiVersion` (of an owner reference, say) is of [`GROUP`]: `ringmaster.dev/…`,
+/// not a group that only starts with those letters.
+pub fn in_group(api_version: &str) -> bool {
+    api_version
+        .strip_prefix(GROUP)
+        .is_some_and(|version| version.starts_with('/'))
+}
+
 /// The served and stored version.
 pub const VERSION: &str = "v1alpha1";

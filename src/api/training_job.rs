@@ -482,7 +482,8 @@ pub struct MpiSpec {
     /// Port the workers' sshd listens on. Default: 2222. A port below 1024 (22, as some MPI
     /// images expect) works for images that run as a user other than root too: the worker
     /// pods then set the namespaced sysctl `net.ipv4.ip_unprivileged_port_start` to it,
-    /// which the kubelet allows by default and affects only the pod's own network.
+    /// which the kubelet allows by default and affects only the pod's own network (a
+    /// cluster policy that forbids all sysctls refuses such workers; the job says so).
     #[serde(default = "default_ssh_port")]
     #[schemars(range(min = 1, max = 65535))]
     #[x_kube(validation = Rule::new("self != 29500")

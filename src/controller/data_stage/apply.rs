@@ -122,9 +122,7 @@ pub fn not_ours(
         name: meta.name.clone().unwrap_or_default(),
         owner: controller.map_or("none".into(), |o| format!("{} {}", o.kind, o.name)),
         earlier_stage: controller.is_some_and(|o| {
-            o.kind == "DataStage"
-                && o.name == stage.name
-                && o.api_version.starts_with(crate::api::GROUP)
+            o.kind == "DataStage" && o.name == stage.name && crate::api::in_group(&o.api_version)
         }),
     })
 }

@@ -3,6 +3,8 @@
 //! PodGroup of a gang-scheduled job, workers, then the launcher (which carries its
 //! hostfile). Everything is owned by the job.
 
+use std::collections::BTreeMap;
+
 use k8s_openapi::api::core::v1::{Pod, Secret, Service};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
@@ -10,7 +12,7 @@ use serde_json::json;
 
 use super::build::{self, BuildInputs, SshKeys};
 use super::names::{self, ChildNaming};
-use super::plan::Plan;
+use super::plan::{NameHolder, Plan};
 use super::validate::ValidatedTrainingJob;
 use crate::controller::{is_conflict, is_not_found, server_side_apply};
 use crate::gang::PodGroup;
@@ -30,11 +32,6 @@ pub enum ApplyError {
     /// No randomness for the SSH key.
     #[error("drawing a seed for the SSH key: {0}")]
     Random(#[source] getrandom::Error),
-    /// A pod the job would make has a name that a pod the job does not control holds (one
-    /// without the job's labels, so not in the pod cache: [`super::plan::NameHolder`] covers
-    /// those with them).
-    #[error("creating Pod {name}: {}", name_in_use(controller))]
-    PodNameInUse { name: String, controller: String },
     /// The operator gang-schedules, and the cluster has no PodGroup API.
     #[error("creating PodGroup {name}: {}", NO_POD_GROUP_API)]
     NoPodGroupApi {
@@ -42,13 +39,6 @@ pub enum ApplyError {
         #[source]
         source: kube::Error,
     },
-}
-
-fn name_in_use(controller: &str) -> String {
-    format!(
-        "a pod of that name exists that this job does not control (its controller: \
-         {controller}); delete or rename that pod, and the job goes on"
-    )
 }
 
 /// What a job that cannot get its PodGroup says: the fix is the cluster's or the operator's.
@@ -68,8 +58,8 @@ impl ApplyError {
                 source,
             } => crate::controller::rejection(source)
                 .map(|message| format!("{action} {kind} {name}: {message}")),
-            ApplyError::NoPodGroupApi { .. } | ApplyError::PodNameInUse { .. } => {
-                Some(self.to_string())
+            ApplyError::NoPodGroupApi { name, .. } => {
+                Some(format!("creating PodGroup {name}: {NO_POD_GROUP_API}"))
             }
             ApplyError::Random(_) => None,
         }
@@ -155,7 +145,7 @@ async fn ensure_pod_group(
                 source,
             }
         } else {
-            kube_error("writing", "PodGroup", &name)(source)
+            kube_error("creating", "PodGroup", &name)(source)
         }
     };
     let made = create_unless_exists(&groups, &group)
@@ -180,6 +170,21 @@ pub struct Written {
     pub children: bool,
     /// The pods this call made (not those that existed already), by name.
     pub pods: Vec<String>,
+    /// Pods it could not make, their names held by pods the job does not control (pods
+    /// without the job's labels: the API server's 409 told), by name.
+    pub held: BTreeMap<String, NameHolder>,
+}
+
+impl Written {
+    fn record(&mut self, name: String, outcome: PodCreate) {
+        match outcome {
+            PodCreate::Made => self.pods.push(name),
+            PodCreate::Exists => {}
+            PodCreate::Held(holder) => {
+                self.held.insert(name, holder);
+            }
+        }
+    }
 }
 
 /// Creates `object`, keeping one that exists already (409); true when this call made it.
@@ -197,44 +202,49 @@ where
     }
 }
 
-/// Creates one of the job's pods; true when this call made it. A pod of that name that
-/// exists already is kept when it is the job's (made by a reconcile the cache does not show
-/// yet), and refused with [`ApplyError::PodNameInUse`] when it is not: the job would wait
-/// for it for ever.
+/// What became of a pod the plan asked for.
+enum PodCreate {
+    /// Made by this call.
+    Made,
+    /// The job's own, made by a reconcile the cache does not show yet.
+    Exists,
+    /// Its name is held by a pod the job does not control, or was until just now.
+    Held(NameHolder),
+}
+
+/// Creates one of the job's pods. When a pod of that name exists already, it is read back
+/// to tell the job's own from another's: pods without the job's labels are not in the
+/// cache, which [`super::plan::hold_back_names_in_use`] reads for the others.
 async fn create_pod(
     pods: &Api<Pod>,
     job: &ValidatedTrainingJob,
     pod: &Pod,
-) -> Result<bool, ApplyError> {
+) -> Result<PodCreate, ApplyError> {
     let name = pod.name_any();
     if create_unless_exists(pods, pod)
         .await
         .map_err(kube_error("creating", "Pod", &name))?
     {
-        return Ok(true);
+        return Ok(PodCreate::Made);
     }
     let existing = pods
         .get_opt(&name)
         .await
         .map_err(kube_error("reading", "Pod", &name))?;
     let Some(existing) = existing else {
-        // Gone since: made on the next look.
-        return Ok(false);
+        // Gone since: made on the next look, which comes soon (its deletion may wake
+        // nothing: it was not the job's).
+        return Ok(PodCreate::Held(NameHolder::Going));
     };
-    let controller = existing
+    let ours = existing
         .owner_references()
         .iter()
-        .find(|o| o.controller == Some(true));
-    if controller.is_some_and(|o| o.uid == job.uid) {
-        return Ok(false);
-    }
-    match super::plan::NameHolder::of(&existing.metadata, &job.name) {
-        // An earlier job's, on its way out: waited out like those the cache shows.
-        super::plan::NameHolder::Going => Ok(false),
-        super::plan::NameHolder::Staying { controller } => {
-            Err(ApplyError::PodNameInUse { name, controller })
-        }
-    }
+        .any(|o| o.controller == Some(true) && o.uid == job.uid);
+    Ok(if ours {
+        PodCreate::Exists
+    } else {
+        PodCreate::Held(NameHolder::of(&existing.metadata, &job.name))
+    })
 }
 
 /// Which of the job's Secret and Service to write before its pods.
@@ -281,19 +291,14 @@ pub async fn execute(
     let workers = plan.create_workers.iter().map(|index| {
         let pod = build::worker_pod(job, *index, inputs);
         let pods = pods.clone();
-        async move {
-            let name = pod.name_any();
-            create_pod(&pods, job, &pod)
-                .await
-                .map(|made| made.then_some(name))
-        }
+        async move { (pod.name_any(), create_pod(&pods, job, &pod).await) }
     });
     // Every creation is tried; the first failure in worker order is reported, so a refusal
     // that hits every worker reads the same on each retry (one Event per distinct message).
     let mut first_error = None;
-    for result in futures::future::join_all(workers).await {
+    for (name, result) in futures::future::join_all(workers).await {
         match result {
-            Ok(made) => written.pods.extend(made),
+            Ok(outcome) => written.record(name, outcome),
             Err(error) => {
                 first_error.get_or_insert(error);
             }
@@ -309,9 +314,8 @@ pub async fn execute(
             ensure_pod_group(client, job, false).await?;
         }
         let pod = build::launcher_pod(job, inputs);
-        if create_pod(&pods, job, &pod).await? {
-            written.pods.push(pod.name_any());
-        }
+        let outcome = create_pod(&pods, job, &pod).await?;
+        written.record(pod.name_any(), outcome);
     }
     Ok(())
 }

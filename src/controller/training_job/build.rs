@@ -540,12 +540,6 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
     typed(pod)
 }
 
-/// sshd in the foreground, logging to stderr, with the job's key as its host key and the
-/// job's public key as the only one it accepts. `StrictModes=no`: the folders above the key
-/// copies are volume mounts the user does not own (sshd would refuse them otherwise); the
-/// copies themselves are the user's own, mode 0600. `UsePAM=no` lets it run as any user.
-/// `user_environment`: the `environment=` options of `authorized_keys` are honoured
-/// ([`worker_with_private_ssh_keys`]).
 /// The worker pod's security context. sshd runs as the image's user, often not root: a
 /// port below 1024 is then opened to every user of the pod's own network namespace
 /// through `net.ipv4.ip_unprivileged_port_start`, a sysctl the kubelet allows by default
@@ -566,6 +560,12 @@ fn worker_pod_security(ssh_port: i32) -> Value {
 /// network namespace's `ip_unprivileged_port_start` says otherwise.
 const PRIVILEGED_PORTS_END: i32 = 1024;
 
+/// sshd in the foreground, logging to stderr, with the job's key as its host key and the
+/// job's public key as the only one it accepts. `StrictModes=no`: the folders above the key
+/// copies are volume mounts the user does not own (sshd would refuse them otherwise); the
+/// copies themselves are the user's own, mode 0600. `UsePAM=no` lets it run as any user.
+/// `user_environment`: the `environment=` options of `authorized_keys` are honoured
+/// ([`worker_with_private_ssh_keys`]).
 fn sshd_command(port: i32, user_environment: bool) -> Vec<String> {
     let mut command: Vec<String> = [
         "/usr/sbin/sshd",

@@ -246,7 +246,12 @@ async fn run(
         now: &now,
         restart_backoff: ctx.config.restart_backoff,
     });
-    plan::hold_back_names_in_use(&mut plan, &validated.name, &names_in_use);
+    plan::hold_back_names_in_use(
+        &mut plan,
+        &validated.name,
+        &names_in_use,
+        old.start_time.as_ref(),
+    );
     // Pods made moments ago that the cache does not show yet are not made again.
     let unseen = ctx
         .recent
@@ -286,7 +291,9 @@ async fn run(
     }
     // The Secret and Service go out with a gang's workers (the launcher comes later, into a
     // gang that has them) and with a new spec, once.
-    let spec_changed = old.observed_generation.is_some() && old.observed_generation != generation;
+    // Also after a refused write of this spec: its Service or PodGroup may not have followed.
+    let spec_changed = (old.observed_generation.is_some() && old.observed_generation != generation)
+        || conditions::rejected_child(&old.conditions).is_some();
     let children =
         if ctx
             .recent
@@ -316,9 +323,28 @@ async fn run(
             .children_applied(&uid, generation, plan.restarts, inputs.naming, clock);
     }
     let made_pods = !written.pods.is_empty();
+    let launcher_made = written.pods.contains(&names::launcher_pod(&validated.name));
     ctx.recent
         .pods_made(&uid, plan.restarts, written.pods, clock);
+    if !written.held.is_empty() {
+        // Names only the create's 409 showed taken (by pods the cache does not hold): said
+        // as those the cache shows are.
+        plan::hold_back_names_in_use(
+            &mut plan,
+            &validated.name,
+            &written.held,
+            old.start_time.as_ref(),
+        );
+        new = status::from_plan(&old, generation, &plan, &observed, &now);
+        if pool.status.is_some() {
+            new.node_pool = pool.status.clone();
+        }
+    }
     if let Err(source) = applied {
+        if plan.create_launcher && !launcher_made {
+            // The job did not start: its deadline does not run yet.
+            new.start_time = old.start_time.clone();
+        }
         let written = if restarting { &new } else { &old };
         return Err(rejected(
             ctx,

@@ -242,7 +242,7 @@ impl NameHolder {
             .flatten()
             .find(|o| o.controller == Some(true));
         let earlier_job = controller.is_some_and(|o| {
-            o.kind == "TrainingJob" && o.name == job && o.api_version.starts_with(crate::api::GROUP)
+            o.kind == "TrainingJob" && o.name == job && crate::api::in_group(&o.api_version)
         });
         if pod.deletion_timestamp.is_some() || earlier_job {
             NameHolder::Going
@@ -264,7 +264,12 @@ pub const NAME_IN_USE_RECHECK: Duration = Duration::from_secs(10);
 /// and a look after a second covers a missed event. A pod that stays blocks the job
 /// visibly: Ready and Reconciling (and WorkersReady, for a worker) say `NameInUse`, with
 /// the pod and its controller, and a Warning Event goes out.
-pub fn hold_back_names_in_use(plan: &mut Plan, job: &str, in_use: &BTreeMap<String, NameHolder>) {
+pub fn hold_back_names_in_use(
+    plan: &mut Plan,
+    job: &str,
+    in_use: &BTreeMap<String, NameHolder>,
+    started: Option<&Time>,
+) {
     use super::names::{LAUNCHER_ROLE, WORKER_ROLE};
     let mut held: Vec<(&str, String)> = Vec::new();
     plan.create_workers.retain(|i| {
@@ -278,16 +283,21 @@ pub fn hold_back_names_in_use(plan: &mut Plan, job: &str, in_use: &BTreeMap<Stri
     let launcher = super::names::launcher_pod(job);
     if plan.create_launcher && in_use.contains_key(&launcher) {
         plan.create_launcher = false;
+        // Not started: the launcher it would have been is not made.
+        plan.start_time = started.cloned();
         held.push((LAUNCHER_ROLE, launcher));
+    }
+    if held
+        .iter()
+        .any(|(_, name)| in_use[name] == NameHolder::Going)
+    {
+        plan.requeue(Duration::from_secs(1));
     }
     let staying = held.iter().find_map(|(role, name)| match &in_use[name] {
         NameHolder::Going => None,
         NameHolder::Staying { controller } => Some((*role, name, controller)),
     });
     let Some((role, name, controller)) = staying else {
-        if !held.is_empty() {
-            plan.requeue(Duration::from_secs(1));
-        }
         return;
     };
     plan.requeue(NAME_IN_USE_RECHECK);
