@@ -848,7 +848,10 @@ fn a_pod_name_held_by_a_pod_that_stays_blocks_the_job_visibly() {
         (
             name.to_string(),
             NameHolder::Staying {
-                controller: controller.into(),
+                why: format!(
+                    "a pod of that name exists that this job does not control (its \
+                     controller: {controller}); delete or rename that pod, and the job goes on"
+                ),
             },
         )
     };
@@ -927,6 +930,7 @@ fn a_pod_not_the_jobs_goes_by_itself_when_deleted_or_an_earlier_jobs() {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
     use plan::NameHolder;
     let owned_by = |kind: &str, name: &str, api_version: &str| ObjectMeta {
+        name: Some("resnet18-cpu-worker-1".into()),
         owner_references: Some(vec![OwnerReference {
             api_version: api_version.into(),
             kind: kind.into(),
@@ -937,23 +941,23 @@ fn a_pod_not_the_jobs_goes_by_itself_when_deleted_or_an_earlier_jobs() {
         }]),
         ..Default::default()
     };
+    let not_controlled = |controller: &str| NameHolder::Staying {
+        why: format!(
+            "a pod of that name exists that this job does not control (its controller: \
+             {controller}); delete or rename that pod, and the job goes on"
+        ),
+    };
     let job = "resnet18-cpu";
     let api = "ringmaster.dev/v1alpha1";
+    let now = at(1000);
     assert_eq!(
-        NameHolder::of(&owned_by("TrainingJob", job, api), job),
+        NameHolder::of(&owned_by("TrainingJob", job, api), job, &now),
         NameHolder::Going
     );
-    let deleting = ObjectMeta {
-        deletion_timestamp: Some(at(0)),
-        ..Default::default()
-    };
-    assert_eq!(NameHolder::of(&deleting, job), NameHolder::Going);
     // Left by a job deleted with --cascade=orphan: no controller, and nobody deletes it.
     assert_eq!(
-        NameHolder::of(&ObjectMeta::default(), job),
-        NameHolder::Staying {
-            controller: "none".into()
-        }
+        NameHolder::of(&ObjectMeta::default(), job, &now),
+        not_controlled("none")
     );
     for (kind, name, api_version) in [
         ("TrainingJob", "another", api),
@@ -962,10 +966,8 @@ fn a_pod_not_the_jobs_goes_by_itself_when_deleted_or_an_earlier_jobs() {
         ("MPIJob", job, "kubeflow.org/v2beta1"),
     ] {
         assert_eq!(
-            NameHolder::of(&owned_by(kind, name, api_version), job),
-            NameHolder::Staying {
-                controller: format!("{kind} {name}")
-            },
+            NameHolder::of(&owned_by(kind, name, api_version), job, &now),
+            not_controlled(&format!("{kind} {name}")),
             "{kind} {name} {api_version}"
         );
     }
@@ -973,11 +975,37 @@ fn a_pod_not_the_jobs_goes_by_itself_when_deleted_or_an_earlier_jobs() {
     let mut not_controller = owned_by("TrainingJob", job, api);
     not_controller.owner_references.as_mut().unwrap()[0].controller = None;
     assert_eq!(
-        NameHolder::of(&not_controller, job),
-        NameHolder::Staying {
-            controller: "none".into()
-        }
+        NameHolder::of(&not_controller, job, &now),
+        not_controlled("none")
     );
+
+    // Being deleted: waited for until a minute past its grace period (the deletion
+    // timestamp), whoever's it is; then it is said, with what to do.
+    for owner in [owned_by("TrainingJob", job, api), ObjectMeta::default()] {
+        let deleting = |grace_over: i64| ObjectMeta {
+            name: Some("resnet18-cpu-worker-1".into()),
+            deletion_timestamp: Some(at(grace_over)),
+            ..owner.clone()
+        };
+        assert_eq!(
+            NameHolder::of(&deleting(1000), job, &now),
+            NameHolder::Going
+        );
+        assert_eq!(NameHolder::of(&deleting(940), job, &now), NameHolder::Going);
+        let NameHolder::Staying { why } = NameHolder::of(&deleting(939), job, &now) else {
+            panic!("a pod a minute past its grace period is stuck");
+        };
+        let since = at(939).0.to_string();
+        assert!(
+            why.starts_with("a pod of that name (its controller: ")
+                && why.contains(&format!(
+                    " is still being deleted, its grace period over since {since}: "
+                ))
+                && why
+                    .contains("kubectl delete pod resnet18-cpu-worker-1 --grace-period=0 --force"),
+            "{why}"
+        );
+    }
 }
 
 #[test]

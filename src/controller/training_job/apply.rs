@@ -243,7 +243,11 @@ async fn create_pod(
     Ok(if ours {
         PodCreate::Exists
     } else {
-        PodCreate::Held(NameHolder::of(&existing.metadata, &job.name))
+        PodCreate::Held(NameHolder::of(
+            &existing.metadata,
+            &job.name,
+            &crate::controller::now(),
+        ))
     })
 }
 

@@ -161,6 +161,7 @@ fn pods_of(ctx: &Context, job: &TrainingJob) -> (Vec<Arc<Pod>>, BTreeMap<String,
     let namespace = job.namespace();
     let name = job.name_any();
     let uid = job.uid();
+    let now = now();
     let (ours, others): (Vec<Arc<Pod>>, Vec<Arc<Pod>>) = ctx
         .pods
         .state()
@@ -176,7 +177,7 @@ fn pods_of(ctx: &Context, job: &TrainingJob) -> (Vec<Arc<Pod>>, BTreeMap<String,
         });
     let holders = others
         .iter()
-        .map(|pod| (pod.name_any(), NameHolder::of(&pod.metadata, &name)))
+        .map(|pod| (pod.name_any(), NameHolder::of(&pod.metadata, &name, &now)))
         .collect();
     (ours, holders)
 }

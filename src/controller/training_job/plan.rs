@@ -227,28 +227,57 @@ pub enum NameHolder {
     /// A pod on its way out: one being deleted, or one of an earlier job of the same name
     /// (deleted; the garbage collector takes its pods). Waited out quietly.
     Going,
-    /// A pod that stays until a person deletes it: one without a controller (a job deleted
-    /// with `--cascade=orphan` leaves its pods so) or controlled by something else. `controller`
-    /// says which, in words.
-    Staying { controller: String },
+    /// A pod that stays until a person acts: one without a controller (a job deleted with
+    /// `--cascade=orphan` leaves its pods so), one controlled by something else, or one
+    /// being deleted for well past its grace period (its node lost, or a finalizer that is
+    /// never removed). `why` says which, and what to do, for the job's status.
+    Staying { why: String },
 }
 
+/// How long past the end of its grace period a pod being deleted is waited for quietly. The
+/// kubelet confirms a deletion within seconds of it; a pod on a lost node is never
+/// confirmed until the node is deleted or the pod is force-deleted.
+pub const TERMINATING_PATIENCE: Duration = Duration::from_secs(60);
+
 impl NameHolder {
-    /// Whether `pod`, not the job's (named `job`), goes by itself.
-    pub fn of(pod: &ObjectMeta, job: &str) -> Self {
+    /// Whether `pod`, not the job's (named `job`), goes by itself, seen at `now`.
+    pub fn of(pod: &ObjectMeta, job: &str, now: &Time) -> Self {
         let controller = pod
             .owner_references
             .iter()
             .flatten()
             .find(|o| o.controller == Some(true));
+        let controller_words =
+            || controller.map_or("none".into(), |o| format!("{} {}", o.kind, o.name));
+        if let Some(deleted_at) = &pod.deletion_timestamp {
+            // The deletion timestamp is when the grace period ends.
+            if seconds_between(deleted_at, now) <= TERMINATING_PATIENCE.as_secs_f64() {
+                return NameHolder::Going;
+            }
+            return NameHolder::Staying {
+                why: format!(
+                    "a pod of that name (its controller: {}) is still being deleted, its grace \
+                     period over since {}: its node may be lost, or a finalizer holds it; \
+                     force its deletion (kubectl delete pod {} --grace-period=0 --force), and \
+                     the job goes on",
+                    controller_words(),
+                    deleted_at.0,
+                    pod.name.as_deref().unwrap_or_default()
+                ),
+            };
+        }
         let earlier_job = controller.is_some_and(|o| {
             o.kind == "TrainingJob" && o.name == job && crate::api::in_group(&o.api_version)
         });
-        if pod.deletion_timestamp.is_some() || earlier_job {
+        if earlier_job {
             NameHolder::Going
         } else {
             NameHolder::Staying {
-                controller: controller.map_or("none".into(), |o| format!("{} {}", o.kind, o.name)),
+                why: format!(
+                    "a pod of that name exists that this job does not control (its controller: \
+                     {}); delete or rename that pod, and the job goes on",
+                    controller_words()
+                ),
             }
         }
     }
@@ -263,7 +292,7 @@ pub const NAME_IN_USE_RECHECK: Duration = Duration::from_secs(10);
 /// way out ([`NameHolder::Going`]) is waited out quietly: its deletion wakes the job again,
 /// and a look after a second covers a missed event. A pod that stays blocks the job
 /// visibly: Ready and Reconciling (and WorkersReady, for a worker) say `NameInUse`, with
-/// the pod and its controller, and a Warning Event goes out.
+/// the pod and what to do, and a Warning Event goes out.
 pub fn hold_back_names_in_use(
     plan: &mut Plan,
     job: &str,
@@ -295,16 +324,13 @@ pub fn hold_back_names_in_use(
     }
     let staying = held.iter().find_map(|(role, name)| match &in_use[name] {
         NameHolder::Going => None,
-        NameHolder::Staying { controller } => Some((*role, name, controller)),
+        NameHolder::Staying { why } => Some((*role, name, why)),
     });
-    let Some((role, name, controller)) = staying else {
+    let Some((role, name, why)) = staying else {
         return;
     };
     plan.requeue(NAME_IN_USE_RECHECK);
-    let message = format!(
-        "{role} {name} cannot be made: a pod of that name exists that this job does not \
-         control (its controller: {controller}); delete or rename that pod, and the job goes on"
-    );
+    let message = format!("{role} {name} cannot be made: {why}");
     for condition in plan.conditions.iter_mut() {
         let this_one = match condition.type_ {
             condition_types::READY | condition_types::RECONCILING => true,
