@@ -118,10 +118,11 @@ up() {
 down() {
   bin=$(binaries)
   local dir="$KWOK_WORKDIR/clusters/$name" pids=()
-  # Kueue and the gang scheduler first (processes of their own, when a test started them),
+  # Kueue and the gang schedulers first (processes of their own, when a test started them),
   # then the real node: its containers, mounts and network go before the state folder does.
   "$here/kueue.sh" down >/dev/null 2>&1 || true
   "$here/gang-scheduler.sh" down >/dev/null 2>&1 || true
+  "$here/volcano.sh" down >/dev/null 2>&1 || true
   "$here/node.sh" down
   if [ -d "$dir" ]; then
     for f in "$dir"/pids/*.pid; do [ -f "$f" ] && pids+=("$(cat "$f")"); done

@@ -43,6 +43,24 @@ enum Command {
     },
 }
 
+/// Whose PodGroups the gang scheduler reads (`--gang-scheduler-api`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum GangSchedulerApi {
+    /// scheduler-plugins' Coscheduling: `scheduling.x-k8s.io/v1alpha1` PodGroups.
+    SchedulerPlugins,
+    /// Volcano: `scheduling.volcano.sh/v1beta1` PodGroups.
+    Volcano,
+}
+
+impl GangSchedulerApi {
+    fn api(self) -> ringmaster::gang::GangApi {
+        match self {
+            GangSchedulerApi::SchedulerPlugins => ringmaster::gang::GangApi::SchedulerPlugins,
+            GangSchedulerApi::Volcano => ringmaster::gang::GangApi::Volcano,
+        }
+    }
+}
+
 #[derive(clap::Args, Debug)]
 struct RunArgs {
     /// Address for /metrics, /healthz and /readyz. In a pod, use 0.0.0.0:8080.
@@ -83,9 +101,9 @@ struct RunArgs {
     /// labelled job is not started (its Admitted condition says why).
     #[arg(long, env = "RINGMASTER_KUEUE")]
     kueue: bool,
-    /// Gang-schedule TrainingJobs with this scheduler: the name of a scheduler-plugins
-    /// scheduler running the Coscheduling plugin (`scheduler-plugins-scheduler` as its chart
-    /// installs it). Each job gets a PodGroup (`scheduling.x-k8s.io/v1alpha1`) and its pods
+    /// Gang-schedule TrainingJobs with this scheduler: a scheduler-plugins scheduler running
+    /// the Coscheduling plugin (`scheduler-plugins-scheduler` as its chart installs it) or
+    /// Volcano's (`volcano`). Each job gets a PodGroup of that scheduler's API and its pods
     /// that `schedulerName`, so all its workers are placed at once or none is. Unset: the
     /// cluster's default scheduler places pods one by one.
     #[arg(
@@ -95,6 +113,16 @@ struct RunArgs {
         value_parser = clap::builder::NonEmptyStringValueParser::new()
     )]
     gang_scheduler: Option<String>,
+    /// Whose PodGroups the gang scheduler reads: `scheduler-plugins`
+    /// (`scheduling.x-k8s.io/v1alpha1`) or `volcano` (`scheduling.volcano.sh/v1beta1`).
+    /// Default: `volcano` for a scheduler named `volcano`, `scheduler-plugins` otherwise.
+    #[arg(
+        long,
+        env = "RINGMASTER_GANG_SCHEDULER_API",
+        value_enum,
+        requires = "gang_scheduler"
+    )]
+    gang_scheduler_api: Option<GangSchedulerApi>,
     /// Image of a DataStage's copy Job; it runs `ringmaster stage`, so it is the operator's
     /// own image (the Helm chart passes it).
     #[arg(long, env = "RINGMASTER_STAGER_IMAGE", default_value = ringmaster::controller::DEFAULT_STAGER_IMAGE)]
@@ -278,7 +306,12 @@ async fn run(args: RunArgs) -> Result<(), String> {
             arm,
             max_concurrent_reconciles: args.max_concurrent_reconciles,
             kueue: args.kueue,
-            gang_scheduler: args.gang_scheduler,
+            gang_scheduler: args.gang_scheduler.map(|name| {
+                ringmaster::gang::GangScheduler::new(
+                    name,
+                    args.gang_scheduler_api.map(GangSchedulerApi::api),
+                )
+            }),
         },
     ));
     let scope = Scope {

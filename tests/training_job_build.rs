@@ -8,6 +8,7 @@ use ringmaster::controller::training_job::names::ChildNaming;
 use ringmaster::controller::training_job::validate::{
     Program, ValidatedTrainingJob, validate_value_for,
 };
+use ringmaster::gang::{GangApi, GangScheduler};
 use ringmaster_contract::trainer::{Capabilities, TrainArgs};
 use serde_json::{Value, json};
 
@@ -934,7 +935,7 @@ fn a_gang_scheduled_jobs_pods_name_the_gang_scheduler_and_its_pod_group() {
     );
 
     let gang = BuildInputs {
-        gang_scheduler: Some("scheduler-plugins-scheduler".into()),
+        gang_scheduler: Some(GangScheduler::new("scheduler-plugins-scheduler", None)),
         ..inputs()
     };
     for pod in [
@@ -991,5 +992,71 @@ fn a_jobs_schedule_timeout_goes_to_its_pod_group() {
     assert!(
         group["spec"].get("scheduleTimeoutSeconds").is_none(),
         "{group}"
+    );
+}
+
+#[test]
+fn a_volcano_gang_gets_a_volcano_pod_group_in_its_queue_and_annotated_pods() {
+    let mut job = gpu_job();
+    job.run_policy.scheduling_policy = Some(ringmaster::api::SchedulingPolicy {
+        queue: Some("vision".into()),
+        schedule_timeout_seconds: Some(300),
+    });
+    job.worker.priority_class_name = Some("training-high".into());
+    let group = value(&build::volcano_pod_group(&job));
+    let plugins_group = value(&build::pod_group(&job));
+    assert_eq!(group["apiVersion"], "scheduling.volcano.sh/v1beta1");
+    assert_eq!(group["kind"], "PodGroup");
+    // The same name, labels and owner as scheduler-plugins' group.
+    assert_eq!(group["metadata"], plugins_group["metadata"]);
+    assert_eq!(
+        group["spec"],
+        json!({
+            "minMember": 2,
+            "minResources": {"nvidia.com/gpu": "16", "rdma/shared_ib": "2"},
+            "queue": "vision",
+            "priorityClassName": "training-high",
+        })
+    );
+
+    let volcano = BuildInputs {
+        gang_scheduler: Some(GangScheduler::new("volcano", None)),
+        ..inputs()
+    };
+    for pod in [
+        value(&build::worker_pod(&job, 1, &volcano)),
+        value(&build::launcher_pod(&job, &volcano)),
+    ] {
+        assert_eq!(pod["spec"]["schedulerName"], "volcano");
+        assert_eq!(
+            pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"],
+            group["metadata"]["name"]
+        );
+        assert!(
+            pod["metadata"]["labels"]
+                .get("scheduling.x-k8s.io/pod-group")
+                .is_none()
+        );
+    }
+    // Unset, the queue is Volcano's default one.
+    job.run_policy.scheduling_policy = None;
+    let group = value(&build::volcano_pod_group(&job));
+    assert!(group["spec"].get("queue").is_none(), "{group}");
+}
+
+#[test]
+fn the_gang_api_follows_the_scheduler_name_unless_set() {
+    assert_eq!(GangScheduler::new("volcano", None).api, GangApi::Volcano);
+    assert_eq!(
+        GangScheduler::new("scheduler-plugins-scheduler", None).api,
+        GangApi::SchedulerPlugins
+    );
+    assert_eq!(
+        GangScheduler::new("my-volcano", Some(GangApi::Volcano)).api,
+        GangApi::Volcano
+    );
+    assert_eq!(
+        GangScheduler::new("volcano", Some(GangApi::SchedulerPlugins)).api,
+        GangApi::SchedulerPlugins
     );
 }

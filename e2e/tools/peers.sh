@@ -8,15 +8,22 @@
 #   e2e/tools/peers.sh scheduler-plugins
 #                                     the scheduler-plugins scheduler (sigs.k8s.io/scheduler-
 #                                     plugins), which gang-schedules TrainingJobs' pods
+#   e2e/tools/peers.sh volcano        Volcano's scheduler (volcano.sh/volcano), which gang-
+#                                     schedules TrainingJobs' pods in its queues, and its
+#                                     controller manager (<binary>.controller-manager), whose
+#                                     queue and PodGroup controllers keep their state
 # The proxy here serves these exact versions but refuses their version lists, which
 # `go install module@version` asks for, so each builds from a module of ours (its folder
 # here pins the version). MPI Operator's CRD is copied beside its binary
 # (<binary>.crd.yaml); Kueue's install, rendered from its own kustomization (config/default)
 # and cut to what a controller run outside the cluster needs, too (<binary>.manifests.yaml,
 # see e2e/kueue.sh); the PodGroup CRD the scheduler-plugins scheduler reads, too
-# (<binary>.crd.yaml, see e2e/gang-scheduler.sh). MPI Operator is patched in one place
-# only: its health server listens on 127.0.0.1 instead of every interface, as servers here
-# must.
+# (<binary>.crd.yaml, see e2e/gang-scheduler.sh); Volcano's CRDs too (<binary>.crds.yaml,
+# see e2e/volcano.sh). MPI Operator is patched in one place only: its health server listens
+# on 127.0.0.1 instead of every interface, as servers here must. Volcano builds as its own
+# main module (its replace lines are its go.mod's), save one: its API module, which its
+# published module leaves out (a nested module of its repository), comes from the proxy at
+# the version pinned below instead.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cache=${RINGMASTER_CACHE:-$HOME/.cache/ringmaster}
@@ -44,22 +51,34 @@ case "$peer" in
   azcopy) module=github.com/Azure/azure-storage-azcopy/v10 package=$module ;;
   kueue) module=sigs.k8s.io/kueue package=$module/cmd/kueue ;;
   scheduler-plugins) module=sigs.k8s.io/scheduler-plugins package=$module/cmd/scheduler ;;
-  *) echo "usage: $0 mpi-operator|azcopy|kueue|scheduler-plugins" >&2; exit 2 ;;
+  volcano) module=volcano.sh/volcano package=./cmd/scheduler ;;
+  *) echo "usage: $0 mpi-operator|azcopy|kueue|scheduler-plugins|volcano" >&2; exit 2 ;;
 esac
-version=$(sed -n "s|^require $module \(v[^ ]*\)$|\1|p" "$here/$peer/go.mod")
+# Volcano v1.15.1 (DESIGN's) needs volcano.sh/apis v1.15.1, which the proxy does not serve;
+# v1.14.1 builds with the served v1.14.0.
+volcano_version=v1.14.1 volcano_apis_version=v1.14.0
+if [ "$peer" = volcano ]; then
+  version=$volcano_version
+else
+  version=$(sed -n "s|^require $module \(v[^ ]*\)$|\1|p" "$here/$peer/go.mod")
+fi
 [ -n "$version" ] || { log "no version of $module in $here/$peer/go.mod"; exit 1; }
 out="$cache/bin/peers/$peer-$version"
 complete() {
   [ -x "$out" ] || return 1
   { [ "$peer" != kueue ] || [ -s "$out.manifests.yaml" ]; } &&
-    { [ "$peer" != scheduler-plugins ] || [ -s "$out.crd.yaml" ]; }
+    { [ "$peer" != scheduler-plugins ] || [ -s "$out.crd.yaml" ]; } &&
+    { [ "$peer" != volcano ] || { [ -x "$out.controller-manager" ] && [ -s "$out.crds.yaml" ]; }; }
 }
 if ! complete; then
   started=$SECONDS
   log "building $peer $version from $module (first time: a few minutes on 2 cores)"
   work=$(mktemp -d)
   trap 'chmod -R u+w "$work" 2>/dev/null; rm -rf "$work"' EXIT
-  cp "$here/$peer/go.mod" "$here/$peer/go.sum" "$here/$peer/tools.go" "$work/"
+  build_dir=$work
+  if [ "$peer" != volcano ]; then
+    cp "$here/$peer/go.mod" "$here/$peer/go.sum" "$here/$peer/tools.go" "$work/"
+  fi
   if [ "$peer" = mpi-operator ]; then
     source_dir=$(cd "$work" && go mod download -json "$module@$version" | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')
     cp -r "$source_dir" "$work/src" && chmod -R u+w "$work/src"
@@ -82,8 +101,17 @@ if ! complete; then
     mkdir -p "$(dirname "$out")"
     cp "$source_dir/config/crd/bases/scheduling.x-k8s.io_podgroups.yaml" "$out.crd.yaml"
   fi
+  if [ "$peer" = volcano ]; then
+    source_dir=$(cd "$work" && go mod download -json "$module@$version" | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')
+    cp -r "$source_dir" "$work/src" && chmod -R u+w "$work/src"
+    (cd "$work/src" && go mod edit -dropreplace volcano.sh/apis -require "volcano.sh/apis@$volcano_apis_version")
+    mkdir -p "$(dirname "$out")"
+    (cd "$work/src" && go build -trimpath -ldflags "-s -w" -o "$out.controller-manager" ./cmd/controller-manager >&2)
+    for crd in "$work"/src/config/crd/volcano/bases/*.yaml; do echo "---"; cat "$crd"; done > "$out.crds.yaml"
+    build_dir="$work/src"
+  fi
   mkdir -p "$(dirname "$out")"
-  (cd "$work" && go build -trimpath -ldflags "-s -w" -o "$out" "$package" >&2)
+  (cd "$build_dir" && go build -trimpath -ldflags "-s -w" -o "$out" "$package" >&2)
   log "built $peer $version in $((SECONDS - started)) s"
 fi
 echo "$out"

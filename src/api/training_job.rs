@@ -628,17 +628,24 @@ impl Default for RunPolicy {
 }
 
 /// Gang-scheduling settings of a job (its PodGroup's), as MPI Operator's
-/// `runPolicy.schedulingPolicy`.
+/// `runPolicy.schedulingPolicy`. Each setting is read by one of the gang schedulers and
+/// ignored by the other.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SchedulingPolicy {
     /// Seconds the gang scheduler holds the workers it has placed while it waits for room
     /// for the rest of the gang; then it lets them go and tries the whole gang again later.
     /// Unset: the scheduler's own setting (scheduler-plugins' `permitWaitingTimeSeconds`).
-    /// Can be changed while the job runs: it applies to the next placement.
+    /// Can be changed while the job runs: it applies to the next placement. scheduler-plugins
+    /// only (Volcano has no such setting).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 86400))]
     pub schedule_timeout_seconds: Option<i32>,
+    /// The Volcano queue the job's PodGroup waits in, whose share of the cluster it is
+    /// counted against. Unset: Volcano's default queue. Volcano only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253), regex(pattern = kubernetes_rules::DNS_SUBDOMAIN_PATTERN))]
+    pub queue: Option<String>,
 }
 
 fn default_backoff_limit() -> i32 {

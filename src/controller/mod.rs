@@ -133,9 +133,9 @@ pub struct OperatorConfig {
     /// installed): Workloads and ResourceFlavors are watched.
     pub kueue: bool,
     /// Schedule every TrainingJob's pods with this scheduler (scheduler-plugins with its
-    /// Coscheduling plugin), each job's in a PodGroup: all workers are placed at once or none
-    /// is. `None`: the cluster's default scheduler.
-    pub gang_scheduler: Option<String>,
+    /// Coscheduling plugin, or Volcano), each job's in a PodGroup: all workers are placed at
+    /// once or none is. `None`: the cluster's default scheduler.
+    pub gang_scheduler: Option<crate::gang::GangScheduler>,
 }
 
 /// The operator image of this version, which also runs the stager.

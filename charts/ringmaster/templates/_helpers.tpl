@@ -37,3 +37,15 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "ringmaster.leaderElection" -}}
 {{- if or .Values.leaderElection.enabled (gt (int .Values.replicaCount) 1) -}}true{{- end -}}
 {{- end -}}
+
+{{/* Whose PodGroups the gang scheduler reads: gangSchedulerApi, or by the scheduler's name
+     as the operator decides (volcano for a scheduler named volcano). */}}
+{{- define "ringmaster.gangApi" -}}
+{{- if .Values.gangSchedulerApi -}}
+{{- .Values.gangSchedulerApi -}}
+{{- else if eq .Values.gangScheduler "volcano" -}}
+volcano
+{{- else -}}
+scheduler-plugins
+{{- end -}}
+{{- end -}}

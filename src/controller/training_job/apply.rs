@@ -15,7 +15,7 @@ use super::names::{self, ChildNaming};
 use super::plan::{NameHolder, Plan};
 use super::validate::ValidatedTrainingJob;
 use crate::controller::{is_conflict, is_not_found, server_side_apply};
-use crate::gang::PodGroup;
+use crate::gang::GangApi;
 
 /// Errors carrying out a plan.
 #[derive(Debug, thiserror::Error)]
@@ -32,19 +32,33 @@ pub enum ApplyError {
     /// No randomness for the SSH key.
     #[error("drawing a seed for the SSH key: {0}")]
     Random(#[source] getrandom::Error),
-    /// The operator gang-schedules, and the cluster has no PodGroup API.
-    #[error("creating PodGroup {name}: {}", NO_POD_GROUP_API)]
+    /// The operator gang-schedules, and the cluster has no PodGroup API of its scheduler.
+    #[error("creating PodGroup {name}: {}", no_pod_group_api(*api))]
     NoPodGroupApi {
         name: String,
+        api: GangApi,
         #[source]
         source: kube::Error,
     },
 }
 
 /// What a job that cannot get its PodGroup says: the fix is the cluster's or the operator's.
-const NO_POD_GROUP_API: &str = "the cluster serves no PodGroup (scheduling.x-k8s.io/v1alpha1): \
-    the operator runs with --gang-scheduler (Helm: gangScheduler), which needs the \
-    scheduler-plugins scheduler and its PodGroup CRD installed";
+fn no_pod_group_api(api: GangApi) -> String {
+    let (served, needs) = match api {
+        GangApi::SchedulerPlugins => (
+            "PodGroup (scheduling.x-k8s.io/v1alpha1)",
+            "the scheduler-plugins scheduler and its PodGroup CRD installed",
+        ),
+        GangApi::Volcano => (
+            "Volcano PodGroup (scheduling.volcano.sh/v1beta1)",
+            "Volcano installed (its scheduler, controllers and CRDs)",
+        ),
+    };
+    format!(
+        "the cluster serves no {served}: the operator runs with --gang-scheduler (Helm: \
+         gangScheduler), which needs {needs}"
+    )
+}
 
 impl ApplyError {
     /// "creating Pod x: <the API server's message>" when the API server refused a child
@@ -58,9 +72,7 @@ impl ApplyError {
                 source,
             } => crate::controller::rejection(source)
                 .map(|message| format!("{action} {kind} {name}: {message}")),
-            ApplyError::NoPodGroupApi { name, .. } => {
-                Some(format!("creating PodGroup {name}: {NO_POD_GROUP_API}"))
-            }
+            ApplyError::NoPodGroupApi { .. } => Some(self.to_string()),
             ApplyError::Random(_) => None,
         }
     }
@@ -126,36 +138,67 @@ async fn ensure_ssh_secret(
     }
 }
 
-/// Makes the job's PodGroup unless it exists. When the spec changed (`update`), the one
-/// there gets the job's schedule timeout, the only thing of it that can change: what it
-/// holds (workers, their GPUs and InfiniBand devices) is immutable in the spec. A merge
-/// patch, so a timeout taken out of the spec is taken out of the group too.
+/// Makes the job's PodGroup, of the gang scheduler's API, unless it exists. When the spec
+/// changed (`update`), the one there gets what of it can change: its schedule timeout
+/// (scheduler-plugins) or its queue (Volcano). What it holds (workers, their GPUs and
+/// InfiniBand devices) is immutable in the spec.
 async fn ensure_pod_group(
     client: &Client,
     job: &ValidatedTrainingJob,
+    api: GangApi,
     update: bool,
 ) -> Result<(), ApplyError> {
-    let groups: Api<PodGroup> = Api::namespaced(client.clone(), &job.namespace);
-    let group = build::pod_group(job);
+    match api {
+        GangApi::SchedulerPlugins => {
+            let group = build::pod_group(job);
+            let mutable =
+                json!({"spec": {"scheduleTimeoutSeconds": group.spec.schedule_timeout_seconds}});
+            write_pod_group(client, job, &group, mutable, api, update).await
+        }
+        GangApi::Volcano => {
+            let group = build::volcano_pod_group(job);
+            let mutable = json!({"spec": {"queue": group.spec.queue}});
+            write_pod_group(client, job, &group, mutable, api, update).await
+        }
+    }
+}
+
+/// Creates `group` unless it exists; with `update`, merge-patches `mutable` onto the one
+/// there (a merge patch, so a setting taken out of the spec is taken out of the group too).
+async fn write_pod_group<K>(
+    client: &Client,
+    job: &ValidatedTrainingJob,
+    group: &K,
+    mutable: serde_json::Value,
+    api: GangApi,
+    update: bool,
+) -> Result<(), ApplyError>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + serde::Serialize
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    let groups: Api<K> = Api::namespaced(client.clone(), &job.namespace);
     let name = group.name_any();
     let refused = |source: kube::Error| {
         if is_not_found(&source) {
             ApplyError::NoPodGroupApi {
                 name: name.clone(),
+                api,
                 source,
             }
         } else {
             kube_error("creating", "PodGroup", &name)(source)
         }
     };
-    let made = create_unless_exists(&groups, &group)
+    let made = create_unless_exists(&groups, group)
         .await
         .map_err(refused)?;
     if update && !made {
-        let timeout =
-            json!({"spec": {"scheduleTimeoutSeconds": group.spec.schedule_timeout_seconds}});
         groups
-            .patch(&name, &PatchParams::default(), &Patch::Merge(&timeout))
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&mutable))
             .await
             .map_err(kube_error("updating", "PodGroup", &name))?;
     }
@@ -284,9 +327,9 @@ pub async fn execute(
             create_unless_exists(&services, &service).await.map(|_| ())
         };
         result.map_err(kube_error("applying", "Service", &service.name_any()))?;
-        if inputs.gang_scheduler.is_some() {
+        if let Some(scheduler) = &inputs.gang_scheduler {
             // Before the pods: the scheduler turns away a pod whose group it cannot find.
-            ensure_pod_group(client, job, children == Children::Update).await?;
+            ensure_pod_group(client, job, scheduler.api, children == Children::Update).await?;
         }
         written.children = true;
     }
@@ -312,10 +355,14 @@ pub async fn execute(
         return Err(error);
     }
     if plan.create_launcher {
-        if inputs.gang_scheduler.is_some() && children == Children::Keep {
+        if let Some(scheduler) = inputs
+            .gang_scheduler
+            .as_ref()
+            .filter(|_| children == Children::Keep)
+        {
             // A gang made before the operator gang-scheduled has no group: the launcher
             // would wait for one for ever. One create (409 when it exists) per launcher.
-            ensure_pod_group(client, job, false).await?;
+            ensure_pod_group(client, job, scheduler.api, false).await?;
         }
         let pod = build::launcher_pod(job, inputs);
         let outcome = create_pod(&pods, job, &pod).await?;
@@ -330,31 +377,40 @@ mod tests {
 
     #[test]
     fn a_missing_pod_group_api_says_what_to_install() {
-        let source = kube::Error::Api(
-            kube::core::Status::failure(
-                "the server could not find the requested resource",
-                "NotFound",
+        let not_found = || {
+            kube::Error::Api(
+                kube::core::Status::failure(
+                    "the server could not find the requested resource",
+                    "NotFound",
+                )
+                .with_code(404)
+                .boxed(),
             )
-            .with_code(404)
-            .boxed(),
-        );
-        let error = ApplyError::NoPodGroupApi {
-            name: "resnet-1a2b3".into(),
-            source,
         };
-        let said = error.rejection().expect("it is put on the job");
-        assert!(
-            said.starts_with("creating PodGroup resnet-1a2b3: "),
-            "{said}"
-        );
-        for words in [
-            "scheduling.x-k8s.io",
-            "--gang-scheduler",
-            "gangScheduler",
-            "scheduler-plugins",
+        for (api, words) in [
+            (
+                GangApi::SchedulerPlugins,
+                ["scheduling.x-k8s.io/v1alpha1", "scheduler-plugins"],
+            ),
+            (
+                GangApi::Volcano,
+                ["scheduling.volcano.sh/v1beta1", "Volcano installed"],
+            ),
         ] {
-            assert!(said.contains(words), "{said}");
+            let error = ApplyError::NoPodGroupApi {
+                name: "resnet-1a2b3".into(),
+                api,
+                source: not_found(),
+            };
+            let said = error.rejection().expect("it is put on the job");
+            assert!(
+                said.starts_with("creating PodGroup resnet-1a2b3: "),
+                "{said}"
+            );
+            for words in ["--gang-scheduler", "gangScheduler"].iter().chain(&words) {
+                assert!(said.contains(words), "{api:?}: {said}");
+            }
+            assert_eq!(said, error.to_string());
         }
-        assert_eq!(said, error.to_string());
     }
 }

@@ -15,7 +15,7 @@ use super::pool;
 use super::queue::{Placement, PodPlacement};
 use super::validate::{Program, TrainerSettings, ValidatedTrainingJob};
 use crate::api::{MpiImplementation, OutputSpec, PodOverrides};
-use crate::gang::{POD_GROUP_LABEL, PodGroup, PodGroupSpec};
+use crate::gang::{GangApi, GangScheduler, POD_GROUP_LABEL, PodGroup, PodGroupSpec, volcano};
 
 /// Group the pods' volumes are given to, so a non-root user (the trainer image's uid/gid
 /// 1000) can read the SSH key, which is mounted owned by root (0600 becomes 0640 with the
@@ -86,9 +86,10 @@ pub struct BuildInputs {
     pub data_claim: Option<String>,
     /// The admitted flavors' node selectors and tolerations (empty unless queued in Kueue).
     pub placement: Placement,
-    /// The gang scheduler's name (`--gang-scheduler`): the pods are scheduled by it, in the
-    /// job's [`pod_group`]. `None`: the cluster's default scheduler, one pod at a time.
-    pub gang_scheduler: Option<String>,
+    /// The gang scheduler (`--gang-scheduler`): the pods are scheduled by it, in the job's
+    /// [`pod_group`] (or [`volcano_pod_group`]). `None`: the cluster's default scheduler, one
+    /// pod at a time.
+    pub gang_scheduler: Option<GangScheduler>,
     /// How the gang's pods name the Secret and Service (from its pods: [`ChildNaming::of_gang`]).
     pub naming: ChildNaming,
 }
@@ -223,13 +224,10 @@ pub fn worker_service(job: &ValidatedTrainingJob, naming: ChildNaming) -> Servic
     }))
 }
 
-/// The PodGroup of a gang-scheduled job: the scheduler places all its workers at once or none
-/// of them. The launcher is in the group but not counted in `minMember`: it is made only once
-/// every worker is ready, so counting it would hold the workers back for a pod that cannot
-/// exist yet; it joins a group already placed and is scheduled at once. `minResources` holds
-/// the workers' GPUs and RDMA devices (whole counts Ringmaster sets itself): the scarce part,
-/// and what the scheduler can check the cluster for before holding any node.
-pub fn pod_group(job: &ValidatedTrainingJob) -> PodGroup {
+/// What a gang's workers need together, for its PodGroup: their GPUs and RDMA devices (whole
+/// counts Ringmaster sets itself), the scarce part, and what a gang scheduler can check the
+/// cluster for before holding any node.
+fn gang_min_resources(job: &ValidatedTrainingJob) -> BTreeMap<String, Quantity> {
     let mut min_resources = BTreeMap::new();
     if job.gpus_per_worker > 0 {
         min_resources.insert(
@@ -243,16 +241,34 @@ pub fn pod_group(job: &ValidatedTrainingJob) -> PodGroup {
             Quantity((u64::from(ib.rdma_resource_count) * u64::from(job.workers)).to_string()),
         );
     }
+    min_resources
+}
+
+/// The workers, the gang's members. The launcher is in the group but not counted: it is made
+/// only once every worker is ready, so counting it would hold the workers back for a pod
+/// that cannot exist yet; it joins a group already placed and is scheduled at once.
+fn gang_min_member(job: &ValidatedTrainingJob) -> i32 {
+    // The schema bounds workers far below i32::MAX.
+    i32::try_from(job.workers).unwrap_or(i32::MAX)
+}
+
+/// The metadata of a job's PodGroup, either scheduler's.
+fn pod_group_metadata(job: &ValidatedTrainingJob) -> Value {
     let mut labels = names::job_labels(&job.name);
     labels.insert(names::ROLE_LABEL.into(), "gang".into());
+    metadata(job, &names::pod_group(&job.name, &job.uid), labels)
+}
+
+/// The scheduler-plugins PodGroup of a gang-scheduled job: the scheduler places all its
+/// workers ([`gang_min_member`]) at once or none of them.
+pub fn pod_group(job: &ValidatedTrainingJob) -> PodGroup {
     typed(json!({
         "apiVersion": "scheduling.x-k8s.io/v1alpha1",
         "kind": "PodGroup",
-        "metadata": metadata(job, &names::pod_group(&job.name, &job.uid), labels),
+        "metadata": pod_group_metadata(job),
         "spec": PodGroupSpec {
-            // The schema bounds workers far below i32::MAX.
-            min_member: i32::try_from(job.workers).unwrap_or(i32::MAX),
-            min_resources,
+            min_member: gang_min_member(job),
+            min_resources: gang_min_resources(job),
             schedule_timeout_seconds: job
                 .run_policy
                 .scheduling_policy
@@ -262,12 +278,39 @@ pub fn pod_group(job: &ValidatedTrainingJob) -> PodGroup {
     }))
 }
 
-/// Hands a pod to the gang scheduler, in the job's PodGroup. Last: the label wins over the
-/// user's own and over what a Kueue admission adds.
+/// The Volcano PodGroup of a gang-scheduled job: in the job's queue, with the workers'
+/// priority class, so Volcano orders it among its queue's jobs as the workers' priority says.
+pub fn volcano_pod_group(job: &ValidatedTrainingJob) -> volcano::PodGroup {
+    typed(json!({
+        "apiVersion": "scheduling.volcano.sh/v1beta1",
+        "kind": "PodGroup",
+        "metadata": pod_group_metadata(job),
+        "spec": volcano::PodGroupSpec {
+            min_member: gang_min_member(job),
+            min_resources: gang_min_resources(job),
+            queue: job
+                .run_policy
+                .scheduling_policy
+                .as_ref()
+                .and_then(|p| p.queue.clone()),
+            priority_class_name: job.worker.priority_class_name.clone(),
+        },
+    }))
+}
+
+/// Hands a pod to the gang scheduler, in the job's PodGroup: a label for scheduler-plugins,
+/// an annotation for Volcano. Last: it wins over the user's own and over what a Kueue
+/// admission adds.
 fn join_gang(pod: &mut Value, job: &ValidatedTrainingJob, inputs: &BuildInputs) {
     if let Some(scheduler) = &inputs.gang_scheduler {
-        pod["spec"]["schedulerName"] = json!(scheduler);
-        pod["metadata"]["labels"][POD_GROUP_LABEL] = json!(names::pod_group(&job.name, &job.uid));
+        pod["spec"]["schedulerName"] = json!(scheduler.name);
+        let group = json!(names::pod_group(&job.name, &job.uid));
+        match scheduler.api {
+            GangApi::SchedulerPlugins => pod["metadata"]["labels"][POD_GROUP_LABEL] = group,
+            GangApi::Volcano => {
+                pod["metadata"]["annotations"][volcano::GROUP_NAME_ANNOTATION] = group;
+            }
+        }
     }
 }
 
