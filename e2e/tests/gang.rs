@@ -458,6 +458,40 @@ async fn a_volcano_gang_that_does_not_fit_holds_no_node_and_runs_once_there_is_r
     wait_phase(&client, &ns.name, "second", TrainingJobPhase::Running, 90).await;
     assert_eq!(watch.of("second").len(), 2);
 
+    // A worker is OOM-killed: the restarted gang joins the same group and is placed whole
+    // again.
+    let oom = json!({"metadata": {"annotations": {"kwok.ringmaster.dev/exit-code": "137", "kwok.ringmaster.dev/reason": "OOMKilled"}}});
+    Api::<Pod>::namespaced(client.clone(), &ns.name)
+        .patch(
+            "second-worker-1",
+            &PatchParams::default(),
+            &Patch::Merge(&oom),
+        )
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(90),
+        "the second job's gang restarted and running",
+        || async {
+            let status = job_status(&client, &ns.name, "second").await;
+            status["restarts"] == 1 && status["phase"] == "Running"
+        },
+    )
+    .await;
+    for pod in pods(&client, &ns.name, "second").await {
+        assert_eq!(
+            pod.labels()["ringmaster.dev/attempt"],
+            "1",
+            "{}",
+            pod.name_any()
+        );
+        assert!(
+            pod.spec.as_ref().unwrap().node_name.is_some(),
+            "{} bound",
+            pod.name_any()
+        );
+    }
+
     jobs.delete("first", &Default::default()).await.unwrap();
     jobs.delete("second", &Default::default()).await.unwrap();
     eventually(
