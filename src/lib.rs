@@ -3,7 +3,7 @@
 //! `api` holds the custom resources; `controller` the reconcilers (one module per kind,
 //! split into validate → build → apply → status steps); `validation` the schema and CEL
 //! checks the validate steps share; `kueue` the part of Kueue's API a queued TrainingJob
-//! uses; `gang` the scheduler-plugins PodGroup a gang-scheduled job
+//! uses; `gang` the scheduler-plugins or Volcano PodGroup a gang-scheduled job
 //! gets; `crdgen` prints the CRDs; `metrics`, `server` and
 //! `telemetry` are the operator's plumbing.
 

@@ -984,6 +984,7 @@ fn a_pod_not_the_jobs_goes_by_itself_when_deleted_or_an_earlier_jobs() {
     for owner in [owned_by("TrainingJob", job, api), ObjectMeta::default()] {
         let deleting = |grace_over: i64| ObjectMeta {
             name: Some("resnet18-cpu-worker-1".into()),
+            namespace: Some("ml".into()),
             deletion_timestamp: Some(at(grace_over)),
             ..owner.clone()
         };
@@ -1001,8 +1002,10 @@ fn a_pod_not_the_jobs_goes_by_itself_when_deleted_or_an_earlier_jobs() {
                 && why.contains(&format!(
                     " is still being deleted, its grace period over since {since}: "
                 ))
-                && why
-                    .contains("kubectl delete pod resnet18-cpu-worker-1 --grace-period=0 --force"),
+                && why.contains(
+                    "kubectl delete pod resnet18-cpu-worker-1 -n ml --grace-period=0 --force"
+                )
+                && why.contains("or a finalizer holds it"),
             "{why}"
         );
     }

@@ -70,8 +70,12 @@ const OPERATOR_NAMESPACE: &str = "e2e-gang-operator";
 const HOLD: Duration = Duration::from_secs(15);
 
 impl Gang {
-    /// Starts the scheduler (a no-op when it runs; cluster.sh down stops it).
+    /// Starts the scheduler (a no-op when it runs; cluster.sh down stops it). One script at
+    /// a time: a script stops what it finds running but not yet healthy, which would be a
+    /// start another test is waiting on.
     async fn up(&self) {
+        static STARTING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+        let _one = STARTING.lock().await;
         common::script_up(self.script).await;
     }
 

@@ -642,7 +642,8 @@ pub struct SchedulingPolicy {
     #[schemars(range(min = 1, max = 86400))]
     pub schedule_timeout_seconds: Option<i32>,
     /// The Volcano queue the job's PodGroup waits in, whose share of the cluster it is
-    /// counted against. Unset: Volcano's default queue. Volcano only.
+    /// counted against; it must exist and be open. Unset: the queue Volcano gives the group
+    /// (its default queue, or the namespace's). Volcano only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253), regex(pattern = kubernetes_rules::DNS_SUBDOMAIN_PATTERN))]
     pub queue: Option<String>,

@@ -78,6 +78,20 @@ impl ApplyError {
     }
 }
 
+/// Whether a refusal said on the job (its `ChildRejected` message, from
+/// [`ApplyError::rejection`]) was of the Secret, Service or PodGroup: written again on the
+/// next look, since a change of spec they were to follow would be lost otherwise.
+pub fn refused_children(message: &str) -> bool {
+    [
+        "creating Secret ",
+        "applying Service ",
+        "creating PodGroup ",
+        "updating PodGroup ",
+    ]
+    .iter()
+    .any(|prefix| message.starts_with(prefix))
+}
+
 /// Wraps a refused write with what was written, for the job's status.
 pub(crate) fn kube_error(
     action: &'static str,
@@ -140,8 +154,8 @@ async fn ensure_ssh_secret(
 
 /// Makes the job's PodGroup, of the gang scheduler's API, unless it exists. When the spec
 /// changed (`update`), the one there gets what of it can change: its schedule timeout
-/// (scheduler-plugins) or its queue (Volcano). What it holds (workers, their GPUs and
-/// InfiniBand devices) is immutable in the spec.
+/// (scheduler-plugins), or the queue and priority class the job sets (Volcano). What it
+/// holds (workers, their GPUs and InfiniBand devices) is immutable in the spec.
 async fn ensure_pod_group(
     client: &Client,
     job: &ValidatedTrainingJob,
@@ -157,7 +171,17 @@ async fn ensure_pod_group(
         }
         GangApi::Volcano => {
             let group = build::volcano_pod_group(job);
-            let mutable = json!({"spec": {"queue": group.spec.queue}});
+            // Only what the job sets: unset, the group keeps the queue (and priority) Volcano
+            // gave it when it was made, which its admission webhook may have taken from the
+            // namespace.
+            let mut mutable = serde_json::Map::new();
+            if let Some(queue) = &group.spec.queue {
+                mutable.insert("queue".into(), json!(queue));
+            }
+            if let Some(priority) = &group.spec.priority_class_name {
+                mutable.insert("priorityClassName".into(), json!(priority));
+            }
+            let mutable = json!({"spec": mutable});
             write_pod_group(client, job, &group, mutable, api, update).await
         }
     }
@@ -374,6 +398,43 @@ pub async fn execute(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_refusals_of_the_secret_service_or_pod_group_are_written_again() {
+        let refusal = |action, kind| {
+            ApplyError::Kube {
+                action,
+                kind,
+                name: "x".into(),
+                source: kube::Error::Api(
+                    kube::core::Status::failure("denied", "Forbidden")
+                        .with_code(403)
+                        .boxed(),
+                ),
+            }
+            .rejection()
+            .expect("a refusal is said")
+        };
+        for (action, kind) in [
+            ("creating", "Secret"),
+            ("applying", "Service"),
+            ("creating", "PodGroup"),
+            ("updating", "PodGroup"),
+        ] {
+            assert!(refused_children(&refusal(action, kind)), "{action} {kind}");
+        }
+        assert!(!refused_children(&refusal("creating", "Pod")));
+        let missing_api = ApplyError::NoPodGroupApi {
+            name: "x".into(),
+            api: GangApi::Volcano,
+            source: kube::Error::Api(
+                kube::core::Status::failure("not found", "NotFound")
+                    .with_code(404)
+                    .boxed(),
+            ),
+        };
+        assert!(refused_children(&missing_api.rejection().unwrap()));
+    }
 
     #[test]
     fn a_missing_pod_group_api_says_what_to_install() {

@@ -292,9 +292,10 @@ async fn run(
     }
     // The Secret and Service go out with a gang's workers (the launcher comes later, into a
     // gang that has them) and with a new spec, once.
-    // Also after a refused write of this spec: its Service or PodGroup may not have followed.
+    // Also after a refused write of the Secret, Service or PodGroup: they may not have
+    // followed this spec.
     let spec_changed = (old.observed_generation.is_some() && old.observed_generation != generation)
-        || conditions::rejected_child(&old.conditions).is_some();
+        || conditions::rejected_child(&old.conditions).is_some_and(apply::refused_children);
     let children =
         if ctx
             .recent

@@ -257,12 +257,13 @@ impl NameHolder {
             return NameHolder::Staying {
                 why: format!(
                     "a pod of that name (its controller: {}) is still being deleted, its grace \
-                     period over since {}: its node may be lost, or a finalizer holds it; \
-                     force its deletion (kubectl delete pod {} --grace-period=0 --force), and \
-                     the job goes on",
+                     period over since {}: its node may be lost (kubectl delete pod {} -n {} \
+                     --grace-period=0 --force), or a finalizer holds it (whoever put it there \
+                     takes it off); once it is gone, the job goes on",
                     controller_words(),
                     deleted_at.0,
-                    pod.name.as_deref().unwrap_or_default()
+                    pod.name.as_deref().unwrap_or_default(),
+                    pod.namespace.as_deref().unwrap_or_default()
                 ),
             };
         }
