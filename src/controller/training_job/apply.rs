@@ -188,7 +188,7 @@ async fn ensure_pod_group(
 }
 
 /// Creates `group` unless it exists; with `update`, merge-patches `mutable` onto the one
-/// there (a merge patch, so a setting taken out of the spec is taken out of the group too).
+/// there (a `null` in it takes the setting out of the group).
 async fn write_pod_group<K>(
     client: &Client,
     job: &ValidatedTrainingJob,
