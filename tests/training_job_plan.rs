@@ -926,9 +926,101 @@ fn a_pod_name_held_by_a_pod_that_stays_blocks_the_job_visibly() {
 }
 
 #[test]
+fn a_pod_of_the_job_stuck_being_deleted_blocks_it_visibly_after_a_minute() {
+    // Gang 1 starts after a restart; worker 1 of gang 0 is being deleted on a node that
+    // stopped answering: its grace period ended at 0 s (the "deleting" pods' timestamp).
+    let mut old = pod("worker", 1, 0, "deleting");
+    old.spec = Some(k8s_openapi::api::core::v1::PodSpec {
+        node_name: Some("aks-nd96-3".into()),
+        ..Default::default()
+    });
+    let mut s = Scenario::new(job(|_| {})).pods(vec![old.clone()]);
+    s.status.restarts = 1;
+    // Within a minute of its grace period: waited for quietly, looked at every second.
+    s.now = at(60);
+    let p = s.step();
+    assert!(p.create_workers.is_empty(), "its name is needed");
+    assert_eq!(p.requeue_after, Some(Duration::from_secs(1)));
+    assert_eq!(p.phase, Phase::Starting);
+    assert_eq!(s.condition(condition_types::READY).1, reasons::STARTING);
+
+    // Past that, the job says so, on Ready, Reconciling and WorkersReady, with what to do.
+    s.now = at(61);
+    let p = s.step();
+    assert!(p.create_workers.is_empty() && p.delete_pods.is_empty());
+    assert_eq!(p.requeue_after, Some(plan::NAME_IN_USE_RECHECK));
+    assert_eq!(p.phase, Phase::Starting);
+    let said = format!(
+        "pod resnet18-cpu-worker-1 of gang attempt 0 is still being deleted, its grace period \
+         over since {}: its node aks-nd96-3 may be lost (kubectl delete pod \
+         resnet18-cpu-worker-1 -n ml --grace-period=0 --force), or a finalizer holds it \
+         (whoever put it there takes it off); the job's next pods reuse its name and are made \
+         once it is gone",
+        at(0).0
+    );
+    for type_ in [
+        condition_types::READY,
+        condition_types::RECONCILING,
+        condition_types::WORKERS_READY,
+    ] {
+        let (status, reason, message) = s.condition(type_);
+        assert_eq!(
+            (status.as_str(), reason.as_str(), message.as_str()),
+            (
+                if type_ == condition_types::RECONCILING {
+                    "True"
+                } else {
+                    "False"
+                },
+                reasons::POD_STUCK_TERMINATING,
+                said.as_str()
+            ),
+            "{type_}"
+        );
+    }
+    assert!(reasons::BLOCKING.contains(&reasons::POD_STUCK_TERMINATING));
+    // A look later says the same.
+    let status = s.status.clone();
+    s.now = at(600);
+    s.step();
+    assert_eq!(s.status, status);
+
+    // Once it is gone, the new gang is made and the words go.
+    s.pods.clear();
+    let p = s.step();
+    assert_eq!(p.create_workers, vec![0, 1]);
+    assert_eq!(s.condition(condition_types::READY).1, reasons::STARTING);
+
+    // The current gang's launcher stuck the same way (its node lost after a person deleted
+    // it): the ready workers wait with it, and the job says why.
+    let mut s = Scenario::new(job(|_| {})).pods(vec![
+        pod("worker", 0, 0, "ready"),
+        pod("worker", 1, 0, "ready"),
+        pod("launcher", 0, 0, "deleting"),
+    ]);
+    s.now = at(61);
+    s.step();
+    let (_, reason, message) = s.condition(condition_types::READY);
+    assert_eq!(reason, reasons::POD_STUCK_TERMINATING);
+    assert!(
+        message.starts_with("pod resnet18-cpu-launcher of gang attempt 0 is still being deleted")
+            && message.contains("its node may be lost"),
+        "{message}"
+    );
+    assert_eq!(
+        s.condition(condition_types::WORKERS_READY).1,
+        reasons::RUNNING
+    );
+}
+
+#[test]
 fn a_pod_not_the_jobs_goes_by_itself_when_deleted_or_an_earlier_jobs() {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
     use plan::NameHolder;
+    let pod_of = |metadata: ObjectMeta| Pod {
+        metadata,
+        ..Pod::default()
+    };
     let owned_by = |kind: &str, name: &str, api_version: &str| ObjectMeta {
         name: Some("resnet18-cpu-worker-1".into()),
         owner_references: Some(vec![OwnerReference {
@@ -951,12 +1043,12 @@ fn a_pod_not_the_jobs_goes_by_itself_when_deleted_or_an_earlier_jobs() {
     let api = "ringmaster.dev/v1alpha1";
     let now = at(1000);
     assert_eq!(
-        NameHolder::of(&owned_by("TrainingJob", job, api), job, &now),
+        NameHolder::of(&pod_of(owned_by("TrainingJob", job, api)), job, &now),
         NameHolder::Going
     );
     // Left by a job deleted with --cascade=orphan: no controller, and nobody deletes it.
     assert_eq!(
-        NameHolder::of(&ObjectMeta::default(), job, &now),
+        NameHolder::of(&Pod::default(), job, &now),
         not_controlled("none")
     );
     for (kind, name, api_version) in [
@@ -966,7 +1058,7 @@ fn a_pod_not_the_jobs_goes_by_itself_when_deleted_or_an_earlier_jobs() {
         ("MPIJob", job, "kubeflow.org/v2beta1"),
     ] {
         assert_eq!(
-            NameHolder::of(&owned_by(kind, name, api_version), job, &now),
+            NameHolder::of(&pod_of(owned_by(kind, name, api_version)), job, &now),
             not_controlled(&format!("{kind} {name}")),
             "{kind} {name} {api_version}"
         );
@@ -975,18 +1067,20 @@ fn a_pod_not_the_jobs_goes_by_itself_when_deleted_or_an_earlier_jobs() {
     let mut not_controller = owned_by("TrainingJob", job, api);
     not_controller.owner_references.as_mut().unwrap()[0].controller = None;
     assert_eq!(
-        NameHolder::of(&not_controller, job, &now),
+        NameHolder::of(&pod_of(not_controller), job, &now),
         not_controlled("none")
     );
 
     // Being deleted: waited for until a minute past its grace period (the deletion
     // timestamp), whoever's it is; then it is said, with what to do.
     for owner in [owned_by("TrainingJob", job, api), ObjectMeta::default()] {
-        let deleting = |grace_over: i64| ObjectMeta {
-            name: Some("resnet18-cpu-worker-1".into()),
-            namespace: Some("ml".into()),
-            deletion_timestamp: Some(at(grace_over)),
-            ..owner.clone()
+        let deleting = |grace_over: i64| {
+            pod_of(ObjectMeta {
+                name: Some("resnet18-cpu-worker-1".into()),
+                namespace: Some("ml".into()),
+                deletion_timestamp: Some(at(grace_over)),
+                ..owner.clone()
+            })
         };
         assert_eq!(
             NameHolder::of(&deleting(1000), job, &now),
@@ -1005,9 +1099,20 @@ fn a_pod_not_the_jobs_goes_by_itself_when_deleted_or_an_earlier_jobs() {
                 && why.contains(
                     "kubectl delete pod resnet18-cpu-worker-1 -n ml --grace-period=0 --force"
                 )
-                && why.contains("or a finalizer holds it"),
+                && why.contains("or a finalizer holds it")
+                && why.contains("its node may be lost"),
             "{why}"
         );
+        // The node it is bound to is named.
+        let mut on_node = deleting(939);
+        on_node.spec = Some(k8s_openapi::api::core::v1::PodSpec {
+            node_name: Some("aks-nd96-0".into()),
+            ..Default::default()
+        });
+        let NameHolder::Staying { why } = NameHolder::of(&on_node, job, &now) else {
+            panic!("stuck");
+        };
+        assert!(why.contains("its node aks-nd96-0 may be lost"), "{why}");
     }
 }
 
@@ -1032,8 +1137,7 @@ fn a_cached_pod_stripped_of_what_the_controller_never_reads_reads_the_same() {
         full["metadata"]["annotations"] = json!({"a": "b"});
         full["metadata"]["creationTimestamp"] = json!("2027-01-15T07:00:00Z");
         full["metadata"]["managedFields"] = json!([{"manager": "ringmaster", "operation": "Apply", "fieldsType": "FieldsV1", "fieldsV1": {"f:spec": {}}}]);
-        full["spec"] =
-            json!({"containers": [{"name": "worker", "image": "i", "command": ["sshd"]}]});
+        full["spec"] = json!({"containers": [{"name": "worker", "image": "i", "command": ["sshd"]}], "nodeName": "aks-nd96-1"});
         full["status"]["hostIP"] = json!("10.0.0.4");
         full["status"]["podIPs"] = json!([{"ip": "10.244.1.7"}]);
         if let Some(conditions) = full["status"]["conditions"].as_array_mut() {
@@ -1044,7 +1148,12 @@ fn a_cached_pod_stripped_of_what_the_controller_never_reads_reads_the_same() {
         strip_for_cache(&mut cached);
         assert_eq!(PodState::of(&cached), PodState::of(&full), "{state}");
         assert_eq!(cached.metadata.labels, full.metadata.labels);
-        assert!(cached.spec.is_none() && cached.metadata.managed_fields.is_none());
+        assert_eq!(
+            serde_json::to_value(&cached.spec).unwrap(),
+            json!({"containers": [], "nodeName": "aks-nd96-1"}),
+            "only the node is kept of the spec"
+        );
+        assert!(cached.metadata.managed_fields.is_none());
         assert!(
             serde_json::to_vec(&cached).unwrap().len() < serde_json::to_vec(&full).unwrap().len()
         );

@@ -865,3 +865,128 @@ async fn pods_of_another_holding_the_jobs_pod_names_block_it_visibly_until_delet
     ours.sort();
     assert_eq!(ours, ["taken-launcher", "taken-worker-0", "taken-worker-1"]);
 }
+
+/// A worker of a running gang is deleted while its node no longer answers: the gang
+/// restarts, and its old worker stays Terminating, holding the name the new gang's worker
+/// needs. Within a minute past its grace period the job waits quietly; after that it says
+/// so (PodStuckTerminating, with a Warning) with the command that ends it, and once that
+/// command has run the new gang runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_stuck_terminating_on_a_lost_node_is_said_and_the_gang_runs_once_it_goes() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "tj-lost").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    apply(&client, &cpu_job("lost", 2, |_| {}), &ns.name, false)
+        .await
+        .unwrap();
+    wait_phase(&client, &ns.name, "lost", TrainingJobPhase::Running, 60).await;
+
+    let pods_api: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
+    let node = pods_api
+        .get("lost-worker-1")
+        .await
+        .unwrap()
+        .spec
+        .unwrap()
+        .node_name
+        .unwrap();
+    let lost = json!({"metadata": {"annotations": {"kwok.ringmaster.dev/node-lost": "true"}}});
+    pods_api
+        .patch(
+            "lost-worker-1",
+            &PatchParams::default(),
+            &Patch::Merge(&lost),
+        )
+        .await
+        .unwrap();
+    // A graceful deletion, as a person's or an eviction's (0 would be a forced one).
+    pods_api
+        .delete("lost-worker-1", &DeleteParams::default().grace_period(1))
+        .await
+        .unwrap();
+    let deleted_at = std::time::Instant::now();
+    eventually(Duration::from_secs(30), "the restart", || async {
+        job_status(&client, &ns.name, "lost").await["restarts"] == 1
+    })
+    .await;
+
+    // The other pods of gang 0 go; the stuck worker holds back gang 1.
+    eventually(
+        Duration::from_secs(30),
+        "only the stuck worker left",
+        || async {
+            let names: Vec<String> = pods(&client, &ns.name, "lost")
+                .await
+                .into_iter()
+                .map(|p| p.name_any())
+                .collect();
+            names == ["lost-worker-1"]
+        },
+    )
+    .await;
+    let status = job_status(&client, &ns.name, "lost").await;
+    if deleted_at.elapsed() < Duration::from_secs(55) {
+        assert_ne!(
+            condition(&status, "Ready")["reason"],
+            "PodStuckTerminating",
+            "said before a minute past its grace period: {status:#}"
+        );
+    }
+
+    eventually(
+        Duration::from_secs(90),
+        "PodStuckTerminating with a Warning",
+        || async {
+            let status = job_status(&client, &ns.name, "lost").await;
+            condition(&status, "Ready")["reason"] == "PodStuckTerminating"
+                && !common::warnings_for(&client, &ns.name, "lost", "PodStuckTerminating")
+                    .await
+                    .is_empty()
+        },
+    )
+    .await;
+    // Not before a minute past its grace period (1 s).
+    assert!(deleted_at.elapsed() >= Duration::from_secs(60));
+    let status = job_status(&client, &ns.name, "lost").await;
+    let message = condition(&status, "Ready")["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let command = format!(
+        "kubectl delete pod lost-worker-1 -n {} --grace-period=0 --force",
+        ns.name
+    );
+    for words in [
+        "pod lost-worker-1 of gang attempt 0 is still being deleted, its grace period over since ",
+        &format!("its node {node} may be lost ({command})"),
+        "or a finalizer holds it",
+    ] {
+        assert!(message.contains(words), "{words:?} not in {message:?}");
+    }
+    assert_eq!(
+        condition(&status, "WorkersReady")["reason"],
+        "PodStuckTerminating"
+    );
+    assert!(phase_is(&status, TrainingJobPhase::Starting), "{status:#}");
+
+    // What the message says to do (a forced deletion): the pod goes at once, and gang 1 runs.
+    pods_api
+        .delete("lost-worker-1", &DeleteParams::default().grace_period(0))
+        .await
+        .unwrap();
+    let status = wait_phase(&client, &ns.name, "lost", TrainingJobPhase::Running, 30).await;
+    assert_eq!(
+        condition(&status, "Ready")["reason"],
+        "Running",
+        "{status:#}"
+    );
+    for pod in pods(&client, &ns.name, "lost").await {
+        assert_eq!(
+            pod.labels()["ringmaster.dev/attempt"],
+            "1",
+            "{}",
+            pod.name_any()
+        );
+    }
+}

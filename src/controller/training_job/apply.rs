@@ -311,7 +311,7 @@ async fn create_pod(
         PodCreate::Exists
     } else {
         PodCreate::Held(NameHolder::of(
-            &existing.metadata,
+            &existing,
             &job.name,
             &crate::controller::now(),
         ))

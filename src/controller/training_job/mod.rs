@@ -177,7 +177,7 @@ fn pods_of(ctx: &Context, job: &TrainingJob) -> (Vec<Arc<Pod>>, BTreeMap<String,
         });
     let holders = others
         .iter()
-        .map(|pod| (pod.name_any(), NameHolder::of(&pod.metadata, &name, &now)))
+        .map(|pod| (pod.name_any(), NameHolder::of(pod, &name, &now)))
         .collect();
     (ours, holders)
 }

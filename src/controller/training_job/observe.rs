@@ -94,8 +94,10 @@ pub struct PodState {
     pub life: PodLife,
     /// Why its container cannot start, while the kubelet retries.
     pub stuck: Option<Stuck>,
-    /// Being deleted.
-    pub deleting: bool,
+    /// When it is being deleted: the end of its grace period (the deletion timestamp).
+    pub deletion: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    /// The node it is bound to, when it is: named when the pod is stuck being deleted.
+    pub node: Option<String>,
     /// When the API server made it.
     pub created: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
 }
@@ -151,14 +153,20 @@ impl PodState {
             attempt,
             life,
             stuck,
-            deleting: pod.metadata.deletion_timestamp.is_some(),
+            deletion: pod.metadata.deletion_timestamp.clone(),
+            node: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
             created: pod.metadata.creation_timestamp.clone(),
         }
     }
 
+    /// Being deleted.
+    pub fn is_deleting(&self) -> bool {
+        self.deletion.is_some()
+    }
+
     /// Running and ready.
     pub fn is_ready(&self) -> bool {
-        !self.deleting && matches!(self.life, PodLife::Running { ready: true })
+        !self.is_deleting() && matches!(self.life, PodLife::Running { ready: true })
     }
 
     /// Exited (either way).
@@ -179,14 +187,19 @@ fn main_container(
 }
 
 /// Drops from a pod what the controller never reads, before it reaches the shared cache: the
-/// spec, annotations, managed fields, and every part of the status but the phase, the
+/// spec but its node, annotations, managed fields, and every part of the status but the phase, the
 /// pod-level reason, the Ready and PodScheduled conditions and the own container's
 /// termination or why it waits. What is kept is what [`PodState::of`] and the job's pod lookup read
 /// (namespace, name, labels, owners, UID, resourceVersion, timestamps); a cached pod gives
 /// the same [`PodState`] as the whole pod. Thousands of pods are cached: most of a pod's
 /// bytes are its spec and managed fields.
 pub fn strip_for_cache(pod: &mut Pod) {
-    pod.spec = None;
+    pod.spec = pod.spec.take().and_then(|s| s.node_name).map(|node_name| {
+        k8s_openapi::api::core::v1::PodSpec {
+            node_name: Some(node_name),
+            ..Default::default()
+        }
+    });
     let meta = &mut pod.metadata;
     meta.annotations = None;
     meta.managed_fields = None;

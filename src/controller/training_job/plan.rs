@@ -4,7 +4,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use super::observe::{Exit, Observed, PodLife, PodState, StuckKind};
 use super::queue::QueueState;
@@ -48,15 +49,19 @@ pub mod reasons {
     pub const CONTAINER_CANNOT_START: &str = "ContainerCannotStart";
     /// A pod the job would make has a name another pod, not the job's, holds.
     pub const NAME_IN_USE: &str = "NameInUse";
+    /// A pod of the job is still being deleted well past its grace period (its node lost, or
+    /// a finalizer that stays), and the gang cannot start again without its name.
+    pub const POD_STUCK_TERMINATING: &str = "PodStuckTerminating";
 
     /// The reasons that say the job waits on something a person must fix: each is written at
     /// once and comes with a Warning Event.
-    pub const BLOCKING: [&str; 5] = [
+    pub const BLOCKING: [&str; 6] = [
         UNSCHEDULABLE,
         IMAGE_PULL_FAILED,
         CONTAINER_CANNOT_START,
         DATA_STAGE_FAILED,
         NAME_IN_USE,
+        POD_STUCK_TERMINATING,
     ];
     /// Waiting for the DataStage.
     pub const WAITING_FOR_DATA: &str = "WaitingForData";
@@ -192,7 +197,7 @@ impl Plan {
                     .observed
                     .launcher
                     .as_ref()
-                    .filter(|l| !l.deleting)
+                    .filter(|l| !l.is_deleting())
                     .map(|l| l.created.clone().unwrap_or_else(|| inputs.now.clone()))
             }),
             completion_time: inputs.status.completion_time.clone(),
@@ -241,29 +246,29 @@ pub const TERMINATING_PATIENCE: Duration = Duration::from_secs(60);
 
 impl NameHolder {
     /// Whether `pod`, not the job's (named `job`), goes by itself, seen at `now`.
-    pub fn of(pod: &ObjectMeta, job: &str, now: &Time) -> Self {
-        let controller = pod
+    pub fn of(pod: &Pod, job: &str, now: &Time) -> Self {
+        let meta = &pod.metadata;
+        let controller = meta
             .owner_references
             .iter()
             .flatten()
             .find(|o| o.controller == Some(true));
         let controller_words =
             || controller.map_or("none".into(), |o| format!("{} {}", o.kind, o.name));
-        if let Some(deleted_at) = &pod.deletion_timestamp {
-            // The deletion timestamp is when the grace period ends.
-            if seconds_between(deleted_at, now) <= TERMINATING_PATIENCE.as_secs_f64() {
+        if let Some(deleted_at) = &meta.deletion_timestamp {
+            if !past_terminating_patience(deleted_at, now) {
                 return NameHolder::Going;
             }
             return NameHolder::Staying {
                 why: format!(
-                    "a pod of that name (its controller: {}) is still being deleted, its grace \
-                     period over since {}: its node may be lost (kubectl delete pod {} -n {} \
-                     --grace-period=0 --force), or a finalizer holds it (whoever put it there \
-                     takes it off); once it is gone, the job goes on",
+                    "a pod of that name (its controller: {}) {}; once it is gone, the job goes on",
                     controller_words(),
-                    deleted_at.0,
-                    pod.name.as_deref().unwrap_or_default(),
-                    pod.namespace.as_deref().unwrap_or_default()
+                    still_being_deleted(
+                        meta.name.as_deref().unwrap_or_default(),
+                        meta.namespace.as_deref().unwrap_or_default(),
+                        pod.spec.as_ref().and_then(|s| s.node_name.as_deref()),
+                        deleted_at,
+                    )
                 ),
             };
         }
@@ -282,6 +287,57 @@ impl NameHolder {
             }
         }
     }
+}
+
+/// Whether a pod being deleted, whose grace period ended at `grace_over` (its deletion
+/// timestamp), is past [`TERMINATING_PATIENCE`] at `now`: no longer waited for quietly.
+fn past_terminating_patience(grace_over: &Time, now: &Time) -> bool {
+    seconds_between(grace_over, now) > TERMINATING_PATIENCE.as_secs_f64()
+}
+
+/// What to say of pod `name` still being deleted past its grace period, and what to do about
+/// it: the node it ran on may be lost (the kubelet never confirms the deletion; the pod
+/// garbage collector force-deletes only when the Node object goes), or a finalizer holds it.
+fn still_being_deleted(
+    name: &str,
+    namespace: &str,
+    node: Option<&str>,
+    grace_over: &Time,
+) -> String {
+    let node = node.map_or_else(|| "its node".to_string(), |n| format!("its node {n}"));
+    format!(
+        "is still being deleted, its grace period over since {}: {node} may be lost (kubectl \
+         delete pod {name} -n {namespace} --grace-period=0 --force), or a finalizer holds it \
+         (whoever put it there takes it off)",
+        grace_over.0
+    )
+}
+
+/// The first of the job's own pods still being deleted past [`TERMINATING_PATIENCE`]: a pod
+/// of an earlier gang (its name is needed for the new one), or of this gang. Said as
+/// [`reasons::POD_STUCK_TERMINATING`] with what to do, since nothing else will end the wait.
+fn stuck_terminating(
+    observed: &Observed,
+    namespace: &str,
+    now: &Time,
+) -> Option<(&'static str, String)> {
+    observed.all().find_map(|pod| {
+        let grace_over = pod.deletion.as_ref()?;
+        past_terminating_patience(grace_over, now).then(|| {
+            let gang = pod
+                .attempt
+                .map_or_else(String::new, |a| format!(" of gang attempt {a}"));
+            (
+                reasons::POD_STUCK_TERMINATING,
+                format!(
+                    "pod {}{gang} {}; the job's next pods reuse its name and are made once it \
+                     is gone",
+                    pod.name,
+                    still_being_deleted(&pod.name, namespace, pod.node.as_deref(), grace_over)
+                ),
+            )
+        })
+    })
 }
 
 /// How soon a job whose pod's name a staying pod holds looks again: that pod's deletion
@@ -410,7 +466,7 @@ pub fn parse_result(message: &str) -> Option<TrainingResult> {
 /// scheduler's reason it fits no node, or the kubelet's reason its container cannot start.
 /// `None` for a pod on its normal way (or running, or gone).
 fn blocked(role: &str, pod: &PodState) -> Option<(&'static str, String)> {
-    if pod.deleting {
+    if pod.is_deleting() {
         return None;
     }
     if let PodLife::Pending {
@@ -439,7 +495,7 @@ fn blocked(role: &str, pod: &PodState) -> Option<(&'static str, String)> {
 fn cleanup(observed: &Observed, policy: CleanPodPolicy) -> Vec<String> {
     observed
         .all()
-        .filter(|p| !p.deleting)
+        .filter(|p| !p.is_deleting())
         .filter(|p| match policy {
             CleanPodPolicy::All => true,
             CleanPodPolicy::Running => !p.is_finished(),
@@ -452,7 +508,7 @@ fn cleanup(observed: &Observed, policy: CleanPodPolicy) -> Vec<String> {
 fn every_pod(observed: &Observed) -> Vec<String> {
     observed
         .all()
-        .filter(|p| !p.deleting)
+        .filter(|p| !p.is_deleting())
         .map(|p| p.name.clone())
         .collect()
 }
@@ -636,7 +692,7 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
     let stale: Vec<&PodState> = observed.stale.iter().collect();
     plan.delete_pods = stale
         .iter()
-        .filter(|p| !p.deleting)
+        .filter(|p| !p.is_deleting())
         .map(|p| p.name.clone())
         .collect();
     let gang_exists = observed.gang_exists();
@@ -765,7 +821,9 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
         .find_map(|(i, w)| match w {
             Some(pod) => match &pod.life {
                 PodLife::Failed(exit) => Some(format!("worker {}", describe(pod, exit))),
-                _ if pod.deleting && started => Some(format!("worker {} was deleted", pod.name)),
+                _ if pod.is_deleting() && started => {
+                    Some(format!("worker {} was deleted", pod.name))
+                }
                 _ => None,
             },
             None if started => Some(format!(
@@ -892,6 +950,11 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
     }
 
     // Normal progress: workers first, the launcher once every worker is ready.
+    let stuck = stuck_terminating(observed, &job.namespace, inputs.now);
+    if stuck.is_some() {
+        // Its deletion wakes the job; the look covers a missed event.
+        plan.requeue(NAME_IN_USE_RECHECK);
+    }
     if stale.is_empty() {
         plan.create_workers = observed
             .workers
@@ -900,7 +963,7 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
             .filter(|(_, w)| w.is_none())
             .map(|(i, _)| i as u32)
             .collect();
-    } else {
+    } else if stuck.is_none() {
         plan.requeue(Duration::from_secs(1));
     }
     let ready = observed.ready_workers();
@@ -915,13 +978,16 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
     let launcher_running = observed
         .launcher
         .as_ref()
-        .is_some_and(|l| matches!(l.life, PodLife::Running { .. }) && !l.deleting);
+        .is_some_and(|l| matches!(l.life, PodLife::Running { .. }) && !l.is_deleting());
     plan.say(condition_types::RESTARTING, false, reasons::RUNNING, "");
-    let worker_blocked = observed
-        .workers
-        .iter()
-        .flatten()
-        .find_map(|w| blocked(super::names::WORKER_ROLE, w));
+    // A pod stuck being deleted holds back the workers that would take its name.
+    let worker_blocked = stuck.or_else(|| {
+        observed
+            .workers
+            .iter()
+            .flatten()
+            .find_map(|w| blocked(super::names::WORKER_ROLE, w))
+    });
     let launcher_blocked = observed
         .launcher
         .as_ref()

@@ -64,7 +64,7 @@ pub fn from_plan(
     status.workers = WorkerCounts {
         active: workers
             .clone()
-            .filter(|w| !w.deleting && !w.is_finished())
+            .filter(|w| !w.is_deleting() && !w.is_finished())
             .count() as i32,
         ready: workers.clone().filter(|w| w.is_ready()).count() as i32,
         failed: workers
