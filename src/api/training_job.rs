@@ -591,8 +591,11 @@ pub struct RunPolicy {
     #[serde(default = "default_backoff_limit")]
     #[schemars(range(min = 0, max = 100))]
     pub backoff_limit: i32,
-    /// Seconds the job may run, counted from its start, before it is Failed with reason
-    /// DeadlineExceeded and its pods are stopped.
+    /// Seconds the job may run, counted from status.startTime (when its first launcher was
+    /// made, every worker ready; gang restarts do not reset it, a suspension or a Kueue
+    /// eviction does), before it is Failed with reason DeadlineExceeded and its pods are
+    /// stopped. As MPI Operator's, which puts it on its launcher Job. Time spent waiting for
+    /// data, nodes or a scheduler does not count.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub active_deadline_seconds: Option<i64>,
