@@ -110,7 +110,7 @@ impl Backend for Counting {
         x: &[f32],
         w: &[f32],
         dy: &[f32],
-        dx: &mut [f32],
+        dx: Option<&mut [f32]>,
         dw: &mut [f32],
     ) {
         self.hit("conv2d_backward");

@@ -196,6 +196,27 @@ fn conv_7x7_stride2_pad3_stem() {
     gradcheck("conv7x7/2", &mut conv, &mut store, &x, SMOOTH);
 }
 
+/// The first layer's backward (no gradient for the image) accumulates the same weight
+/// gradient as the full backward, for the stem's shape and a pointwise one.
+#[test]
+fn a_convs_weight_gradient_is_the_same_without_the_inputs() {
+    for (c, k, stride, pad, size) in [(3, 7, 2, 3, 9), (4, 1, 2, 0, 5)] {
+        let mut rng = rng();
+        let mut store = ParamStore::new();
+        let mut conv = Conv2d::new(&mut store, "c", c, 4, k, stride, pad, &mut rng);
+        let x = Tensor::randn(&[2, c, size, size], 1.0, &mut rng);
+        let y = conv.forward(&CpuBackend, &mut store, &x, true);
+        let g = Tensor::randn(&y.shape, 1.0, &mut rng);
+        let mut alone = store.clone();
+        let dx = conv.backward(&CpuBackend, &mut store, &g);
+        assert_eq!(dx.shape, x.shape);
+        conv.forward(&CpuBackend, &mut alone, &x, true);
+        conv.backward_weight(&CpuBackend, &mut alone, &g);
+        assert_eq!(alone.grads, store.grads, "{k}x{k}/{stride}");
+        assert!(store.grads.iter().any(|g| *g != 0.0));
+    }
+}
+
 #[test]
 fn conv_1x1_pointwise_and_strided() {
     let mut rng = rng();

@@ -239,8 +239,8 @@ impl<B: Backend> Model<B> {
             g = pool.backward(be, p, &g);
         }
         g = self.stem_bn.backward(be, p, &g);
-        // The image gradient is not needed; computing it keeps the layer contract simple.
-        self.stem_conv.backward(be, p, &g);
+        // The image needs no gradient: only the stem's weight gradient is computed.
+        self.stem_conv.backward_weight(be, p, &g);
         final_from(be, &mut p.grads, 0);
     }
 

@@ -131,7 +131,7 @@ impl Backend for CpuBackend {
         x: &[f32],
         weight: &[f32],
         dy: &[f32],
-        dx: &mut [f32],
+        dx: Option<&mut [f32]>,
         dweight: &mut [f32],
     ) {
         let (oh, ow) = s.output_size();
@@ -140,47 +140,50 @@ impl Backend for CpuBackend {
         let geo = Geometry::new(s);
         // Each rayon job owns one partial weight gradient; they are summed at the end so
         // images can be processed in parallel without locking.
-        let partial = dx
-            .par_chunks_mut(chw)
-            .zip(x.par_chunks(chw))
-            .zip(dy.par_chunks(oc * ohw))
-            .fold(
-                || vec![0.0f32; oc * ckk],
-                |mut gw, ((dx, x), dy)| {
-                    let mut buf = Vec::new();
-                    let cols = geo.columns(x, &mut buf);
-                    let dy_m = Matrix::rows(dy, ohw);
-                    // dW[oc, ckk] += dy[oc, ohw] * cols^T[ohw, ckk]
-                    sgemm(
-                        oc,
-                        ohw,
-                        ckk,
-                        dy_m,
-                        Matrix::transposed(cols, ohw),
-                        1.0,
-                        &mut gw,
-                        ckk,
-                    );
-                    let w_t = Matrix::transposed(weight, ckk);
-                    if geo.pointwise() {
-                        // dx[c, hw] = W^T[c, oc] * dy[oc, hw]
-                        sgemm(ckk, oc, ohw, w_t, dy_m, 0.0, dx, ohw);
-                    } else {
-                        let mut dcols = vec![0.0f32; ckk * ohw];
-                        sgemm(ckk, oc, ohw, w_t, dy_m, 0.0, &mut dcols, ohw);
-                        dx.fill(0.0);
-                        geo.col2im(&dcols, dx);
-                    }
-                    gw
-                },
-            )
-            .reduce(
-                || vec![0.0f32; oc * ckk],
-                |mut a, b| {
-                    a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
-                    a
-                },
+        let image = |mut gw: Vec<f32>, (dx, (x, dy)): ImageGrads<'_>| {
+            let mut buf = Vec::new();
+            let cols = geo.columns(x, &mut buf);
+            let dy_m = Matrix::rows(dy, ohw);
+            // dW[oc, ckk] += dy[oc, ohw] * cols^T[ohw, ckk]
+            sgemm(
+                oc,
+                ohw,
+                ckk,
+                dy_m,
+                Matrix::transposed(cols, ohw),
+                1.0,
+                &mut gw,
+                ckk,
             );
+            let Some(dx) = dx else {
+                return gw;
+            };
+            let w_t = Matrix::transposed(weight, ckk);
+            if geo.pointwise() {
+                // dx[c, hw] = W^T[c, oc] * dy[oc, hw]
+                sgemm(ckk, oc, ohw, w_t, dy_m, 0.0, dx, ohw);
+            } else {
+                let mut dcols = vec![0.0f32; ckk * ohw];
+                sgemm(ckk, oc, ohw, w_t, dy_m, 0.0, &mut dcols, ohw);
+                dx.fill(0.0);
+                geo.col2im(&dcols, dx);
+            }
+            gw
+        };
+        let images = x.par_chunks(chw).zip(dy.par_chunks(oc * ohw));
+        let fresh = || vec![0.0f32; oc * ckk];
+        let partial = match dx {
+            Some(dx) => dx
+                .par_chunks_mut(chw)
+                .map(Some)
+                .zip(images)
+                .fold(fresh, image)
+                .reduce(fresh, sum_into),
+            None => images
+                .map(|pair| (None, pair))
+                .fold(fresh, image)
+                .reduce(fresh, sum_into),
+        };
         self.add_assign(dweight, &partial);
     }
 
@@ -478,6 +481,16 @@ impl Backend for CpuBackend {
         }
     }
 }
+
+/// Sums two partial weight gradients (rayon's reduce).
+fn sum_into(mut a: Vec<f32>, b: Vec<f32>) -> Vec<f32> {
+    a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
+    a
+}
+
+/// One image's part of a convolution's backward: its input gradient, if asked for, then
+/// its input and output gradient.
+type ImageGrads<'a> = (Option<&'a mut [f32]>, (&'a [f32], &'a [f32]));
 
 /// `c = a · b + beta · c` on row-major `c` with row stride `rsc`.
 #[allow(clippy::too_many_arguments)]

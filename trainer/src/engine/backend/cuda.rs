@@ -540,6 +540,7 @@ trait AlgoPerf {
     type Algo: Copy;
     fn succeeded(&self) -> bool;
     fn algo(&self) -> Self::Algo;
+    fn math(&self) -> cudnn::cudnnMathType_t;
 }
 
 macro_rules! algo_perf {
@@ -552,6 +553,9 @@ macro_rules! algo_perf {
             fn algo(&self) -> $algo {
                 self.algo
             }
+            fn math(&self) -> cudnn::cudnnMathType_t {
+                self.mathType
+            }
         }
     )+};
 }
@@ -562,26 +566,70 @@ algo_perf!(
     cudnn::cudnnConvolutionBwdFilterAlgoPerf_t => cudnn::cudnnConvolutionBwdFilterAlgo_t
 );
 
-/// The fastest algorithm that ran: cuDNN's `Find` returns its results sorted by time.
-fn fastest<P: AlgoPerf>(results: &[P], direction: &str, s: &ConvShape) -> P::Algo {
-    results
-        .iter()
-        .find(|p| p.succeeded())
-        .unwrap_or_else(|| panic!("no {direction} convolution algorithm for {s:?}"))
-        .algo()
+/// The math type a convolution in `dtype` is searched with: f32 stays true f32 (FMA, no
+/// TF32), so it matches the CPU reference tightly; bf16 may use tensor cores.
+fn search_math(dtype: DType) -> cudnn::cudnnMathType_t {
+    match dtype {
+        DType::F32 => cudnn::cudnnMathType_t::CUDNN_FMA_MATH,
+        DType::Bf16 => cudnn::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
+    }
 }
 
-/// A convolution's descriptors, the algorithms found for it and their workspace needs.
+/// What cuDNN's Find picked for one direction of a convolution: the algorithm, the math
+/// type it timed it with, and the workspace it needs with that math type. The math type is
+/// set on the descriptor before each call, as PyTorch does: Find picks an (algorithm, math
+/// type) pair, and the algorithm run under another math type may be a slower kernel.
+#[derive(Clone, Copy, Debug)]
+struct Found<A> {
+    algo: A,
+    math: cudnn::cudnnMathType_t,
+    workspace: usize,
+}
+
+/// The fastest algorithm that ran, and its math type: cuDNN's `Find` returns its results
+/// sorted by time. f32 keeps FMA whatever was timed (no TF32 behind the reference's back).
+fn fastest<P: AlgoPerf>(
+    results: &[P],
+    direction: &str,
+    s: &ConvShape,
+    dtype: DType,
+) -> (P::Algo, cudnn::cudnnMathType_t) {
+    let perf = results
+        .iter()
+        .find(|p| p.succeeded())
+        .unwrap_or_else(|| panic!("no {direction} convolution algorithm for {s:?} in {dtype:?}"));
+    let math = match dtype {
+        DType::F32 => search_math(dtype),
+        DType::Bf16 => perf.math(),
+    };
+    (perf.algo(), math)
+}
+
+/// A convolution's descriptors and, per direction, what Find picked. Each direction is
+/// searched the first time it runs, with that call's own buffers (as PyTorch's
+/// `cudnn.benchmark` does), so a direction never asked for is never searched: the stem's
+/// backward-data (the image's gradient, which nothing reads) is not computed at all.
 struct ConvPlan {
     x: TensorDesc,
     y: TensorDesc,
     w: FilterDesc,
     conv: ConvDesc,
-    forward: cudnn::cudnnConvolutionFwdAlgo_t,
-    backward_data: cudnn::cudnnConvolutionBwdDataAlgo_t,
-    backward_filter: cudnn::cudnnConvolutionBwdFilterAlgo_t,
-    /// Workspace bytes of the forward, backward-data and backward-filter algorithms.
-    workspace: [usize; 3],
+    dtype: DType,
+    forward: Found<cudnn::cudnnConvolutionFwdAlgo_t>,
+    backward_data: std::cell::OnceCell<Found<cudnn::cudnnConvolutionBwdDataAlgo_t>>,
+    backward_filter: std::cell::OnceCell<Found<cudnn::cudnnConvolutionBwdFilterAlgo_t>>,
+}
+
+impl ConvPlan {
+    /// Sets `math` on the convolution descriptor: a host-side setting, allowed while a step
+    /// is recorded.
+    fn use_math(&self, math: cudnn::cudnnMathType_t) {
+        // SAFETY: a live descriptor owned by the plan.
+        check_cudnn(
+            unsafe { cudnn::cudnnSetConvolutionMathType(self.conv.0, math) },
+            "cudnnSetConvolutionMathType",
+        );
+    }
 }
 
 /// Batch norm's `(n, c, hw)`, activations' type and fused operations.
@@ -615,10 +663,11 @@ impl BnPlan {
     }
 
     /// Whether `status` (of a fused call) is a refusal to fall back from, which switches
-    /// this plan to the plain calls. A call's first failure is always taken as one (cuDNN's
+    /// this plan to the plain calls. A call's first failure is taken as one (cuDNN's
     /// detailed codes for what its fused kernels do not take are not all documented; the
-    /// plain calls compute the same, and the status is printed); once a call has worked, a
-    /// failure other than a refusal is a mistake of ours, and panics.
+    /// plain calls compute the same, and the status is printed), unless the kernel ran and
+    /// failed (5xxx); once a call has worked, a failure other than a refusal is a mistake
+    /// of ours, and panics.
     fn refuses(&self, status: cudnn::cudnnStatus_t, call: BnCall) -> bool {
         let name = match call {
             BnCall::Forward => "cudnnBatchNormalizationForwardTrainingEx",
@@ -630,7 +679,9 @@ impl BnPlan {
             self.worked.set(worked);
             return false;
         }
-        if worked[call as usize] && !is_refusal(status) {
+        // An execution failure (5xxx) means the GPU ran the kernel and it faulted: the error
+        // can stay with the context, and the plain calls would fail with it under their name.
+        if (worked[call as usize] && !is_refusal(status)) || status as u32 / 1000 == 5 {
             panic!("{name} returned {status:?}");
         }
         eprintln!(
@@ -736,6 +787,9 @@ struct Inner {
     /// Whether a recording exists: from then on the workspace must not move, since the
     /// recording holds its address.
     recorded: std::cell::Cell<bool>,
+    /// Whether a step is being recorded now: an allocation would become the graph's own
+    /// (freed and made again on every replay), a search would break the capture.
+    capturing: std::cell::Cell<bool>,
     /// What computes training batch norm.
     batch_norm: std::cell::Cell<BatchNormEngine>,
 }
@@ -899,6 +953,7 @@ impl CudaBackend {
                 conv_plans: RefCell::new(HashMap::new()),
                 bn_plans: RefCell::new(HashMap::new()),
                 recorded: std::cell::Cell::new(false),
+                capturing: std::cell::Cell::new(false),
                 batch_norm: std::cell::Cell::new(batch_norm),
             }),
         })
@@ -966,6 +1021,7 @@ impl CudaBackend {
 
     /// An owned, zeroed allocation of `len` elements of `dtype`.
     fn owned(&self, len: usize, dtype: DType) -> CudaBuf {
+        self.not_while_capturing("an allocation outside the arena");
         let bytes = (len * dtype.size()).max(1);
         let memory = self
             .inner
@@ -1064,6 +1120,7 @@ impl CudaBackend {
         let bytes = bytes.max(1);
         let mut ws = self.inner.workspace.borrow_mut();
         if ws.as_ref().is_none_or(|w| w.2 < bytes) {
+            self.not_while_capturing("a larger cuDNN workspace");
             assert!(
                 !self.inner.recorded.get(),
                 "the cuDNN workspace would grow to {bytes} bytes after a step was recorded \
@@ -1083,6 +1140,18 @@ impl CudaBackend {
         (*ptr, *len)
     }
 
+    /// Refuses what a step recorded as a CUDA graph cannot hold: an allocation, an
+    /// algorithm search (it synchronises), a workspace that moves. `what` says which.
+    fn not_while_capturing(&self, what: &str) {
+        assert!(
+            !self.inner.capturing.get(),
+            "{what} while a step is recorded as a CUDA graph: run the same shapes in a \
+             warm-up step first"
+        );
+    }
+
+    /// The convolution's descriptors and its forward algorithm, found the first time this
+    /// shape runs (`x`, `w`, `y` are that call's buffers; the search overwrites `y`).
     fn conv_plan(
         &self,
         s: &ConvShape,
@@ -1094,6 +1163,7 @@ impl CudaBackend {
         if let Some(plan) = self.inner.conv_plans.borrow().get(&(*s, dtype)) {
             return plan.clone();
         }
+        self.not_while_capturing("a convolution shape seen for the first time");
         let (oh, ow) = s.output_size();
         let xd = TensorDesc::nhwc(dtype, s.n, s.c, s.h, s.w);
         let yd = TensorDesc::nhwc(dtype, s.n, s.out_channels, oh, ow);
@@ -1136,27 +1206,17 @@ impl CudaBackend {
                 ),
                 "cudnnSetConvolution2dDescriptor",
             );
-            // f32 stays true f32 (no TF32), so it matches the CPU reference tightly;
-            // bf16 uses tensor cores.
-            let math = match dtype {
-                DType::F32 => cudnn::cudnnMathType_t::CUDNN_FMA_MATH,
-                DType::Bf16 => cudnn::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
-            };
             check_cudnn(
-                cudnn::cudnnSetConvolutionMathType(cd, math),
+                cudnn::cudnnSetConvolutionMathType(cd, search_math(dtype)),
                 "cudnnSetConvolutionMathType",
             );
         }
         let (wd, cd) = (FilterDesc(wd), ConvDesc(cd));
-        // The search writes into scratch outputs the size of dx and dw; it runs outside
-        // any capture, before the step's real calls overwrite everything it touched.
-        let dx = self.arena_alloc(s.n * s.c * s.h * s.w, dtype);
-        let dw = self.arena_alloc(s.out_channels * s.c * s.kernel * s.kernel, dtype);
         let (ws, ws_len) = self.workspace(FIND_WORKSPACE_BYTES);
         let mut count = 0;
         // SAFETY: every pointer is live device memory of the descriptor's size; the perf
         // structs are live locals cuDNN fills (`count` of them).
-        let (forward, backward_data, backward_filter) = unsafe {
+        let (algo, math) = unsafe {
             let mut fwd: [cudnn::cudnnConvolutionFwdAlgoPerf_t; 8] = std::mem::zeroed();
             check_cudnn(
                 cudnn::cudnnFindConvolutionForwardAlgorithmEx(
@@ -1176,53 +1236,15 @@ impl CudaBackend {
                 ),
                 "cudnnFindConvolutionForwardAlgorithmEx",
             );
-            let forward = fastest(&fwd[..count as usize], "forward", s);
-            let mut bwd: [cudnn::cudnnConvolutionBwdDataAlgoPerf_t; 8] = std::mem::zeroed();
-            check_cudnn(
-                cudnn::cudnnFindConvolutionBackwardDataAlgorithmEx(
-                    h,
-                    wd.0,
-                    w as *const c_void,
-                    yd.0,
-                    y as *const c_void,
-                    cd.0,
-                    xd.0,
-                    dx.ptr as *mut c_void,
-                    bwd.len() as i32,
-                    &mut count,
-                    bwd.as_mut_ptr(),
-                    ws as *mut c_void,
-                    ws_len,
-                ),
-                "cudnnFindConvolutionBackwardDataAlgorithmEx",
-            );
-            let backward_data = fastest(&bwd[..count as usize], "backward-data", s);
-            let mut bwf: [cudnn::cudnnConvolutionBwdFilterAlgoPerf_t; 8] = std::mem::zeroed();
-            check_cudnn(
-                cudnn::cudnnFindConvolutionBackwardFilterAlgorithmEx(
-                    h,
-                    xd.0,
-                    x as *const c_void,
-                    yd.0,
-                    y as *const c_void,
-                    cd.0,
-                    wd.0,
-                    dw.ptr as *mut c_void,
-                    bwf.len() as i32,
-                    &mut count,
-                    bwf.as_mut_ptr(),
-                    ws as *mut c_void,
-                    ws_len,
-                ),
-                "cudnnFindConvolutionBackwardFilterAlgorithmEx",
-            );
-            let backward_filter = fastest(&bwf[..count as usize], "backward-filter", s);
-            (forward, backward_data, backward_filter)
+            fastest(&fwd[..count as usize], "forward", s, dtype)
         };
-        // The chosen algorithms' workspace needs, asked once here rather than every call.
-        let mut workspace = [0usize; 3];
-        // SAFETY: live handle and descriptors; the out-pointers are live locals.
+        let mut workspace = 0;
+        // SAFETY: live handle and descriptors; the out-pointer is a live local.
         unsafe {
+            check_cudnn(
+                cudnn::cudnnSetConvolutionMathType(cd.0, math),
+                "cudnnSetConvolutionMathType",
+            );
             check_cudnn(
                 cudnn::cudnnGetConvolutionForwardWorkspaceSize(
                     h,
@@ -1230,34 +1252,10 @@ impl CudaBackend {
                     wd.0,
                     cd.0,
                     yd.0,
-                    forward,
-                    &mut workspace[0],
+                    algo,
+                    &mut workspace,
                 ),
                 "cudnnGetConvolutionForwardWorkspaceSize",
-            );
-            check_cudnn(
-                cudnn::cudnnGetConvolutionBackwardDataWorkspaceSize(
-                    h,
-                    wd.0,
-                    yd.0,
-                    cd.0,
-                    xd.0,
-                    backward_data,
-                    &mut workspace[1],
-                ),
-                "cudnnGetConvolutionBackwardDataWorkspaceSize",
-            );
-            check_cudnn(
-                cudnn::cudnnGetConvolutionBackwardFilterWorkspaceSize(
-                    h,
-                    xd.0,
-                    yd.0,
-                    cd.0,
-                    wd.0,
-                    backward_filter,
-                    &mut workspace[2],
-                ),
-                "cudnnGetConvolutionBackwardFilterWorkspaceSize",
             );
         }
         let plan = Rc::new(ConvPlan {
@@ -1265,16 +1263,150 @@ impl CudaBackend {
             y: yd,
             w: wd,
             conv: cd,
-            forward,
-            backward_data,
-            backward_filter,
-            workspace,
+            dtype,
+            forward: Found {
+                algo,
+                math,
+                workspace,
+            },
+            backward_data: std::cell::OnceCell::new(),
+            backward_filter: std::cell::OnceCell::new(),
         });
         self.inner
             .conv_plans
             .borrow_mut()
             .insert((*s, dtype), plan.clone());
         plan
+    }
+
+    /// The backward-data algorithm of `plan`, found the first time it is asked for, with
+    /// that call's buffers (the search overwrites `dx`).
+    fn backward_data_found(
+        &self,
+        plan: &ConvPlan,
+        s: &ConvShape,
+        w: CUdeviceptr,
+        dy: CUdeviceptr,
+        dx: CUdeviceptr,
+    ) -> Found<cudnn::cudnnConvolutionBwdDataAlgo_t> {
+        *plan.backward_data.get_or_init(|| {
+            self.not_while_capturing("a convolution's first backward-data pass");
+            plan.use_math(search_math(plan.dtype));
+            let (ws, ws_len) = self.workspace(FIND_WORKSPACE_BYTES);
+            let h = self.inner.cudnn;
+            let mut count = 0;
+            let mut workspace = 0;
+            // SAFETY: every pointer is live device memory of the descriptor's size; the
+            // perf structs and out-pointers are live locals cuDNN fills.
+            let (algo, math) = unsafe {
+                let mut perf: [cudnn::cudnnConvolutionBwdDataAlgoPerf_t; 8] = std::mem::zeroed();
+                check_cudnn(
+                    cudnn::cudnnFindConvolutionBackwardDataAlgorithmEx(
+                        h,
+                        plan.w.0,
+                        w as *const c_void,
+                        plan.y.0,
+                        dy as *const c_void,
+                        plan.conv.0,
+                        plan.x.0,
+                        dx as *mut c_void,
+                        perf.len() as i32,
+                        &mut count,
+                        perf.as_mut_ptr(),
+                        ws as *mut c_void,
+                        ws_len,
+                    ),
+                    "cudnnFindConvolutionBackwardDataAlgorithmEx",
+                );
+                fastest(&perf[..count as usize], "backward-data", s, plan.dtype)
+            };
+            plan.use_math(math);
+            // SAFETY: as above.
+            unsafe {
+                check_cudnn(
+                    cudnn::cudnnGetConvolutionBackwardDataWorkspaceSize(
+                        h,
+                        plan.w.0,
+                        plan.y.0,
+                        plan.conv.0,
+                        plan.x.0,
+                        algo,
+                        &mut workspace,
+                    ),
+                    "cudnnGetConvolutionBackwardDataWorkspaceSize",
+                );
+            }
+            Found {
+                algo,
+                math,
+                workspace,
+            }
+        })
+    }
+
+    /// The backward-filter algorithm of `plan`, found the first time it is asked for, with
+    /// that call's buffers (the search overwrites `dw`).
+    fn backward_filter_found(
+        &self,
+        plan: &ConvPlan,
+        s: &ConvShape,
+        x: CUdeviceptr,
+        dy: CUdeviceptr,
+        dw: CUdeviceptr,
+    ) -> Found<cudnn::cudnnConvolutionBwdFilterAlgo_t> {
+        *plan.backward_filter.get_or_init(|| {
+            self.not_while_capturing("a convolution's first backward-filter pass");
+            plan.use_math(search_math(plan.dtype));
+            let (ws, ws_len) = self.workspace(FIND_WORKSPACE_BYTES);
+            let h = self.inner.cudnn;
+            let mut count = 0;
+            let mut workspace = 0;
+            // SAFETY: every pointer is live device memory of the descriptor's size; the
+            // perf structs and out-pointers are live locals cuDNN fills.
+            let (algo, math) = unsafe {
+                let mut perf: [cudnn::cudnnConvolutionBwdFilterAlgoPerf_t; 8] = std::mem::zeroed();
+                check_cudnn(
+                    cudnn::cudnnFindConvolutionBackwardFilterAlgorithmEx(
+                        h,
+                        plan.x.0,
+                        x as *const c_void,
+                        plan.y.0,
+                        dy as *const c_void,
+                        plan.conv.0,
+                        plan.w.0,
+                        dw as *mut c_void,
+                        perf.len() as i32,
+                        &mut count,
+                        perf.as_mut_ptr(),
+                        ws as *mut c_void,
+                        ws_len,
+                    ),
+                    "cudnnFindConvolutionBackwardFilterAlgorithmEx",
+                );
+                fastest(&perf[..count as usize], "backward-filter", s, plan.dtype)
+            };
+            plan.use_math(math);
+            // SAFETY: as above.
+            unsafe {
+                check_cudnn(
+                    cudnn::cudnnGetConvolutionBackwardFilterWorkspaceSize(
+                        h,
+                        plan.x.0,
+                        plan.y.0,
+                        plan.conv.0,
+                        plan.w.0,
+                        algo,
+                        &mut workspace,
+                    ),
+                    "cudnnGetConvolutionBackwardFilterWorkspaceSize",
+                );
+            }
+            Found {
+                algo,
+                math,
+                workspace,
+            }
+        })
     }
 
     /// Batch norm's plan for `dims` in `dtype` followed by `epilogue` (inference asks for
@@ -1462,7 +1594,10 @@ impl Backend for CudaBackend {
         stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .unwrap_or_else(|e| panic!("starting a CUDA graph capture: {e}"));
-        if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(&mut *work)) {
+        self.inner.capturing.set(true);
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(&mut *work));
+        self.inner.capturing.set(false);
+        if let Err(panic) = outcome {
             // End the capture, so what runs next (drops included) is not captured, and
             // report the failure that broke it.
             stream.end_capture(sys::CUgraphInstantiate_flags(0)).ok();
@@ -1684,7 +1819,9 @@ impl Backend for CudaBackend {
         let working = self.arena_alloc(weight.len, dtype);
         kernels::weights_to_working(self, s, weight.op(), working.op());
         let plan = self.conv_plan(s, dtype, x.ptr, working.ptr, y.ptr);
-        let (ws, ws_len) = self.workspace(plan.workspace[0]);
+        let found = plan.forward;
+        plan.use_math(found.math);
+        let (ws, ws_len) = self.workspace(found.workspace);
         let (one, zero) = (1.0f32, 0.0f32);
         // SAFETY: buffers match the plan's descriptors; alpha/beta are host f32s.
         let status = unsafe {
@@ -1696,7 +1833,7 @@ impl Backend for CudaBackend {
                 plan.w.0,
                 working.ptr as *const c_void,
                 plan.conv.0,
-                plan.forward,
+                found.algo,
                 ws as *mut c_void,
                 ws_len,
                 &zero as *const f32 as *const c_void,
@@ -1721,35 +1858,41 @@ impl Backend for CudaBackend {
         x: DevView<'_>,
         _weight: DevView<'_>,
         dy: DevView<'_>,
-        dx: DevViewMut<'_>,
+        dx: Option<DevViewMut<'_>>,
         dweight: DevViewMut<'_>,
     ) {
         let dtype = x.dtype;
         assert_eq!(saved.weight.len, dweight.len, "conv backward weight shape");
         let plan = self.inner.conv_plans.borrow()[&(*s, dtype)].clone();
         let (one, zero) = (1.0f32, 0.0f32);
-        let (ws, ws_len) = self.workspace(plan.workspace[1]);
-        // SAFETY: buffers match the plan's descriptors; alpha/beta are host f32s.
-        let status = unsafe {
-            cudnn::cudnnConvolutionBackwardData(
-                self.inner.cudnn,
-                &one as *const f32 as *const c_void,
-                plan.w.0,
-                saved.weight.ptr as *const c_void,
-                plan.y.0,
-                dy.ptr as *const c_void,
-                plan.conv.0,
-                plan.backward_data,
-                ws as *mut c_void,
-                ws_len,
-                &zero as *const f32 as *const c_void,
-                plan.x.0,
-                dx.ptr as *mut c_void,
-            )
-        };
-        check_cudnn(status, "cudnnConvolutionBackwardData");
+        if let Some(dx) = dx {
+            let found = self.backward_data_found(&plan, s, saved.weight.ptr, dy.ptr, dx.ptr);
+            plan.use_math(found.math);
+            let (ws, ws_len) = self.workspace(found.workspace);
+            // SAFETY: buffers match the plan's descriptors; alpha/beta are host f32s.
+            let status = unsafe {
+                cudnn::cudnnConvolutionBackwardData(
+                    self.inner.cudnn,
+                    &one as *const f32 as *const c_void,
+                    plan.w.0,
+                    saved.weight.ptr as *const c_void,
+                    plan.y.0,
+                    dy.ptr as *const c_void,
+                    plan.conv.0,
+                    found.algo,
+                    ws as *mut c_void,
+                    ws_len,
+                    &zero as *const f32 as *const c_void,
+                    plan.x.0,
+                    dx.ptr as *mut c_void,
+                )
+            };
+            check_cudnn(status, "cudnnConvolutionBackwardData");
+        }
         let dw = self.arena_alloc(dweight.len, dtype);
-        let (ws, ws_len) = self.workspace(plan.workspace[2]);
+        let found = self.backward_filter_found(&plan, s, x.ptr, dy.ptr, dw.ptr);
+        plan.use_math(found.math);
+        let (ws, ws_len) = self.workspace(found.workspace);
         // SAFETY: as above.
         let status = unsafe {
             cudnn::cudnnConvolutionBackwardFilter(
@@ -1760,7 +1903,7 @@ impl Backend for CudaBackend {
                 plan.y.0,
                 dy.ptr as *const c_void,
                 plan.conv.0,
-                plan.backward_filter,
+                found.algo,
                 ws as *mut c_void,
                 ws_len,
                 &zero as *const f32 as *const c_void,

@@ -349,8 +349,9 @@ pub trait Backend: Clone + std::fmt::Debug + 'static {
         y: Self::ViewMut<'_>,
     ) -> Self::ConvSaved;
 
-    /// Both backward halves of a convolution: overwrites `dx` (backward data) and
-    /// accumulates into the fp32 `dweight` (backward filter).
+    /// Both backward halves of a convolution: overwrites `dx` (backward data) when it is
+    /// asked for (the first layer's input, the image, needs no gradient), and accumulates
+    /// into the fp32 `dweight` (backward filter).
     #[allow(clippy::too_many_arguments)]
     fn conv2d_backward(
         &self,
@@ -359,7 +360,7 @@ pub trait Backend: Clone + std::fmt::Debug + 'static {
         x: Self::View<'_>,
         weight: Self::View<'_>,
         dy: Self::View<'_>,
-        dx: Self::ViewMut<'_>,
+        dx: Option<Self::ViewMut<'_>>,
         dweight: Self::ViewMut<'_>,
     );
 

@@ -96,13 +96,35 @@ impl<B: Backend> Conv2d<B> {
         out
     }
 
-    /// Back-propagates through the last training forward pass.
+    /// Back-propagates through the last training forward pass: accumulates the weight's
+    /// gradient and returns the input's.
     pub fn backward(
         &mut self,
         be: &B,
         params: &mut ParamStore<B>,
         grad_output: &Tensor<B>,
     ) -> Tensor<B> {
+        let (input, saved) = self.take_cache(grad_output);
+        let mut grad_input = Tensor::alloc(be, &input.shape, input.dtype);
+        self.backward_into(
+            be,
+            params,
+            grad_output,
+            &input,
+            &saved,
+            Some(&mut grad_input),
+        );
+        grad_input
+    }
+
+    /// [`Conv2d::backward`] for a layer whose input needs no gradient (the first layer's,
+    /// the image): only the weight's gradient is computed.
+    pub fn backward_weight(&mut self, be: &B, params: &mut ParamStore<B>, grad_output: &Tensor<B>) {
+        let (input, saved) = self.take_cache(grad_output);
+        self.backward_into(be, params, grad_output, &input, &saved, None);
+    }
+
+    fn take_cache(&mut self, grad_output: &Tensor<B>) -> (Tensor<B>, B::ConvSaved) {
         let (input, saved) = self
             .cache
             .take()
@@ -110,17 +132,27 @@ impl<B: Backend> Conv2d<B> {
         let shape = self.shape(&input);
         let (oh, ow) = shape.output_size();
         assert_eq!(grad_output.shape, [shape.n, self.out_channels, oh, ow]);
-        let mut grad_input = Tensor::alloc(be, &input.shape, input.dtype);
+        (input, saved)
+    }
+
+    fn backward_into(
+        &self,
+        be: &B,
+        params: &mut ParamStore<B>,
+        grad_output: &Tensor<B>,
+        input: &Tensor<B>,
+        saved: &B::ConvSaved,
+        grad_input: Option<&mut Tensor<B>>,
+    ) {
         let ParamStore { values, grads, .. } = params;
         be.conv2d_backward(
-            &shape,
-            &saved,
+            &self.shape(input),
+            saved,
             input.view(be),
             be.view(values, self.weight.clone()),
             grad_output.view(be),
-            grad_input.view_mut(be),
+            grad_input.map(|g| g.view_mut(be)),
             be.view_mut(grads, self.weight.clone()),
         );
-        grad_input
     }
 }
