@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use ringmaster::api::{TrainingJobPhase as Phase, TrainingJobStatus};
-use ringmaster::controller::training_job::observe::Observed;
+use ringmaster::controller::training_job::observe::{Observed, PodRef};
 use ringmaster::controller::training_job::plan::{
     self, DataState, Plan, PlanInputs, PoolState, condition_types, reasons,
 };
@@ -252,9 +252,18 @@ fn an_oom_killed_worker_restarts_the_gang_then_exhausts_the_backoff_limit() {
             // The launcher fails because its peer died; the worker is the cause.
             pod("launcher", 0, 0, "failed:1:Error"),
         ]);
+    s.pods[1].metadata.uid = Some("uid-of-worker-1".into());
     let p = s.step();
     assert_eq!((p.phase, p.restarts), (Phase::Restarting, 1));
     assert_eq!(p.delete_pods.len(), 3);
+    // The restart's Event is about the failed worker (its related object).
+    assert_eq!(
+        p.about,
+        Some(PodRef {
+            name: "resnet18-cpu-worker-1".into(),
+            uid: Some("uid-of-worker-1".into())
+        })
+    );
     let (_, reason, message) = s.condition(condition_types::RESTARTING);
     assert_eq!(reason, reasons::RESTARTING);
     assert!(
@@ -282,6 +291,7 @@ fn an_oom_killed_worker_restarts_the_gang_then_exhausts_the_backoff_limit() {
     s.pods = vec![pod("worker", 0, 1, "evicted"), pod("worker", 1, 1, "ready")];
     let p = s.step();
     assert_eq!(p.phase, Phase::Failed);
+    assert_eq!(p.about, Some(PodRef::named("resnet18-cpu-worker-0")));
     let (status, reason, message) = s.condition(condition_types::FAILED);
     assert_eq!(
         (status.as_str(), reason.as_str()),
@@ -470,7 +480,9 @@ fn unschedulable_workers_say_why() {
         pod("worker", 0, 0, "ready"),
         pod("worker", 1, 0, "unschedulable"),
     ]);
-    assert_eq!(s.step().phase, Phase::Starting);
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Starting);
+    assert_eq!(p.about, Some(PodRef::named("resnet18-cpu-worker-1")));
     let (status, reason, message) = s.condition(condition_types::WORKERS_READY);
     assert_eq!(
         (status.as_str(), reason.as_str()),
@@ -885,6 +897,7 @@ fn a_pod_name_held_by_a_pod_that_stays_blocks_the_job_visibly() {
         );
     }
     assert_eq!(p.message, said);
+    assert_eq!(p.about, Some(PodRef::named("resnet18-cpu-worker-1")));
     assert!(reasons::BLOCKING.contains(&reasons::NAME_IN_USE));
     // Held by the staying pod alone, the job looks again after a while: that pod's deletion
     // does not wake it.
@@ -979,6 +992,7 @@ fn a_pod_of_the_job_stuck_being_deleted_blocks_it_visibly_after_a_minute() {
         );
     }
     assert!(reasons::BLOCKING.contains(&reasons::POD_STUCK_TERMINATING));
+    assert_eq!(p.about, Some(PodRef::named("resnet18-cpu-worker-1")));
     // A look later says the same.
     let status = s.status.clone();
     s.now = at(600);

@@ -211,7 +211,7 @@ async fn exhausted_restarts_fail_the_job_naming_the_worker() {
     let ns = TestNamespace::new(&client, "tj-limit").await;
     let _operator = Operator::start(&client, &ns.name).await;
     let job = cpu_job("limit", 2, |s| {
-        s["runPolicy"]["backoffLimit"] = json!(0);
+        s["runPolicy"]["backoffLimit"] = json!(2);
         s["worker"] = json!({"annotations": {"kwok.ringmaster.dev/exit-code": "137",
             "kwok.ringmaster.dev/reason": "OOMKilled", "kwok.ringmaster.dev/exit-after": "1s"}});
     });
@@ -226,8 +226,29 @@ async fn exhausted_restarts_fail_the_job_naming_the_worker() {
             && message.contains("OOMKilled"),
         "{message}"
     );
+    assert!(message.contains("restarted 2 times"), "{message}");
     assert_eq!(condition(&status, "Stalled")["status"], "True");
     assert_eq!(condition(&status, "Ready")["status"], "False");
+    // Each restart is a Warning of its own, with its own words, about the worker that
+    // failed: not the first one's note counted twice.
+    let mut notes: Vec<(String, String)> =
+        common::warnings_for(&client, &ns.name, "limit", "Restarting")
+            .await
+            .into_iter()
+            .map(|e| {
+                let related = e.related.and_then(|r| r.name).unwrap_or_default();
+                (e.note.unwrap_or_default(), related)
+            })
+            .collect();
+    notes.sort();
+    assert_eq!(notes.len(), 2, "{notes:#?}");
+    for (i, (note, related)) in notes.iter().enumerate() {
+        assert!(
+            note.contains(&format!("(restart {} of 2)", i + 1)) && note.contains(related.as_str()),
+            "{notes:#?}"
+        );
+        assert!(related.starts_with("limit-worker-"), "{notes:#?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -833,14 +854,21 @@ async fn pods_of_another_holding_the_jobs_pod_names_block_it_visibly_until_delet
     assert_eq!(condition(&status, "Stalled")["status"], "False");
     // Not started: no start time, so no deadline runs.
     assert!(status.get("startTime").is_none(), "{status:#}");
-    // A second NameInUse Warning. The Event recorder counts it on the first one's Event
-    // (its series), whose note stays the first's: the condition has the words.
-    let warnings = common::warnings_for(&admin, &ns.name, "taken", "NameInUse").await;
-    let raised: i32 = warnings
-        .iter()
-        .map(|e| e.series.as_ref().map_or(1, |s| s.count))
-        .sum();
-    assert!(raised >= 2, "{warnings:#?}");
+    // A second NameInUse Warning, of its own (about the launcher's name, where the first is
+    // about worker 1's), with its own words.
+    let notes: Vec<String> = common::warnings_for(&admin, &ns.name, "taken", "NameInUse")
+        .await
+        .into_iter()
+        .map(|e| e.note.unwrap_or_default())
+        .collect();
+    for name in ["taken-worker-1", "taken-launcher"] {
+        assert!(
+            notes
+                .iter()
+                .any(|n| n.contains(&format!(" {name} cannot be made: "))),
+            "no NameInUse Warning names {name}: {notes:#?}"
+        );
+    }
     // Neither held pod was taken over.
     let launcher = pod_api.get("taken-launcher").await.unwrap();
     assert!(launcher.owner_references().is_empty());

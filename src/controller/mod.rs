@@ -338,12 +338,25 @@ impl Context {
         reason: &str,
         message: &str,
     ) {
+        self.warn_about(object, reason, message, None).await;
+    }
+
+    /// [`Context::warn`] about `related` too (a pod the words name): Events of one reason
+    /// about different objects stay apart, each with its own note, where the recorder
+    /// would count the second as a repeat of the first and keep the first's note.
+    pub(crate) async fn warn_about<K: Resource<DynamicType = ()>>(
+        &self,
+        object: &K,
+        reason: &str,
+        message: &str,
+        related: Option<k8s_openapi::api::core::v1::ObjectReference>,
+    ) {
         let event = kube::runtime::events::Event {
             type_: kube::runtime::events::EventType::Warning,
             reason: reason.into(),
             note: Some(message.chars().take(1000).collect()),
             action: "Reconcile".into(),
-            secondary: None,
+            secondary: related,
         };
         if let Err(error) = self.recorder.publish(&event, &object.object_ref(&())).await {
             tracing::warn!(%reason, %error, "could not publish Event");

@@ -286,7 +286,7 @@ async fn run(
     // it; everything else is carried out before the status that reports it.
     let restarting = plan.restarts != old.restarts;
     if restarting {
-        write_status(ctx, object, &old, &new, &plan.message).await?;
+        write_status(ctx, object, &old, &new, &plan.message, plan.about.as_ref()).await?;
         ctx.status_written(&key);
         ctx.metrics.training_job_restarted();
     }
@@ -366,7 +366,7 @@ async fn run(
         None
     };
     if !restarting && progress_wait.is_none() {
-        write_status(ctx, object, &old, &new, &plan.message).await?;
+        write_status(ctx, object, &old, &new, &plan.message, plan.about.as_ref()).await?;
         ctx.status_written(&key);
     }
     // Kueue is told what it waits for: PodsReady, the quota of an evicted job whose pods are
@@ -450,7 +450,8 @@ async fn rejected(
     if let Some(message) = source.rejection() {
         let generation = object.meta().generation;
         let stalled = status::child_rejected(planned, generation, &message, &now());
-        if let Err(error) = write_status(ctx, object, written, &stalled, phase_message).await {
+        if let Err(error) = write_status(ctx, object, written, &stalled, phase_message, None).await
+        {
             return error;
         }
         if conditions::rejected_child(&written.conditions) != Some(message.as_str()) {
@@ -473,6 +474,7 @@ async fn write_status(
     old: &TrainingJobStatus,
     new: &TrainingJobStatus,
     message: &str,
+    about: Option<&observe::PodRef>,
 ) -> Result<(), Error> {
     if new == old {
         return Ok(());
@@ -485,9 +487,25 @@ async fn write_status(
         new,
         std::time::Instant::now(),
     );
-    publish_phase_event(ctx, object, old.phase, new.phase, message).await;
-    publish_blocked_event(ctx, object, old, new).await;
+    let related = about.map(|pod| pod_reference(object, pod));
+    publish_phase_event(ctx, object, old.phase, new.phase, message, related.clone()).await;
+    publish_blocked_event(ctx, object, old, new, related).await;
     Ok(())
+}
+
+/// The pod an Event's words are about, as its related object, in the job's namespace.
+fn pod_reference(
+    job: &DeserializeGuard<TrainingJob>,
+    pod: &observe::PodRef,
+) -> k8s_openapi::api::core::v1::ObjectReference {
+    k8s_openapi::api::core::v1::ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        namespace: job.namespace(),
+        name: Some(pod.name.clone()),
+        uid: pod.uid.clone(),
+        ..Default::default()
+    }
 }
 
 /// A Warning Event when the job becomes blocked on something a person must fix (a pod that
@@ -499,6 +517,7 @@ async fn publish_blocked_event(
     object: &DeserializeGuard<TrainingJob>,
     old: &TrainingJobStatus,
     new: &TrainingJobStatus,
+    related: Option<k8s_openapi::api::core::v1::ObjectReference>,
 ) {
     use crate::api::condition_types::READY;
     let Some(now) = conditions::find(&new.conditions, READY) else {
@@ -507,7 +526,8 @@ async fn publish_blocked_event(
     if plan::reasons::BLOCKING.contains(&now.reason.as_str())
         && conditions::find(&old.conditions, READY).is_none_or(|before| before.reason != now.reason)
     {
-        ctx.warn(object, &now.reason, &now.message).await;
+        ctx.warn_about(object, &now.reason, &now.message, related)
+            .await;
     }
 }
 
@@ -518,6 +538,7 @@ async fn publish_phase_event(
     old: TrainingJobPhase,
     new: TrainingJobPhase,
     message: &str,
+    related: Option<k8s_openapi::api::core::v1::ObjectReference>,
 ) {
     if old == new {
         return;
@@ -532,7 +553,8 @@ async fn publish_phase_event(
         reason: format!("{new:?}"),
         note: Some(message.chars().take(1000).collect()),
         action: "Reconcile".into(),
-        secondary: None,
+        // Each restart's cause is a pod of its own: its own Event, with its own note.
+        secondary: related,
     };
     if let Err(error) = ctx.recorder.publish(&event, &object.object_ref(&())).await {
         tracing::warn!(%error, "could not publish Event");

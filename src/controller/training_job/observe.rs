@@ -83,11 +83,35 @@ impl Stuck {
     }
 }
 
+/// A pod in the job's namespace that the job's words (a restart's cause, what blocks its
+/// start) are about: the related object of their Event, which keeps Events of one reason
+/// about different pods apart (an Event recorder counts repeats of a reason about the same
+/// objects as one series, under the first one's note).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodRef {
+    /// Pod name.
+    pub name: String,
+    /// Pod UID, when known: a pod of the same name made again is another pod.
+    pub uid: Option<String>,
+}
+
+impl PodRef {
+    /// The pod of that name, its UID unknown.
+    pub fn named(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            uid: None,
+        }
+    }
+}
+
 /// One pod of the job.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PodState {
     /// Pod name.
     pub name: String,
+    /// Pod UID.
+    pub uid: Option<String>,
     /// Gang attempt it belongs to.
     pub attempt: Option<i32>,
     /// Its life.
@@ -150,6 +174,7 @@ impl PodState {
         };
         Self {
             name: pod.name_any(),
+            uid: pod.metadata.uid.clone(),
             attempt,
             life,
             stuck,
@@ -162,6 +187,14 @@ impl PodState {
     /// Being deleted.
     pub fn is_deleting(&self) -> bool {
         self.deletion.is_some()
+    }
+
+    /// This pod, as what the job's words are about.
+    pub fn about(&self) -> PodRef {
+        PodRef {
+            name: self.name.clone(),
+            uid: self.uid.clone(),
+        }
     }
 
     /// Running and ready.

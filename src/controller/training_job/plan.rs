@@ -7,7 +7,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-use super::observe::{Exit, Observed, PodLife, PodState, StuckKind};
+use super::observe::{Exit, Observed, PodLife, PodRef, PodState, StuckKind};
 use super::queue::QueueState;
 use super::validate::ValidatedTrainingJob;
 use crate::api::{CleanPodPolicy, TrainingJobPhase, TrainingJobStatus, TrainingResult};
@@ -179,6 +179,9 @@ pub struct Plan {
     pub delete_job: bool,
     /// Short words on the phase, for its Event.
     pub message: String,
+    /// The pod those words are about (a restart's or failure's cause, what blocks the
+    /// start), for its Events.
+    pub about: Option<PodRef>,
 }
 
 impl Plan {
@@ -206,6 +209,7 @@ impl Plan {
             requeue_after: None,
             delete_job: false,
             message: String::new(),
+            about: None,
         }
     }
 
@@ -316,28 +320,33 @@ fn still_being_deleted(
 /// The first of the job's own pods still being deleted past [`TERMINATING_PATIENCE`]: a pod
 /// of an earlier gang (its name is needed for the new one), or of this gang. Said as
 /// [`reasons::POD_STUCK_TERMINATING`] with what to do, since nothing else will end the wait.
-fn stuck_terminating(
-    observed: &Observed,
-    namespace: &str,
-    now: &Time,
-) -> Option<(&'static str, String)> {
+fn stuck_terminating(observed: &Observed, namespace: &str, now: &Time) -> Option<Block> {
     observed.all().find_map(|pod| {
         let grace_over = pod.deletion.as_ref()?;
         past_terminating_patience(grace_over, now).then(|| {
             let gang = pod
                 .attempt
                 .map_or_else(String::new, |a| format!(" of gang attempt {a}"));
-            (
-                reasons::POD_STUCK_TERMINATING,
-                format!(
+            Block {
+                reason: reasons::POD_STUCK_TERMINATING,
+                message: format!(
                     "pod {}{gang} {}; the job's next pods reuse its name and are made once it \
                      is gone",
                     pod.name,
                     still_being_deleted(&pod.name, namespace, pod.node.as_deref(), grace_over)
                 ),
-            )
+                pod: pod.about(),
+            }
         })
     })
+}
+
+/// What holds the job's start back, for its conditions and Warning Event.
+#[derive(Clone, Debug)]
+struct Block {
+    reason: &'static str,
+    message: String,
+    pod: PodRef,
 }
 
 /// How soon a job whose pod's name a staying pod holds looks again: that pod's deletion
@@ -400,6 +409,7 @@ pub fn hold_back_names_in_use(
         }
     }
     plan.message = message;
+    plan.about = Some(PodRef::named(name.as_str()));
 }
 
 fn seconds_between(from: &Time, to: &Time) -> f64 {
@@ -465,7 +475,7 @@ pub fn parse_result(message: &str) -> Option<TrainingResult> {
 /// What keeps a pod that is not running from starting, as a condition reason and words: the
 /// scheduler's reason it fits no node, or the kubelet's reason its container cannot start.
 /// `None` for a pod on its normal way (or running, or gone).
-fn blocked(role: &str, pod: &PodState) -> Option<(&'static str, String)> {
+fn blocked(role: &str, pod: &PodState) -> Option<Block> {
     if pod.is_deleting() {
         return None;
     }
@@ -473,10 +483,11 @@ fn blocked(role: &str, pod: &PodState) -> Option<(&'static str, String)> {
         unschedulable: Some(why),
     } = &pod.life
     {
-        return Some((
-            reasons::UNSCHEDULABLE,
-            format!("{role} {} cannot be scheduled: {why}", pod.name),
-        ));
+        return Some(Block {
+            reason: reasons::UNSCHEDULABLE,
+            message: format!("{role} {} cannot be scheduled: {why}", pod.name),
+            pod: pod.about(),
+        });
     }
     let stuck = pod.stuck.as_ref()?;
     let reason = match stuck.kind {
@@ -488,7 +499,11 @@ fn blocked(role: &str, pod: &PodState) -> Option<(&'static str, String)> {
         message.push_str(": ");
         message.push_str(&ringmaster_contract::shorten(&stuck.message, 500));
     }
-    Some((reason, message))
+    Some(Block {
+        reason,
+        message,
+        pod: pod.about(),
+    })
 }
 
 /// Pods to delete when the job finishes, by cleanPodPolicy.
@@ -820,16 +835,18 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
         .enumerate()
         .find_map(|(i, w)| match w {
             Some(pod) => match &pod.life {
-                PodLife::Failed(exit) => Some(format!("worker {}", describe(pod, exit))),
+                PodLife::Failed(exit) => {
+                    Some((format!("worker {}", describe(pod, exit)), pod.about()))
+                }
                 _ if pod.is_deleting() && started => {
-                    Some(format!("worker {} was deleted", pod.name))
+                    Some((format!("worker {} was deleted", pod.name), pod.about()))
                 }
                 _ => None,
             },
-            None if started => Some(format!(
-                "worker {} was deleted",
-                super::names::worker_pod(&job.name, i as u32)
-            )),
+            None if started => {
+                let name = super::names::worker_pod(&job.name, i as u32);
+                Some((format!("worker {name} was deleted"), PodRef::named(name)))
+            }
             None => None,
         });
     let launcher_exit = observed.launcher.as_ref().and_then(|l| match &l.life {
@@ -862,10 +879,11 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
     let launcher_exit = launcher_exit.filter(|_| peer_lost_wait.is_none());
     let retryable_launcher_failure = launcher_exit
         .filter(|(_, exit, ok)| !ok && launcher_exit_is_retryable(exit))
-        .map(|(pod, exit, _)| format!("launcher {}", describe(pod, exit)));
+        .map(|(pod, exit, _)| (format!("launcher {}", describe(pod, exit)), pod.about()));
 
     // A worker's failure is the cause even when the launcher failed because of it.
-    if let Some(cause) = worker_failure.or(retryable_launcher_failure) {
+    if let Some((cause, pod)) = worker_failure.or(retryable_launcher_failure) {
+        plan.about = Some(pod);
         let limit = job.run_policy.backoff_limit;
         if status.restarts >= limit {
             let detail = format!(
@@ -923,6 +941,7 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
             "launcher {} (not retried: the program's own failure)",
             describe(pod, exit)
         );
+        plan.about = Some(pod.about());
         return finish(plan, inputs, P::Failed, reasons::LAUNCHER_FAILED, detail);
     }
 
@@ -999,8 +1018,13 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
             reasons::RUNNING,
             format!("{ready}/{} workers ready", job.workers),
         );
-    } else if let Some((reason, message)) = worker_blocked.clone() {
-        plan.say(condition_types::WORKERS_READY, false, reason, message);
+    } else if let Some(block) = worker_blocked.clone() {
+        plan.say(
+            condition_types::WORKERS_READY,
+            false,
+            block.reason,
+            block.message,
+        );
     } else {
         plan.say(
             condition_types::WORKERS_READY,
@@ -1032,9 +1056,10 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
     };
     // What blocks the start is also why the job is not Ready.
     match worker_blocked.or(launcher_blocked) {
-        Some((reason, message)) => {
-            phase_conditions(&mut plan, &message);
-            set_ready_reason(&mut plan, reason);
+        Some(block) => {
+            phase_conditions(&mut plan, &block.message);
+            set_ready_reason(&mut plan, block.reason);
+            plan.about = Some(block.pod);
         }
         None => phase_conditions(&mut plan, &detail),
     }
