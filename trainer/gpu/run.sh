@@ -7,7 +7,8 @@
 #                              NAME, or all), each in its own process under a time limit
 #                              (TEST_TIMEOUT seconds, default 300), so a crash or a hang
 #                              costs one test, not the run; a summary at the end, exit 1 if
-#                              any failed. LOGS=DIR keeps each test's output in DIR.
+#                              any failed. LOGS=DIR keeps each test's output in DIR; cuDNN
+#                              logs the calls it refuses there (CUDNN_LOGLEVEL_DBG=1).
 #   trainer/gpu/run.sh bench [ours|torch|loader...]
 #                              ResNet-50 bf16 at 224 px, batch 256 and 128 (BATCHES): ours,
 #                              with each batch-norm engine (BN_ENGINES), plain and as a CUDA
@@ -62,7 +63,9 @@ case "${1:-tests}" in
       ran=$((ran + 1))
       started=$(date +%s)
       set +e
-      timeout --kill-after=10 "${TEST_TIMEOUT:-300}" "$bundle/gpu-tests" --exact "$test" \
+      # cuDNN's own account of a call it refuses (which argument, why), errors only.
+      CUDNN_LOGLEVEL_DBG=${CUDNN_LOGLEVEL_DBG:-1} CUDNN_LOGDEST_DBG=${CUDNN_LOGDEST_DBG:-stderr} \
+        timeout --kill-after=10 "${TEST_TIMEOUT:-300}" "$bundle/gpu-tests" --exact "$test" \
         --test-threads=1 --nocapture >"$logs/$test.log" 2>&1
       status=$?
       set -e
