@@ -1006,12 +1006,17 @@ fn a_pod_of_the_job_stuck_being_deleted_blocks_it_visibly_after_a_minute() {
     assert_eq!(s.condition(condition_types::READY).1, reasons::STARTING);
 
     // The current gang's launcher stuck the same way (its node lost after a person deleted
-    // it): the ready workers wait with it, and the job says why.
+    // it): the ready workers wait with it, and the job says why. Nothing wakes the job
+    // after the deletion itself: it looks again when the minute is over.
     let mut s = Scenario::new(job(|_| {})).pods(vec![
         pod("worker", 0, 0, "ready"),
         pod("worker", 1, 0, "ready"),
         pod("launcher", 0, 0, "deleting"),
     ]);
+    s.now = at(30);
+    let p = s.step();
+    assert_eq!(p.requeue_after, Some(Duration::from_secs(31)));
+    assert_eq!(s.condition(condition_types::READY).1, reasons::STARTING);
     s.now = at(61);
     s.step();
     let (_, reason, message) = s.condition(condition_types::READY);
@@ -1025,6 +1030,27 @@ fn a_pod_of_the_job_stuck_being_deleted_blocks_it_visibly_after_a_minute() {
         s.condition(condition_types::WORKERS_READY).1,
         reasons::RUNNING
     );
+
+    // A worker of a gang still starting, stuck: said on WorkersReady; of two stuck, the one
+    // whose grace period ended first, whatever order the cache gives them in.
+    let mut second = pod("worker", 0, 0, "deleting");
+    second.metadata.deletion_timestamp = Some(at(5));
+    for pods in [
+        vec![pod("worker", 1, 0, "deleting"), second.clone()],
+        vec![second.clone(), pod("worker", 1, 0, "deleting")],
+    ] {
+        let mut s = Scenario::new(job(|_| {})).pods(pods);
+        s.now = at(59);
+        assert_eq!(s.step().requeue_after, Some(Duration::from_secs(2)));
+        s.now = at(70);
+        s.step();
+        let (_, reason, message) = s.condition(condition_types::WORKERS_READY);
+        assert_eq!(reason, reasons::POD_STUCK_TERMINATING);
+        assert!(
+            message.starts_with("pod resnet18-cpu-worker-1 of gang attempt 0 "),
+            "{message}"
+        );
+    }
 }
 
 #[test]

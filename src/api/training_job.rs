@@ -594,8 +594,9 @@ pub struct RunPolicy {
     /// Seconds the job may run, counted from status.startTime (when its first launcher was
     /// made, every worker ready; gang restarts do not reset it, a suspension or a Kueue
     /// eviction does), before it is Failed with reason DeadlineExceeded and its pods are
-    /// stopped. As MPI Operator's, which puts it on its launcher Job. Time spent waiting for
-    /// data, nodes or a scheduler does not count.
+    /// stopped. As MPI Operator's, which puts it on its launcher Job. Waiting for data,
+    /// nodes or a scheduler before that first start does not count; after a restart, the
+    /// new gang's wait does.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub active_deadline_seconds: Option<i64>,

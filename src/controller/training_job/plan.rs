@@ -317,13 +317,29 @@ fn still_being_deleted(
     )
 }
 
-/// The first of the job's own pods still being deleted past [`TERMINATING_PATIENCE`]: a pod
-/// of an earlier gang (its name is needed for the new one), or of this gang. Said as
-/// [`reasons::POD_STUCK_TERMINATING`] with what to do, since nothing else will end the wait.
-fn stuck_terminating(observed: &Observed, namespace: &str, now: &Time) -> Option<Block> {
-    observed.all().find_map(|pod| {
-        let grace_over = pod.deletion.as_ref()?;
-        past_terminating_patience(grace_over, now).then(|| {
+/// The job's own pods still being deleted past [`TERMINATING_PATIENCE`], said as
+/// [`reasons::POD_STUCK_TERMINATING`] with what to do, since nothing else ends the wait.
+struct StuckPods {
+    /// One holding back the workers: of an earlier gang (the new gang's pods reuse their
+    /// names, and none is made until every one is gone), or a worker of this gang.
+    workers: Option<Block>,
+    /// This gang's launcher.
+    launcher: Option<Block>,
+    /// When the next pod being deleted passes the patience: its deletion wakes nothing
+    /// before then (a pod on a lost node sends no further event).
+    next_look: Option<Duration>,
+}
+
+fn stuck_terminating(observed: &Observed, namespace: &str, now: &Time) -> StuckPods {
+    // The earliest stuck, then by name: the same one on every look, whatever the cache's
+    // order, so the words do not change between reconciles.
+    let first = |pods: &mut dyn Iterator<Item = &PodState>| {
+        pods.filter_map(|pod| {
+            let grace_over = pod.deletion.as_ref()?;
+            past_terminating_patience(grace_over, now).then_some((grace_over, pod))
+        })
+        .min_by(|(a, p), (b, q)| a.0.cmp(&b.0).then_with(|| p.name.cmp(&q.name)))
+        .map(|(grace_over, pod)| {
             let gang = pod
                 .attempt
                 .map_or_else(String::new, |a| format!(" of gang attempt {a}"));
@@ -338,7 +354,24 @@ fn stuck_terminating(observed: &Observed, namespace: &str, now: &Time) -> Option
                 pod: pod.about(),
             }
         })
-    })
+    };
+    let patience = TERMINATING_PATIENCE.as_secs_f64();
+    StuckPods {
+        workers: first(
+            &mut observed
+                .stale
+                .iter()
+                .chain(observed.workers.iter().flatten()),
+        ),
+        launcher: first(&mut observed.launcher.iter()),
+        next_look: observed
+            .all()
+            .filter_map(|pod| pod.deletion.as_ref())
+            .map(|grace_over| patience - seconds_between(grace_over, now))
+            .filter(|left| *left >= 0.0)
+            .min_by(f64::total_cmp)
+            .map(|left| Duration::from_secs_f64(left) + Duration::from_secs(1)),
+    }
 }
 
 /// What holds the job's start back, for its conditions and Warning Event.
@@ -970,9 +1003,12 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
 
     // Normal progress: workers first, the launcher once every worker is ready.
     let stuck = stuck_terminating(observed, &job.namespace, inputs.now);
-    if stuck.is_some() {
+    if stuck.workers.is_some() || stuck.launcher.is_some() {
         // Its deletion wakes the job; the look covers a missed event.
         plan.requeue(NAME_IN_USE_RECHECK);
+    }
+    if let Some(after) = stuck.next_look {
+        plan.requeue(after);
     }
     if stale.is_empty() {
         plan.create_workers = observed
@@ -982,7 +1018,7 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
             .filter(|(_, w)| w.is_none())
             .map(|(i, _)| i as u32)
             .collect();
-    } else if stuck.is_none() {
+    } else if stuck.workers.is_none() {
         plan.requeue(Duration::from_secs(1));
     }
     let ready = observed.ready_workers();
@@ -999,18 +1035,20 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
         .as_ref()
         .is_some_and(|l| matches!(l.life, PodLife::Running { .. }) && !l.is_deleting());
     plan.say(condition_types::RESTARTING, false, reasons::RUNNING, "");
-    // A pod stuck being deleted holds back the workers that would take its name.
-    let worker_blocked = stuck.or_else(|| {
+    // A pod stuck being deleted holds back the pods that would take its name.
+    let worker_blocked = stuck.workers.or_else(|| {
         observed
             .workers
             .iter()
             .flatten()
             .find_map(|w| blocked(super::names::WORKER_ROLE, w))
     });
-    let launcher_blocked = observed
-        .launcher
-        .as_ref()
-        .and_then(|l| blocked(super::names::LAUNCHER_ROLE, l));
+    let launcher_blocked = stuck.launcher.or_else(|| {
+        observed
+            .launcher
+            .as_ref()
+            .and_then(|l| blocked(super::names::LAUNCHER_ROLE, l))
+    });
     if all_ready {
         plan.say(
             condition_types::WORKERS_READY,
