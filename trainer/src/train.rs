@@ -292,6 +292,10 @@ fn train_on<B: Backend>(
         let mut on_device: Option<(Tensor<B>, Vec<usize>)> = None;
         for step in 0..total_steps {
             let last_step = step + 1 == total_steps;
+            // The first step searches cuDNN's algorithms as its layers first run (the
+            // backward halves during backward): its gradients are reduced after it, so the
+            // searches time the GPU without all-reduces beside them.
+            let overlap_now = overlap && step > 0;
             let (mut loss_sum, mut correct) = (0.0f32, 0usize);
             if let Some(recorded) = &mut recorded {
                 if let Some(batch) = upcoming.take() {
@@ -320,7 +324,7 @@ fn train_on<B: Backend>(
                         (None, None) => unreachable!("every micro-batch is received ahead"),
                     };
                     // Micro-batches accumulate: only the last one's backward finishes gradients.
-                    let mut buckets = (overlap && m + 1 == args.micro_batches)
+                    let mut buckets = (overlap_now && m + 1 == args.micro_batches)
                         .then(|| GradientBuckets::new(num_parameters, BUCKET_ELEMENTS));
                     let mut failed = Ok(());
                     let queued = model.queue_step(
@@ -357,6 +361,10 @@ fn train_on<B: Backend>(
                 }
             }
             if overlap {
+                if !overlap_now {
+                    let grads = &mut model.params_mut().grads;
+                    be.queue_all_reduce(grads, 0..num_parameters, collective, ReduceOp::Average)?;
+                }
                 be.join_all_reduces(collective)?;
             } else if world > 1 {
                 let grads = &mut model.params_mut().grads;
