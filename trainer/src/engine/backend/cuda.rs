@@ -615,7 +615,7 @@ struct ConvPlan {
     w: FilterDesc,
     conv: ConvDesc,
     dtype: DType,
-    forward: Found<cudnn::cudnnConvolutionFwdAlgo_t>,
+    forward: std::cell::OnceCell<Found<cudnn::cudnnConvolutionFwdAlgo_t>>,
     backward_data: std::cell::OnceCell<Found<cudnn::cudnnConvolutionBwdDataAlgo_t>>,
     backward_filter: std::cell::OnceCell<Found<cudnn::cudnnConvolutionBwdFilterAlgo_t>>,
 }
@@ -1150,24 +1150,15 @@ impl CudaBackend {
         );
     }
 
-    /// The convolution's descriptors and its forward algorithm, found the first time this
-    /// shape runs (`x`, `w`, `y` are that call's buffers; the search overwrites `y`).
-    fn conv_plan(
-        &self,
-        s: &ConvShape,
-        dtype: DType,
-        x: CUdeviceptr,
-        w: CUdeviceptr,
-        y: CUdeviceptr,
-    ) -> Rc<ConvPlan> {
+    /// The convolution's descriptors for this shape and type, made the first time it runs;
+    /// each direction's algorithm is searched when that direction first runs.
+    fn conv_plan(&self, s: &ConvShape, dtype: DType) -> Rc<ConvPlan> {
         if let Some(plan) = self.inner.conv_plans.borrow().get(&(*s, dtype)) {
             return plan.clone();
         }
-        self.not_while_capturing("a convolution shape seen for the first time");
         let (oh, ow) = s.output_size();
         let xd = TensorDesc::nhwc(dtype, s.n, s.c, s.h, s.w);
         let yd = TensorDesc::nhwc(dtype, s.n, s.out_channels, oh, ow);
-        let h = self.inner.cudnn;
         let mut wd = std::ptr::null_mut();
         let mut cd = std::ptr::null_mut();
         // SAFETY: out-pointers to live locals; descriptors are owned by the plan.
@@ -1206,69 +1197,14 @@ impl CudaBackend {
                 ),
                 "cudnnSetConvolution2dDescriptor",
             );
-            check_cudnn(
-                cudnn::cudnnSetConvolutionMathType(cd, search_math(dtype)),
-                "cudnnSetConvolutionMathType",
-            );
-        }
-        let (wd, cd) = (FilterDesc(wd), ConvDesc(cd));
-        let (ws, ws_len) = self.workspace(FIND_WORKSPACE_BYTES);
-        let mut count = 0;
-        // SAFETY: every pointer is live device memory of the descriptor's size; the perf
-        // structs are live locals cuDNN fills (`count` of them).
-        let (algo, math) = unsafe {
-            let mut fwd: [cudnn::cudnnConvolutionFwdAlgoPerf_t; 8] = std::mem::zeroed();
-            check_cudnn(
-                cudnn::cudnnFindConvolutionForwardAlgorithmEx(
-                    h,
-                    xd.0,
-                    x as *const c_void,
-                    wd.0,
-                    w as *const c_void,
-                    cd.0,
-                    yd.0,
-                    y as *mut c_void,
-                    fwd.len() as i32,
-                    &mut count,
-                    fwd.as_mut_ptr(),
-                    ws as *mut c_void,
-                    ws_len,
-                ),
-                "cudnnFindConvolutionForwardAlgorithmEx",
-            );
-            fastest(&fwd[..count as usize], "forward", s, dtype)
-        };
-        let mut workspace = 0;
-        // SAFETY: live handle and descriptors; the out-pointer is a live local.
-        unsafe {
-            check_cudnn(
-                cudnn::cudnnSetConvolutionMathType(cd.0, math),
-                "cudnnSetConvolutionMathType",
-            );
-            check_cudnn(
-                cudnn::cudnnGetConvolutionForwardWorkspaceSize(
-                    h,
-                    xd.0,
-                    wd.0,
-                    cd.0,
-                    yd.0,
-                    algo,
-                    &mut workspace,
-                ),
-                "cudnnGetConvolutionForwardWorkspaceSize",
-            );
         }
         let plan = Rc::new(ConvPlan {
             x: xd,
             y: yd,
-            w: wd,
-            conv: cd,
+            w: FilterDesc(wd),
+            conv: ConvDesc(cd),
             dtype,
-            forward: Found {
-                algo,
-                math,
-                workspace,
-            },
+            forward: std::cell::OnceCell::new(),
             backward_data: std::cell::OnceCell::new(),
             backward_filter: std::cell::OnceCell::new(),
         });
@@ -1277,6 +1213,96 @@ impl CudaBackend {
             .borrow_mut()
             .insert((*s, dtype), plan.clone());
         plan
+    }
+
+    /// One direction's algorithm for `plan`, searched with `find` (cuDNN's `Find…Ex` on
+    /// the call's own buffers, given the workspace, the count to fill and the results) and
+    /// its workspace asked of `size` under the math type found. `calls` name the two for
+    /// errors.
+    fn search<P: AlgoPerf>(
+        &self,
+        plan: &ConvPlan,
+        s: &ConvShape,
+        direction: &str,
+        calls: [&str; 2],
+        find: impl FnOnce(*mut c_void, usize, &mut i32, &mut [P]) -> cudnn::cudnnStatus_t,
+        size: impl FnOnce(P::Algo, &mut usize) -> cudnn::cudnnStatus_t,
+    ) -> Found<P::Algo> {
+        self.not_while_capturing(&format!("a convolution's first {direction} pass"));
+        plan.use_math(search_math(plan.dtype));
+        let (ws, ws_len) = self.workspace(FIND_WORKSPACE_BYTES);
+        let mut count = 0;
+        // SAFETY: the results are plain C structs cuDNN fills (`count` of them); all-zero
+        // is a valid value of each.
+        let mut perf: [P; 8] = unsafe { std::mem::zeroed() };
+        check_cudnn(
+            find(ws as *mut c_void, ws_len, &mut count, &mut perf),
+            calls[0],
+        );
+        let (algo, math) = fastest(&perf[..count as usize], direction, s, plan.dtype);
+        plan.use_math(math);
+        let mut workspace = 0;
+        check_cudnn(size(algo, &mut workspace), calls[1]);
+        Found {
+            algo,
+            math,
+            workspace,
+        }
+    }
+
+    /// The forward algorithm of `plan`, found the first time it is asked for, with that
+    /// call's buffers (the search overwrites `y`).
+    fn forward_found(
+        &self,
+        plan: &ConvPlan,
+        s: &ConvShape,
+        x: CUdeviceptr,
+        w: CUdeviceptr,
+        y: CUdeviceptr,
+    ) -> Found<cudnn::cudnnConvolutionFwdAlgo_t> {
+        let h = self.inner.cudnn;
+        *plan.forward.get_or_init(|| {
+            self.search(
+                plan,
+                s,
+                "forward",
+                [
+                    "cudnnFindConvolutionForwardAlgorithmEx",
+                    "cudnnGetConvolutionForwardWorkspaceSize",
+                ],
+                // SAFETY: every pointer is live device memory of its descriptor's size; the
+                // out-pointers are live.
+                |ws, ws_len, count, perf: &mut [cudnn::cudnnConvolutionFwdAlgoPerf_t]| unsafe {
+                    cudnn::cudnnFindConvolutionForwardAlgorithmEx(
+                        h,
+                        plan.x.0,
+                        x as *const c_void,
+                        plan.w.0,
+                        w as *const c_void,
+                        plan.conv.0,
+                        plan.y.0,
+                        y as *mut c_void,
+                        perf.len() as i32,
+                        count,
+                        perf.as_mut_ptr(),
+                        ws,
+                        ws_len,
+                    )
+                },
+                // SAFETY: live handle and descriptors; a live out-pointer.
+                |algo, bytes| unsafe {
+                    cudnn::cudnnGetConvolutionForwardWorkspaceSize(
+                        h,
+                        plan.x.0,
+                        plan.w.0,
+                        plan.conv.0,
+                        plan.y.0,
+                        algo,
+                        bytes,
+                    )
+                },
+            )
+        })
     }
 
     /// The backward-data algorithm of `plan`, found the first time it is asked for, with
@@ -1289,18 +1315,18 @@ impl CudaBackend {
         dy: CUdeviceptr,
         dx: CUdeviceptr,
     ) -> Found<cudnn::cudnnConvolutionBwdDataAlgo_t> {
+        let h = self.inner.cudnn;
         *plan.backward_data.get_or_init(|| {
-            self.not_while_capturing("a convolution's first backward-data pass");
-            plan.use_math(search_math(plan.dtype));
-            let (ws, ws_len) = self.workspace(FIND_WORKSPACE_BYTES);
-            let h = self.inner.cudnn;
-            let mut count = 0;
-            let mut workspace = 0;
-            // SAFETY: every pointer is live device memory of the descriptor's size; the
-            // perf structs and out-pointers are live locals cuDNN fills.
-            let (algo, math) = unsafe {
-                let mut perf: [cudnn::cudnnConvolutionBwdDataAlgoPerf_t; 8] = std::mem::zeroed();
-                check_cudnn(
+            self.search(
+                plan,
+                s,
+                "backward-data",
+                [
+                    "cudnnFindConvolutionBackwardDataAlgorithmEx",
+                    "cudnnGetConvolutionBackwardDataWorkspaceSize",
+                ],
+                // SAFETY: as for the forward search.
+                |ws, ws_len, count, perf: &mut [cudnn::cudnnConvolutionBwdDataAlgoPerf_t]| unsafe {
                     cudnn::cudnnFindConvolutionBackwardDataAlgorithmEx(
                         h,
                         plan.w.0,
@@ -1311,19 +1337,14 @@ impl CudaBackend {
                         plan.x.0,
                         dx as *mut c_void,
                         perf.len() as i32,
-                        &mut count,
+                        count,
                         perf.as_mut_ptr(),
-                        ws as *mut c_void,
+                        ws,
                         ws_len,
-                    ),
-                    "cudnnFindConvolutionBackwardDataAlgorithmEx",
-                );
-                fastest(&perf[..count as usize], "backward-data", s, plan.dtype)
-            };
-            plan.use_math(math);
-            // SAFETY: as above.
-            unsafe {
-                check_cudnn(
+                    )
+                },
+                // SAFETY: as for the forward search.
+                |algo, bytes| unsafe {
                     cudnn::cudnnGetConvolutionBackwardDataWorkspaceSize(
                         h,
                         plan.w.0,
@@ -1331,16 +1352,10 @@ impl CudaBackend {
                         plan.conv.0,
                         plan.x.0,
                         algo,
-                        &mut workspace,
-                    ),
-                    "cudnnGetConvolutionBackwardDataWorkspaceSize",
-                );
-            }
-            Found {
-                algo,
-                math,
-                workspace,
-            }
+                        bytes,
+                    )
+                },
+            )
         })
     }
 
@@ -1354,18 +1369,18 @@ impl CudaBackend {
         dy: CUdeviceptr,
         dw: CUdeviceptr,
     ) -> Found<cudnn::cudnnConvolutionBwdFilterAlgo_t> {
+        let h = self.inner.cudnn;
         *plan.backward_filter.get_or_init(|| {
-            self.not_while_capturing("a convolution's first backward-filter pass");
-            plan.use_math(search_math(plan.dtype));
-            let (ws, ws_len) = self.workspace(FIND_WORKSPACE_BYTES);
-            let h = self.inner.cudnn;
-            let mut count = 0;
-            let mut workspace = 0;
-            // SAFETY: every pointer is live device memory of the descriptor's size; the
-            // perf structs and out-pointers are live locals cuDNN fills.
-            let (algo, math) = unsafe {
-                let mut perf: [cudnn::cudnnConvolutionBwdFilterAlgoPerf_t; 8] = std::mem::zeroed();
-                check_cudnn(
+            self.search(
+                plan,
+                s,
+                "backward-filter",
+                [
+                    "cudnnFindConvolutionBackwardFilterAlgorithmEx",
+                    "cudnnGetConvolutionBackwardFilterWorkspaceSize",
+                ],
+                // SAFETY: as for the forward search.
+                |ws, ws_len, count, perf: &mut [cudnn::cudnnConvolutionBwdFilterAlgoPerf_t]| unsafe {
                     cudnn::cudnnFindConvolutionBackwardFilterAlgorithmEx(
                         h,
                         plan.x.0,
@@ -1376,36 +1391,19 @@ impl CudaBackend {
                         plan.w.0,
                         dw as *mut c_void,
                         perf.len() as i32,
-                        &mut count,
+                        count,
                         perf.as_mut_ptr(),
-                        ws as *mut c_void,
+                        ws,
                         ws_len,
-                    ),
-                    "cudnnFindConvolutionBackwardFilterAlgorithmEx",
-                );
-                fastest(&perf[..count as usize], "backward-filter", s, plan.dtype)
-            };
-            plan.use_math(math);
-            // SAFETY: as above.
-            unsafe {
-                check_cudnn(
+                    )
+                },
+                // SAFETY: as for the forward search.
+                |algo, bytes| unsafe {
                     cudnn::cudnnGetConvolutionBackwardFilterWorkspaceSize(
-                        h,
-                        plan.x.0,
-                        plan.y.0,
-                        plan.conv.0,
-                        plan.w.0,
-                        algo,
-                        &mut workspace,
-                    ),
-                    "cudnnGetConvolutionBackwardFilterWorkspaceSize",
-                );
-            }
-            Found {
-                algo,
-                math,
-                workspace,
-            }
+                        h, plan.x.0, plan.y.0, plan.conv.0, plan.w.0, algo, bytes,
+                    )
+                },
+            )
         })
     }
 
@@ -1818,8 +1816,8 @@ impl Backend for CudaBackend {
         let dtype = x.dtype;
         let working = self.arena_alloc(weight.len, dtype);
         kernels::weights_to_working(self, s, weight.op(), working.op());
-        let plan = self.conv_plan(s, dtype, x.ptr, working.ptr, y.ptr);
-        let found = plan.forward;
+        let plan = self.conv_plan(s, dtype);
+        let found = self.forward_found(&plan, s, x.ptr, working.ptr, y.ptr);
         plan.use_math(found.math);
         let (ws, ws_len) = self.workspace(found.workspace);
         let (one, zero) = (1.0f32, 0.0f32);
