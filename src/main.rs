@@ -123,6 +123,19 @@ struct RunArgs {
         requires = "gang_scheduler"
     )]
     gang_scheduler_api: Option<GangSchedulerApi>,
+    /// PriorityClass of every launcher whose job sets none (`launcher.priorityClassName`).
+    /// A launcher is made once its job's workers are ready, so without it the launcher waits
+    /// behind every pod the scheduler has queued meanwhile, and the ready workers' GPUs idle;
+    /// a class above the workers' puts it first. Make it with `preemptionPolicy: Never` (the
+    /// Helm chart makes `ringmaster-launcher` so) so that it never evicts anything. Not used
+    /// with a gang scheduler. Unset: launchers get the cluster's default priority.
+    #[arg(
+        long,
+        env = "RINGMASTER_LAUNCHER_PRIORITY_CLASS",
+        value_name = "PRIORITY_CLASS",
+        value_parser = clap::builder::NonEmptyStringValueParser::new()
+    )]
+    launcher_priority_class: Option<String>,
     /// Image of a DataStage's copy Job; it runs `ringmaster stage`, so it is the operator's
     /// own image (the Helm chart passes it).
     #[arg(long, env = "RINGMASTER_STAGER_IMAGE", default_value = ringmaster::controller::DEFAULT_STAGER_IMAGE)]
@@ -312,6 +325,7 @@ async fn run(args: RunArgs) -> Result<(), String> {
                     args.gang_scheduler_api.map(GangSchedulerApi::api),
                 )
             }),
+            launcher_priority_class: args.launcher_priority_class,
         },
     ));
     let scope = Scope {

@@ -1060,3 +1060,40 @@ fn the_gang_api_follows_the_scheduler_name_unless_set() {
         GangApi::SchedulerPlugins
     );
 }
+
+#[test]
+fn the_launcher_gets_the_operators_priority_class_unless_its_job_sets_one_or_a_gang_scheduler_places_it()
+ {
+    let with_class = BuildInputs {
+        launcher_priority_class: Some("ringmaster-launcher".into()),
+        ..inputs()
+    };
+    let job = gpu_job();
+    let launcher = value(&build::launcher_pod(&job, &with_class));
+    assert_eq!(launcher["spec"]["priorityClassName"], "ringmaster-launcher");
+    let worker = value(&build::worker_pod(&job, 0, &with_class));
+    assert!(
+        worker["spec"].get("priorityClassName").is_none(),
+        "workers keep the job's priority: {}",
+        worker["spec"]
+    );
+    // Not set: none.
+    let launcher = value(&build::launcher_pod(&job, &inputs()));
+    assert!(launcher["spec"].get("priorityClassName").is_none());
+
+    // The job's own launcher class wins.
+    let own = sample("trainingjob-resnet50-nd96asr-v4.yaml", |o| {
+        o["spec"]["nodePool"] = json!({"provisioner": "existing", "nodeSelector": {"kubernetes.azure.com/agentpool": "gpu"}});
+        o["spec"]["launcher"] = json!({"priorityClassName": "team-critical"});
+    });
+    let launcher = value(&build::launcher_pod(&own, &with_class));
+    assert_eq!(launcher["spec"]["priorityClassName"], "team-critical");
+
+    // A gang scheduler orders its groups itself: the launcher joins its placed group as is.
+    let gang = BuildInputs {
+        gang_scheduler: Some(GangScheduler::new("volcano", None)),
+        ..with_class
+    };
+    let launcher = value(&build::launcher_pod(&job, &gang));
+    assert!(launcher["spec"].get("priorityClassName").is_none());
+}

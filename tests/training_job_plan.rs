@@ -1054,6 +1054,66 @@ fn a_pod_of_the_job_stuck_being_deleted_blocks_it_visibly_after_a_minute() {
 }
 
 #[test]
+fn a_pod_stuck_being_deleted_is_said_during_the_restart_backoff_not_after_it() {
+    // The fifth restart waits 160 s; worker 0 of the failed gang stays on a lost node.
+    let mut s =
+        Scenario::new(job(|o| o["spec"]["runPolicy"]["backoffLimit"] = json!(10))).pods(vec![
+            pod("worker", 0, 4, "ready"),
+            pod("worker", 1, 4, "failed:137:OOMKilled"),
+            pod("launcher", 0, 4, "failed:1:Error"),
+        ]);
+    s.status.restarts = 4;
+    let p = s.step();
+    assert_eq!((p.phase, p.restarts), (Phase::Restarting, 5));
+    s.pods = vec![pod("worker", 0, 4, "deleting")];
+
+    // Within its minute: waited for quietly, looked at again when the minute is over.
+    s.now = at(30);
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Restarting);
+    assert_eq!(p.requeue_after, Some(Duration::from_secs(31)));
+    assert_eq!(s.condition(condition_types::READY).1, reasons::RESTARTING);
+
+    // Past it, still in the backoff: said on Ready and Reconciling (a Warning Event goes
+    // with the reason), while Restarting keeps the restart's cause.
+    s.now = at(61);
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Restarting);
+    assert!(p.create_workers.is_empty());
+    assert_eq!(
+        p.requeue_after,
+        Some(Duration::from_secs(99)),
+        "the backoff's end"
+    );
+    for type_ in [condition_types::READY, condition_types::RECONCILING] {
+        let (_, reason, message) = s.condition(type_);
+        assert_eq!(reason, reasons::POD_STUCK_TERMINATING, "{type_}");
+        assert!(
+            message
+                .starts_with("pod resnet18-cpu-worker-0 of gang attempt 4 is still being deleted"),
+            "{message}"
+        );
+    }
+    let (status, reason, message) = s.condition(condition_types::RESTARTING);
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("True", reasons::RESTARTING)
+    );
+    assert!(message.contains("OOMKilled"), "{message}");
+    assert_eq!(p.about, Some(PodRef::named("resnet18-cpu-worker-0")));
+
+    // The backoff over, the pod still there: the same words, now while Starting.
+    s.now = at(161);
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Starting);
+    assert!(p.create_workers.is_empty());
+    assert_eq!(
+        s.condition(condition_types::READY).1,
+        reasons::POD_STUCK_TERMINATING
+    );
+}
+
+#[test]
 fn a_pod_not_the_jobs_goes_by_itself_when_deleted_or_an_earlier_jobs() {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
     use plan::NameHolder;
@@ -1198,6 +1258,34 @@ fn a_cached_pod_stripped_of_what_the_controller_never_reads_reads_the_same() {
             serde_json::to_vec(&cached).unwrap().len() < serde_json::to_vec(&full).unwrap().len()
         );
     }
+}
+
+#[test]
+fn the_pods_a_reconcile_made_are_in_the_status_it_writes_so_their_appearance_is_no_write() {
+    let mut s = Scenario::new(job(|_| {}));
+    let p = s.step();
+    assert_eq!(p.create_workers, vec![0, 1]);
+    status::count_made(&mut s.status, p.create_workers.len(), false);
+    assert_eq!(s.status.workers.active, 2);
+    let written = s.status.clone();
+    // The next look sees them, pending: the status it computes is the one written.
+    s.pods = vec![
+        pod("worker", 0, 0, "pending"),
+        pod("worker", 1, 0, "pending"),
+    ];
+    s.step();
+    assert_eq!(s.status, written);
+
+    // The launcher likewise.
+    s.pods = vec![pod("worker", 0, 0, "ready"), pod("worker", 1, 0, "ready")];
+    let p = s.step();
+    assert!(p.create_launcher);
+    status::count_made(&mut s.status, 0, true);
+    assert_eq!(s.status.launcher.as_deref(), Some("Pending"));
+    let written = s.status.clone();
+    s.pods.push(pod("launcher", 0, 0, "pending"));
+    s.step();
+    assert_eq!(s.status, written);
 }
 
 #[test]

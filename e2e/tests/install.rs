@@ -190,6 +190,19 @@ async fn helm_install_gives_the_operator_exactly_enough_rights_and_uninstall_lea
     // The operator, as the chart's ServiceAccount, with leader election in its namespace.
     // The chart names its objects `<release>-ringmaster`.
     let full_name = format!("{release}-ringmaster");
+    // The launchers' PriorityClass: ahead in the scheduler's queue, never preempting.
+    let class = Api::<k8s_openapi::api::scheduling::v1::PriorityClass>::all(admin.clone())
+        .get(&format!("{full_name}-launcher"))
+        .await
+        .expect("the chart's launcher PriorityClass");
+    assert_eq!(
+        (
+            class.value,
+            class.preemption_policy.as_deref(),
+            class.global_default.unwrap_or_default()
+        ),
+        (Some(1000), Some("Never"), false)
+    );
     let operator = common::impersonating(&system.name, &full_name).await;
     let ctx = Arc::new(Context::new(
         operator.clone(),
@@ -197,6 +210,8 @@ async fn helm_install_gives_the_operator_exactly_enough_rights_and_uninstall_lea
         Some("rbac".into()),
         OperatorConfig {
             restart_backoff: Duration::from_millis(500),
+            // As the chart's Deployment passes it.
+            launcher_priority_class: Some(format!("{full_name}-launcher")),
             ..OperatorConfig::default()
         },
     ));
@@ -268,6 +283,17 @@ async fn helm_install_gives_the_operator_exactly_enough_rights_and_uninstall_lea
     )
     .await;
     assert!(!task.is_finished(), "the operator stopped: {:?}", task);
+    // Its launcher was admitted with the chart's class, as the chart's ServiceAccount.
+    let launcher = Api::<k8s_openapi::api::core::v1::Pod>::namespaced(admin.clone(), &work.name)
+        .get("rbac-launcher")
+        .await
+        .unwrap()
+        .spec
+        .unwrap();
+    assert_eq!(
+        (launcher.priority_class_name, launcher.priority),
+        (Some(format!("{full_name}-launcher")), Some(1000))
+    );
 
     // What the chart does not grant is refused.
     let denied = |e: kube::Error| matches!(e, kube::Error::Api(ref s) if s.code == 403);
@@ -317,7 +343,7 @@ async fn helm_install_gives_the_operator_exactly_enough_rights_and_uninstall_lea
     // Nothing of the release is left but the CRDs (and the leader Lease, data of the cluster).
     let selector = format!("app.kubernetes.io/instance={release}");
     let (ok, out) = run(tool("kubectl"), &[
-        "get", "deployments,serviceaccounts,services,roles,rolebindings,clusterroles,clusterrolebindings",
+        "get", "deployments,serviceaccounts,services,roles,rolebindings,clusterroles,clusterrolebindings,priorityclasses",
         "-A", "-l", &selector, "-o", "name",
     ])
     .await;

@@ -1,8 +1,10 @@
 //! Queued TrainingJobs with the real Kueue (v0.19.2, built from its module and run by
 //! e2e/kueue.sh with its own webhooks and certificates) on the local control plane, KWOK
 //! playing the GPU nodes: quota admits all of a gang or none of it, pods land on the admitted
-//! flavor's nodes, a higher priority preempts and the victim resumes, and an operator killed
-//! in the middle of admission or preemption converges to the same result.
+//! flavor's nodes, a higher priority preempts and the victim resumes, an operator killed
+//! in the middle of admission or preemption converges to the same result, and with
+//! scheduler-plugins' gang scheduler (e2e/gang-scheduler.sh) as well, an admitted gang that
+//! does not fit the nodes holds none of them.
 //!
 //! "No pod exists while its job is not admitted" is checked on every change the API server
 //! made, not by polling: pods and Workloads are watched for the whole test, and the changes
@@ -28,6 +30,7 @@ use kube::runtime::watcher;
 use kube::{Api, Client, ResourceExt};
 use ringmaster::api::TrainingJobPhase;
 use ringmaster::controller::OperatorConfig;
+use ringmaster::gang::{GangScheduler, POD_GROUP_LABEL, PodGroup};
 use ringmaster::kueue::Workload;
 use ringmaster_e2e::nodes::{self, PoolMode, PoolShape};
 use serde_json::{Value, json};
@@ -271,11 +274,13 @@ async fn workload_of(client: &Client, ns: &str, job: &str) -> Option<Workload> {
 /// One change the API server made, as a watch told it.
 #[derive(Clone, Debug)]
 enum Change {
-    /// A pod of `job` exists after this change (`false`: it was deleted).
+    /// A pod of `job` exists after this change (`false`: it was deleted), bound to a node
+    /// or not.
     Pod {
         job: String,
         pod: String,
         exists: bool,
+        bound: bool,
     },
     /// The Workload of `job` has quota reserved (an admission) after this change.
     Workload { job: String, reserved: bool },
@@ -335,6 +340,7 @@ impl AdmissionWatch {
                             .to_string(),
                         pod: object["metadata"]["name"].as_str().unwrap().to_string(),
                         exists: !gone,
+                        bound: object["spec"]["nodeName"].is_string(),
                     }
                 } else {
                     Change::Workload {
@@ -373,7 +379,9 @@ impl AdmissionWatch {
                         ));
                     }
                 }
-                Change::Pod { job, pod, exists } => {
+                Change::Pod {
+                    job, pod, exists, ..
+                } => {
                     checked += 1;
                     if exists {
                         live.entry(job.clone()).or_default().insert(pod.clone());
@@ -389,6 +397,33 @@ impl AdmissionWatch {
             }
         }
         (found, checked)
+    }
+}
+
+impl AdmissionWatch {
+    /// The pods of `job` the watch ever saw bound to a node.
+    fn ever_bound(&self, job: &str) -> BTreeSet<String> {
+        self.changes
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|(_, change)| match change {
+                Change::Pod {
+                    job: j,
+                    pod,
+                    bound: true,
+                    ..
+                } if j == job => Some(pod.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Whether `job`'s Workload ever had quota reserved.
+    fn ever_admitted(&self, job: &str) -> bool {
+        self.changes.lock().unwrap().iter().any(
+            |(_, change)| matches!(change, Change::Workload { job: j, reserved: true } if j == job),
+        )
     }
 }
 
@@ -549,6 +584,143 @@ async fn quota_for_two_jobs_admits_two_gangs_whole_and_the_third_runs_when_one_e
     assert_one_workload_per_job_and_no_orphans(&client, &ns.name, &["one", "two", "three"]).await;
     assert_no_pod_ran_unadmitted(&watch);
     remove_cluster_queue(&client, &cq).await;
+}
+
+/// scheduler-plugins' Coscheduling scheduler, as its chart names it (e2e/gang-scheduler.sh).
+const COSCHEDULING: &str = "scheduler-plugins-scheduler";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kueue_admits_against_quota_and_the_gang_scheduler_places_admitted_gangs_whole() {
+    let (client, ns) = with_kueue("kq-gang").await;
+    common::script_up("gang-scheduler.sh").await;
+    // Three nodes of 8 GPUs: a job of 2 × 8 GPUs fills two and leaves one. The quota has room
+    // for both jobs, so Kueue admits the second while the first runs: its gang does not fit
+    // the nodes, and only the gang scheduler keeps it off the one that is free.
+    let mut pool = PoolShape::new("kqg", "Standard_ND96asr_v4", PoolMode::User).unwrap();
+    pool.taints.push(
+        serde_json::from_value::<Taint>(
+            json!({"key": POOL_TAINT, "value": "kqg", "effect": "NoSchedule"}),
+        )
+        .unwrap(),
+    );
+    nodes::add(&client, &pool, 3).await.unwrap();
+    let cq = team_queue(&client, &ns, "kq-gang", &[("kq-gang", "kqg", 32)]).await;
+    let watch = AdmissionWatch::start(&client, &ns.name).await;
+    // The chart's rights with both settings on.
+    common::apply_chart_rbac(
+        &client,
+        OPERATOR_NAMESPACE,
+        "kqg",
+        &format!("kueue.enabled=true,gangScheduler={COSCHEDULING}"),
+        "scheduling.x-k8s.io",
+    )
+    .await;
+    let rights = common::impersonating(OPERATOR_NAMESPACE, "kqg-ringmaster").await;
+    let _operator = Operator::start_with(
+        &rights,
+        &ns.name,
+        OperatorConfig {
+            restart_backoff: Duration::from_millis(500),
+            kueue: true,
+            gang_scheduler: Some(GangScheduler::new(COSCHEDULING, None)),
+            ..OperatorConfig::default()
+        },
+    )
+    .await;
+    let job = |name: &str| {
+        let mut job = queued_job(name, "team", None, None);
+        job["spec"]["gpusPerWorker"] = json!(8);
+        job
+    };
+
+    // The first: admitted, its gang in a PodGroup, placed by the gang scheduler on the nodes
+    // of the flavor Kueue admitted it to.
+    apply(&client, &job("first"), &ns.name, false)
+        .await
+        .unwrap();
+    wait_phase(&client, &ns.name, "first", TrainingJobPhase::Running, 90).await;
+    let groups: Api<PodGroup> = Api::namespaced(client.clone(), &ns.name);
+    let listed = groups.list(&Default::default()).await.unwrap().items;
+    assert_eq!(listed.len(), 1, "one PodGroup, of the admitted job");
+    assert_eq!(listed[0].owner_references()[0].name, "first");
+    assert_eq!(listed[0].spec.min_member, 2);
+    for pod in pods(&client, &ns.name, "first").await {
+        let name = pod.name_any();
+        assert_eq!(
+            pod.labels()[POD_GROUP_LABEL],
+            listed[0].name_any(),
+            "{name}"
+        );
+        let worker = pod.labels()["ringmaster.dev/role"] == "worker";
+        let spec = pod.spec.unwrap();
+        assert_eq!(spec.scheduler_name.as_deref(), Some(COSCHEDULING), "{name}");
+        assert!(spec.node_name.is_some(), "{name} bound");
+        // The workers hold the GPUs Kueue admitted to the flavor (the launcher asks for none).
+        if worker {
+            assert_eq!(
+                spec.node_selector.unwrap()["kubernetes.azure.com/agentpool"],
+                "kqg",
+                "{name}: the flavor's placement"
+            );
+            let node = spec.node_name.unwrap_or_default();
+            assert!(node.starts_with("aks-kqg-"), "{name} on {node:?}");
+        }
+    }
+
+    // The second: admitted against the quota, but the gang scheduler binds none of its
+    // workers while only one node is free (Kueue may evict and requeue it meanwhile: its
+    // pods are not ready within waitForPodsReady).
+    apply(&client, &job("second"), &ns.name, false)
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(60),
+        "the second job admitted and its workers made",
+        || async {
+            watch.ever_admitted("second")
+                && pods(&client, &ns.name, "second")
+                    .await
+                    .iter()
+                    .filter(|p| p.labels()["ringmaster.dev/role"] == "worker")
+                    .count()
+                    == 2
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    assert_eq!(
+        watch.ever_bound("second"),
+        BTreeSet::new(),
+        "no worker of an admitted gang that does not fit is bound"
+    );
+    assert!(phase_is(
+        &job_status(&client, &ns.name, "first").await,
+        TrainingJobPhase::Running
+    ));
+
+    // The first ends: its Workload Finished, its nodes free; the second runs, whole.
+    common::end_launcher(&client, &ns.name, "first").await;
+    wait_phase(&client, &ns.name, "first", TrainingJobPhase::Succeeded, 60).await;
+    let status = wait_phase(&client, &ns.name, "second", TrainingJobPhase::Running, 240).await;
+    assert_eq!(condition(&status, "Admitted")["status"], "True");
+    let bound = watch.ever_bound("second");
+    assert_eq!(
+        bound,
+        BTreeSet::from([
+            "second-launcher".to_string(),
+            "second-worker-0".to_string(),
+            "second-worker-1".to_string()
+        ])
+    );
+    assert!(
+        workload_of(&client, &ns.name, "first")
+            .await
+            .is_some_and(|w| w.is("Finished"))
+    );
+    assert_one_workload_per_job_and_no_orphans(&client, &ns.name, &["first", "second"]).await;
+    assert_no_pod_ran_unadmitted(&watch);
+    remove_cluster_queue(&client, &cq).await;
+    nodes::remove(&client, "kqg").await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

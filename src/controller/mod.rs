@@ -136,6 +136,9 @@ pub struct OperatorConfig {
     /// Coscheduling plugin, or Volcano), each job's in a PodGroup: all workers are placed at
     /// once or none is. `None`: the cluster's default scheduler.
     pub gang_scheduler: Option<crate::gang::GangScheduler>,
+    /// The PriorityClass of launchers whose job sets none, so that a job whose workers are
+    /// ready does not wait for the scheduler to place every other pod first. `None`: none.
+    pub launcher_priority_class: Option<String>,
 }
 
 /// The operator image of this version, which also runs the stager.
@@ -153,6 +156,7 @@ impl Default for OperatorConfig {
             max_concurrent_reconciles: 16,
             kueue: false,
             gang_scheduler: None,
+            launcher_priority_class: None,
         }
     }
 }

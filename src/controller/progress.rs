@@ -2,16 +2,34 @@
 //! progress reaches the API server at most about once per [`PROGRESS_WRITE_INTERVAL`],
 //! while phases, restarts and problems are written at once. One write per pod event would
 //! cost the API server most of a job's requests.
+//!
+//! The interval grows with the number of objects whose progress waits, so that progress
+//! writes of the whole operator stay near [`PROGRESS_WRITES_PER_SECOND`]: a thousand jobs
+//! starting at once (each Starting for minutes while the scheduler works through their pods)
+//! would otherwise send a thousand writes every 30 s to an API server that is already the
+//! cluster's bottleneck, for words nobody needs sooner.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// How long progress may wait for the next write.
+/// How long progress may wait for the next write, with few objects waiting.
 pub const PROGRESS_WRITE_INTERVAL: Duration = Duration::from_secs(30);
 
-/// Objects to forget progress of once this many wait: jobs deleted while theirs waited.
-const PRUNE_AT: usize = 4096;
+/// The progress writes a second the whole operator aims at when many objects wait: client-go's
+/// default client rate, what a controller is given when nobody raised it.
+pub const PROGRESS_WRITES_PER_SECOND: u32 = 5;
+
+/// The longest progress waits, however many objects wait.
+pub const PROGRESS_WRITE_INTERVAL_MAX: Duration = Duration::from_secs(300);
+
+/// How long new progress waits while `waiting` objects have progress waiting: the base
+/// interval, or long enough for all of them to go out at [`PROGRESS_WRITES_PER_SECOND`],
+/// at most [`PROGRESS_WRITE_INTERVAL_MAX`].
+pub fn interval_for(waiting: usize) -> Duration {
+    let spread = Duration::from_secs_f64(waiting as f64 / f64::from(PROGRESS_WRITES_PER_SECOND));
+    spread.clamp(PROGRESS_WRITE_INTERVAL, PROGRESS_WRITE_INTERVAL_MAX)
+}
 
 /// When each object's held-back progress is due. In memory only: after a restart of the
 /// operator, progress waits one interval more and nothing is lost (the next reconcile
@@ -24,7 +42,7 @@ pub struct ProgressGate {
 impl ProgressGate {
     /// For progress of `key` at `now`: `None` when it may be written now, else how long it
     /// is held back (the caller requeues after that). The first progress after a write
-    /// waits the whole interval.
+    /// waits the whole interval, as long as [`interval_for`] the objects waiting then.
     pub fn wait(&self, key: &str, now: Instant) -> Option<Duration> {
         let mut due = self.due.lock().expect("progress map poisoned");
         match due.get(key) {
@@ -34,11 +52,12 @@ impl ProgressGate {
             }
             Some(at) => Some(*at - now),
             None => {
-                if due.len() >= PRUNE_AT {
-                    due.retain(|_, at| *at + PROGRESS_WRITE_INTERVAL > now);
-                }
-                due.insert(key.to_string(), now + PROGRESS_WRITE_INTERVAL);
-                Some(PROGRESS_WRITE_INTERVAL)
+                // Progress long overdue is of objects deleted while it waited (a live one
+                // comes back when it is due): forgotten, and not counted as waiting.
+                due.retain(|_, at| *at + PROGRESS_WRITE_INTERVAL > now);
+                let interval = interval_for(due.len() + 1);
+                due.insert(key.to_string(), now + interval);
+                Some(interval)
             }
         }
     }
@@ -90,13 +109,46 @@ mod tests {
     }
 
     #[test]
+    fn the_interval_grows_with_the_objects_waiting_so_their_writes_keep_to_the_rate() {
+        assert_eq!(interval_for(1), PROGRESS_WRITE_INTERVAL);
+        assert_eq!(
+            interval_for(150),
+            PROGRESS_WRITE_INTERVAL,
+            "150 at 5/s is 30 s"
+        );
+        assert_eq!(interval_for(1000), Duration::from_secs(200));
+        assert_eq!(interval_for(100_000), PROGRESS_WRITE_INTERVAL_MAX);
+
+        let gate = ProgressGate::default();
+        let t0 = Instant::now();
+        for i in 0..999 {
+            gate.wait(&i.to_string(), t0);
+        }
+        assert_eq!(
+            gate.wait("last", t0),
+            Some(Duration::from_secs(200)),
+            "the thousandth job waiting waits 200 s: a thousand writes in 200 s is 5 a second"
+        );
+        assert_eq!(
+            gate.wait("0", t0 + PROGRESS_WRITE_INTERVAL),
+            None,
+            "the first one waited only the interval of its time"
+        );
+    }
+
+    #[test]
     fn progress_of_jobs_long_gone_is_forgotten() {
         let gate = ProgressGate::default();
         let t0 = Instant::now();
-        for i in 0..PRUNE_AT {
+        for i in 0..2000 {
             gate.wait(&i.to_string(), t0);
         }
-        gate.wait("new", t0 + 3 * PROGRESS_WRITE_INTERVAL);
+        let much_later = t0 + PROGRESS_WRITE_INTERVAL_MAX + 2 * PROGRESS_WRITE_INTERVAL;
+        assert_eq!(
+            gate.wait("new", much_later),
+            Some(PROGRESS_WRITE_INTERVAL),
+            "the gone ones do not make the new one wait longer"
+        );
         assert_eq!(gate.waiting(), 1);
     }
 }

@@ -49,3 +49,15 @@ volcano
 scheduler-plugins
 {{- end -}}
 {{- end -}}
+
+{{/* The PriorityClass of launchers: launcherPriorityClass.name, else the one the chart makes
+     (<fullname>-launcher, unique to the release) when it makes one; empty: none, as with a
+     gang scheduler (it orders its own groups). */}}
+{{- define "ringmaster.launcherPriorityClass" -}}
+{{- if .Values.gangScheduler -}}
+{{- else if .Values.launcherPriorityClass.name -}}
+{{- .Values.launcherPriorityClass.name -}}
+{{- else if .Values.launcherPriorityClass.create -}}
+{{- include "ringmaster.fullname" . }}-launcher
+{{- end -}}
+{{- end -}}

@@ -46,7 +46,12 @@ pub struct Contender {
     pub label: String,
     pub operator: Operator,
     pub binary: PathBuf,
+    /// Ringmaster's `--launcher-priority-class`, as the Helm chart runs it.
+    pub launcher_priority_class: Option<String>,
 }
+
+/// The PriorityClass bench-operator makes for Ringmaster's launchers, as the Helm chart's.
+pub const LAUNCHER_PRIORITY_CLASS: &str = "bench-ringmaster-launcher";
 
 impl Contender {
     /// The kind of job the operator runs.
@@ -131,6 +136,9 @@ impl Contender {
                     .args(["run", "--namespace", namespace, "--metrics-bind-address"])
                     .arg(format!("127.0.0.1:{metrics_port}"))
                     .env("RUST_LOG", "warn");
+                if let Some(class) = &self.launcher_priority_class {
+                    command.args(["--launcher-priority-class", class]);
+                }
             }
             Operator::MpiOperatorDefaults | Operator::MpiOperatorRaised => {
                 command.args(["--namespace", namespace, "--lock-namespace", namespace]);
@@ -157,6 +165,7 @@ mod tests {
             label: "x".into(),
             operator,
             binary: "/bin/true".into(),
+            launcher_priority_class: None,
         }
     }
 

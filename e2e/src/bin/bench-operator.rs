@@ -25,7 +25,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use ringmaster::controller::training_job::names;
 use ringmaster_e2e::bench::audit::{AuditLog, RequestCounts};
-use ringmaster_e2e::bench::contender::{Contender, Operator};
+use ringmaster_e2e::bench::contender::{Contender, LAUNCHER_PRIORITY_CLASS, Operator};
 use ringmaster_e2e::bench::process::{self, Usage};
 use ringmaster_e2e::bench::{identity, percentile};
 use ringmaster_e2e::nodes::{self, PoolMode, PoolShape};
@@ -44,6 +44,11 @@ struct Args {
     /// limit raised, then with its defaults. Its CRD is read from `<PATH>.crd.yaml`.
     #[arg(long)]
     mpi_operator: Option<PathBuf>,
+    /// Run the Ringmaster contender of this label (`ringmaster` for an unlabelled one) with
+    /// a launcher PriorityClass (made here, as the Helm chart makes its own), as the chart
+    /// runs it; repeat for more.
+    #[arg(long = "launcher-priority-class-for", value_name = "LABEL")]
+    launcher_priority_for: Vec<String>,
     /// Measure MPI Operator with its default limits too (slow: its client sends 5 requests
     /// a second).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -93,6 +98,9 @@ struct Figures {
     jobs_running: usize,
     /// Seconds from the first apply until every job was Running; `None` if it timed out.
     all_running: Option<f64>,
+    /// Seconds from the first apply until half the jobs were Running: what a typical job
+    /// waited, where the last one's wait is the scheduler's whole backlog.
+    half_running: Option<f64>,
     /// Seconds the run was measured over.
     measured: f64,
     operator: Usage,
@@ -136,8 +144,24 @@ async fn run(args: Args) -> Result<(), String> {
             label: label.clone(),
             operator: Operator::Ringmaster,
             binary: binary.clone(),
+            launcher_priority_class: args
+                .launcher_priority_for
+                .contains(label)
+                .then(|| LAUNCHER_PRIORITY_CLASS.to_string()),
         })
         .collect();
+    if let Some(unknown) = args
+        .launcher_priority_for
+        .iter()
+        .find(|l| !contenders.iter().any(|c| &c.label == *l))
+    {
+        return Err(format!(
+            "--launcher-priority-class-for {unknown}: no Ringmaster contender has that label"
+        ));
+    }
+    if !args.launcher_priority_for.is_empty() {
+        apply_launcher_priority_class(&client).await?;
+    }
     if let Some(binary) = &args.mpi_operator {
         let mut crd = binary.clone().into_os_string();
         crd.push(".crd.yaml");
@@ -146,12 +170,14 @@ async fn run(args: Args) -> Result<(), String> {
             label: "mpi-operator-raised".into(),
             operator: Operator::MpiOperatorRaised,
             binary: binary.clone(),
+            launcher_priority_class: None,
         });
         if args.mpi_operator_defaults {
             contenders.push(Contender {
                 label: "mpi-operator-defaults".into(),
                 operator: Operator::MpiOperatorDefaults,
                 binary: binary.clone(),
+                launcher_priority_class: None,
             });
         }
     }
@@ -213,6 +239,25 @@ async fn apply_crd(client: &Client, body: serde_json::Value) -> Result<(), Strin
     .await
     .map_err(|e| format!("applying CRD {name}: {e}"))?;
     Ok(())
+}
+
+/// The launchers' PriorityClass, as the Helm chart makes it: ahead of the workers in the
+/// scheduler's queue, never preempting.
+async fn apply_launcher_priority_class(client: &Client) -> Result<(), String> {
+    let class = json!({
+        "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+        "metadata": {"name": LAUNCHER_PRIORITY_CLASS},
+        "value": 1000, "preemptionPolicy": "Never", "globalDefault": false,
+    });
+    Api::<k8s_openapi::api::scheduling::v1::PriorityClass>::all(client.clone())
+        .patch(
+            LAUNCHER_PRIORITY_CLASS,
+            &PatchParams::apply("bench-operator").force(),
+            &Patch::Apply(&class),
+        )
+        .await
+        .map(|_| ())
+        .map_err(|e| format!("applying PriorityClass {LAUNCHER_PRIORITY_CLASS}: {e}"))
 }
 
 async fn apply_ringmaster_crds(client: &Client) -> Result<(), String> {
@@ -395,12 +440,16 @@ async fn measure(
     };
     let deadline = start + Duration::from_secs(timeout);
     let mut last_report = Instant::now();
+    let mut half_running = None;
     let (all_running, jobs_running) = loop {
         let running = job_store
             .state()
             .iter()
             .filter(|j| contender.is_running(j))
             .count();
+        if half_running.is_none() && 2 * running as u32 >= args.jobs {
+            half_running = Some(start.elapsed().as_secs_f64());
+        }
         if running as u32 >= args.jobs {
             break (Some(start.elapsed().as_secs_f64()), running);
         }
@@ -443,6 +492,7 @@ async fn measure(
         label: contender.label.clone(),
         jobs_running,
         all_running,
+        half_running,
         measured,
         operator: Usage {
             cpu_seconds: operator_after.cpu_seconds - operator_before.cpu_seconds,
@@ -559,6 +609,9 @@ fn print_one(f: &Figures, jobs: u32) {
             f.jobs_running, f.measured
         ),
     }
+    if let Some(s) = f.half_running {
+        println!("half the jobs Running after      {s:8.2} s");
+    }
     println!(
         "operator CPU                     {:8.2} s",
         f.operator.cpu_seconds
@@ -614,6 +667,10 @@ fn print_table(all: &[Figures], jobs: u32, workers: u32) {
     row("every job Running after (s)", &|f| match f.all_running {
         Some(s) => format!("{s:.1}"),
         None => format!("{}/{jobs} at {:.0}", f.jobs_running, f.measured),
+    });
+    row("half the jobs Running after (s)", &|f| {
+        f.half_running
+            .map_or_else(|| "–".to_string(), |s| format!("{s:.1}"))
     });
     row("operator CPU (s)", &|f| {
         format!("{:.1}", f.operator.cpu_seconds)

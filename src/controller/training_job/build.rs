@@ -92,6 +92,9 @@ pub struct BuildInputs {
     pub gang_scheduler: Option<GangScheduler>,
     /// How the gang's pods name the Secret and Service (from its pods: [`ChildNaming::of_gang`]).
     pub naming: ChildNaming,
+    /// The PriorityClass of launchers that set none (`--launcher-priority-class`): see
+    /// [`launcher_pod`].
+    pub launcher_priority_class: Option<String>,
 }
 
 /// The job as the controlling owner of its children (pods, Secret, Service, Workload,
@@ -726,6 +729,16 @@ pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
         },
     });
     pod["metadata"]["annotations"] = json!(annotations);
+    // The launcher is made once every worker is ready, so it enters the scheduler's queue
+    // behind every pod made meanwhile: when many jobs start at once, each one's ready workers
+    // (and their GPUs) idle until the whole backlog is placed. A class above the workers'
+    // puts it first; the chart's does not preempt. Gang schedulers order their own groups,
+    // and the launcher joins one already placed.
+    if let Some(class) = &inputs.launcher_priority_class
+        && inputs.gang_scheduler.is_none()
+    {
+        pod["spec"]["priorityClassName"] = json!(class);
+    }
     merge_overrides(&mut pod, &job.launcher);
     place(&mut pod, &inputs.placement.launcher);
     join_gang(&mut pod, job, inputs);

@@ -281,6 +281,7 @@ async fn run(
         },
         gang_scheduler: ctx.config.gang_scheduler.clone(),
         naming: names::ChildNaming::of_gang(pod_refs.iter().copied(), plan.restarts),
+        launcher_priority_class: ctx.config.launcher_priority_class.clone(),
     };
     // A restart is recorded before its pods are deleted, so a crash in between cannot lose
     // it; everything else is carried out before the status that reports it.
@@ -326,6 +327,7 @@ async fn run(
     }
     let made_pods = !written.pods.is_empty();
     let launcher_made = written.pods.contains(&names::launcher_pod(&validated.name));
+    let workers_made = written.pods.len() - usize::from(launcher_made);
     ctx.recent
         .pods_made(&uid, plan.restarts, written.pods, clock);
     if !written.held.is_empty() {
@@ -342,6 +344,7 @@ async fn run(
             new.node_pool = pool.status.clone();
         }
     }
+    status::count_made(&mut new, workers_made, launcher_made);
     if let Err(source) = applied {
         if plan.create_launcher && !launcher_made {
             // The job did not start: its deadline does not run yet.

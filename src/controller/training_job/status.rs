@@ -97,6 +97,17 @@ pub fn from_plan(
     status
 }
 
+/// Counts in `status` the pods this reconcile made (`workers` worker pods, and the launcher
+/// when `launcher`): they exist now, though the observed pods the status came from predate
+/// them. The next look then finds the counts it would write already written: their creation
+/// alone is no progress to write again (a write per job in a thousand).
+pub fn count_made(status: &mut TrainingJobStatus, workers: usize, launcher: bool) {
+    status.workers.active += i32::try_from(workers).unwrap_or(i32::MAX);
+    if launcher && status.launcher.is_none() {
+        status.launcher = Some("Pending".to_string());
+    }
+}
+
 /// Whether `new` differs from `old` only in progress: worker counts, the launcher's state,
 /// the start time (the launcher pod holds it too), condition messages and timestamps, and
 /// WorkersReady going from Starting to ready. Such a change can wait a little and go out with
