@@ -107,7 +107,7 @@ bench-operator: ## Benchmark: Ringmaster next to Kubeflow MPI Operator (limits r
 	e2e/cluster.sh up
 	RINGMASTER_KUBECONFIG=$(CURDIR)/e2e/.state/kubeconfig $(CARGO_TARGET_DIR)/release/bench-operator \
 	  $(if $(BENCH_BEFORE),--ringmaster $(BENCH_BEFORE)=$$(e2e/tools/ringmaster-at.sh $(BENCH_BEFORE))) \
-	  --ringmaster $(CARGO_TARGET_DIR)/release/ringmaster --launcher-priority-class-for ringmaster \
+	  --ringmaster $(CARGO_TARGET_DIR)/release/ringmaster \
 	  --mpi-operator $$(e2e/tools/peers.sh mpi-operator) \
 	  --jobs $(BENCH_JOBS) --workers $(BENCH_WORKERS) $(BENCH_ARGS)
 

@@ -127,8 +127,9 @@ struct RunArgs {
     /// A launcher is made once its job's workers are ready, so without it the launcher waits
     /// behind every pod the scheduler has queued meanwhile, and the ready workers' GPUs idle;
     /// a class above the workers' puts it first. Make it with `preemptionPolicy: Never` (the
-    /// Helm chart makes `ringmaster-launcher` so) so that it never evicts anything. Not used
-    /// with a gang scheduler. Unset: launchers get the cluster's default priority.
+    /// Helm chart's `launcherPriorityClass.create=true` makes one so) so that it never evicts
+    /// anything. Not used with a gang scheduler. Unset: launchers get the cluster's default
+    /// priority.
     #[arg(
         long,
         env = "RINGMASTER_LAUNCHER_PRIORITY_CLASS",

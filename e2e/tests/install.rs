@@ -182,6 +182,8 @@ async fn helm_install_gives_the_operator_exactly_enough_rights_and_uninstall_lea
         "replicaCount=1",
         "--set",
         "metrics.serviceMonitor.enabled=false",
+        "--set",
+        "launcherPriorityClass.create=true",
     ])
     .await;
     assert!(ok, "{out}");

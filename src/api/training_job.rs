@@ -575,9 +575,9 @@ pub struct PodOverrides {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 32))]
     pub volume_mounts: Vec<VolumeMount>,
-    /// PriorityClass of the pod. Unset on the launcher: the operator's launcher class
-    /// (`--launcher-priority-class`; the Helm chart's `<release>-ringmaster-launcher`), which
-    /// places it ahead of pods queued while its workers started, without preempting.
+    /// PriorityClass of the pod. Unset on the launcher: the operator's launcher class, when
+    /// it has one (`--launcher-priority-class`; Helm `launcherPriorityClass`), which places
+    /// it ahead of pods queued while its workers started.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 253))]
     pub priority_class_name: Option<String>,
