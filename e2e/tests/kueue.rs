@@ -673,8 +673,9 @@ async fn kueue_admits_against_quota_and_the_gang_scheduler_places_admitted_gangs
     apply(&client, &job("second"), &ns.name, false)
         .await
         .unwrap();
+    // Within Kueue's requeue backoff (60 s) if an eviction came first.
     eventually(
-        Duration::from_secs(60),
+        Duration::from_secs(120),
         "the second job admitted and its workers made",
         || async {
             watch.ever_admitted("second")
@@ -701,7 +702,9 @@ async fn kueue_admits_against_quota_and_the_gang_scheduler_places_admitted_gangs
     // The first ends: its Workload Finished, its nodes free; the second runs, whole.
     common::end_launcher(&client, &ns.name, "first").await;
     wait_phase(&client, &ns.name, "first", TrainingJobPhase::Succeeded, 60).await;
-    let status = wait_phase(&client, &ns.name, "second", TrainingJobPhase::Running, 240).await;
+    // Evicted after waitForPodsReady (20 s), it is readmitted after Kueue's requeue backoff
+    // (60 s, doubling): up to two rounds of it.
+    let status = wait_phase(&client, &ns.name, "second", TrainingJobPhase::Running, 330).await;
     assert_eq!(condition(&status, "Admitted")["status"], "True");
     let bound = watch.ever_bound("second");
     assert_eq!(

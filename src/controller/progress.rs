@@ -23,6 +23,9 @@ pub const PROGRESS_WRITES_PER_SECOND: u32 = 5;
 /// The longest progress waits, however many objects wait.
 pub const PROGRESS_WRITE_INTERVAL_MAX: Duration = Duration::from_secs(300);
 
+/// How long past its due time an entry is kept for its object to come back and write.
+const FORGET_AFTER: Duration = PROGRESS_WRITE_INTERVAL_MAX;
+
 /// How long new progress waits while `waiting` objects have progress waiting: the base
 /// interval, or long enough for all of them to go out at [`PROGRESS_WRITES_PER_SECOND`],
 /// at most [`PROGRESS_WRITE_INTERVAL_MAX`].
@@ -52,10 +55,13 @@ impl ProgressGate {
             }
             Some(at) => Some(*at - now),
             None => {
-                // Progress long overdue is of objects deleted while it waited (a live one
-                // comes back when it is due): forgotten, and not counted as waiting.
-                due.retain(|_, at| *at + PROGRESS_WRITE_INTERVAL > now);
-                let interval = interval_for(due.len() + 1);
+                // Progress overdue by more than the longest wait is of objects deleted while
+                // it waited: forgotten. A live one that comes back late (a busy operator)
+                // still finds its entry due, and writes.
+                due.retain(|_, at| *at + FORGET_AFTER > now);
+                // Only what still waits counts: overdue entries are written or forgotten.
+                let waiting = due.values().filter(|at| **at > now).count();
+                let interval = interval_for(waiting + 1);
                 due.insert(key.to_string(), now + interval);
                 Some(interval)
             }
@@ -137,13 +143,29 @@ mod tests {
     }
 
     #[test]
+    fn a_job_that_comes_back_late_still_writes_and_is_not_counted_as_waiting() {
+        let gate = ProgressGate::default();
+        let t0 = Instant::now();
+        gate.wait("late", t0);
+        // A busy operator looks at "late" 70 s after its progress was due; another job's
+        // progress comes first.
+        let later = t0 + PROGRESS_WRITE_INTERVAL + Duration::from_secs(70);
+        assert_eq!(
+            gate.wait("other", later),
+            Some(PROGRESS_WRITE_INTERVAL),
+            "an overdue entry is not counted as waiting"
+        );
+        assert_eq!(gate.wait("late", later), None, "it writes, not waits again");
+    }
+
+    #[test]
     fn progress_of_jobs_long_gone_is_forgotten() {
         let gate = ProgressGate::default();
         let t0 = Instant::now();
         for i in 0..2000 {
             gate.wait(&i.to_string(), t0);
         }
-        let much_later = t0 + PROGRESS_WRITE_INTERVAL_MAX + 2 * PROGRESS_WRITE_INTERVAL;
+        let much_later = t0 + 2 * PROGRESS_WRITE_INTERVAL_MAX + PROGRESS_WRITE_INTERVAL;
         assert_eq!(
             gate.wait("new", much_later),
             Some(PROGRESS_WRITE_INTERVAL),

@@ -54,10 +54,11 @@ scheduler-plugins
      (<fullname>-launcher, unique to the release) when it makes one; empty: none, as with a
      gang scheduler (it orders its own groups). */}}
 {{- define "ringmaster.launcherPriorityClass" -}}
+{{- $class := .Values.launcherPriorityClass | default dict -}}
 {{- if .Values.gangScheduler -}}
-{{- else if .Values.launcherPriorityClass.name -}}
-{{- .Values.launcherPriorityClass.name -}}
-{{- else if .Values.launcherPriorityClass.create -}}
+{{- else if $class.name -}}
+{{- $class.name -}}
+{{- else if $class.create -}}
 {{- include "ringmaster.fullname" . }}-launcher
 {{- end -}}
 {{- end -}}

@@ -996,17 +996,19 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
                 restarting.message.clone(),
             );
             plan.requeue(Duration::from_secs_f64(wait));
-            phase_conditions(&mut plan, &restarting.message.clone());
             // An old pod stuck being deleted would hold the next gang back once the wait is
             // over: said now, not minutes later.
             let stuck = stuck_terminating(observed, &job.namespace, inputs.now);
             if let Some(after) = stuck.next_look {
                 plan.requeue(after);
             }
-            if let Some(block) = stuck.workers.or(stuck.launcher) {
-                phase_conditions(&mut plan, &block.message);
-                set_ready_reason(&mut plan, block.reason);
-                plan.about = Some(block.pod);
+            match stuck.workers.or(stuck.launcher) {
+                Some(block) => {
+                    phase_conditions(&mut plan, &block.message);
+                    set_ready_reason(&mut plan, block.reason);
+                    plan.about = Some(block.pod);
+                }
+                None => phase_conditions(&mut plan, &restarting.message.clone()),
             }
             return plan;
         }
