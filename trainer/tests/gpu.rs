@@ -778,10 +778,7 @@ fn resnet50_in_bf16_drives_the_loss_down_on_the_learnable_data() {
 fn nccl_all_reduces_through_the_collective_trait() {
     // One GPU allows one NCCL rank (NCCL refuses two ranks on one device): the collective
     // still goes through NCCL's communicator, stream and event wait.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
+    let port = common::free_port();
     let world = World {
         rank: 0,
         size: 1,
@@ -863,10 +860,7 @@ fn the_flagship_samples_arguments_train_resnet50_on_the_gpu_for_300_steps() {
         local_rank: 0,
         source: "test",
     };
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
+    let port = common::free_port();
     let config = RingConfig {
         rendezvous: format!("127.0.0.1:{port}"),
         timeout: std::time::Duration::from_secs(60),

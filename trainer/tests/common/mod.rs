@@ -21,13 +21,32 @@ pub fn trainer(args: &[&str]) -> std::process::Output {
         .expect("trainer runs")
 }
 
-/// A port on 127.0.0.1 that was free a moment ago.
+/// A port on 127.0.0.1 that was free a moment ago, and that nobody else will be handed.
+///
+/// It lies below the kernel's ephemeral range: a port taken from that range (by binding
+/// port 0) was closed again before the trainer bound it, and meanwhile the tests running
+/// beside it, and Open MPI's own daemons, bind port 0 and can be given the same one
+/// (CI once failed with "rendezvous … Address already in use"). Ports below the range are
+/// only ever bound by name, and a counter keeps the tests of one binary off each other's.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let ephemeral_low: u32 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768);
+    const LOWEST: u32 = 10_000;
+    let span = ephemeral_low.saturating_sub(LOWEST).max(1);
+    // Test binaries run one after another, but start each from its own place anyway.
+    let start = std::process::id().wrapping_mul(7919) % span;
+    for _ in 0..span {
+        let port = LOWEST + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % span;
+        let port = u16::try_from(port).expect("a port below the ephemeral range");
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port on 127.0.0.1 between {LOWEST} and {ephemeral_low}")
 }
 
 /// `mpirun -np N` with the settings for this machine (loopback only), up to the program.
