@@ -18,10 +18,8 @@ export KWOK_WORKDIR="$state/kwok"
 # The Rust helpers (kwok-nodes here) read these at run time: binaries in the shared cargo
 # target directory are built by every checkout, so they cannot know which one they serve.
 export RINGMASTER_REPO_ROOT="$root" RINGMASTER_KUBECONFIG="$kubeconfig"
-# Ports: RINGMASTER_PORT_BASE+43 is the API server (https://127.0.0.1:36443 by default).
-base=${RINGMASTER_PORT_BASE:-36400}
-api_port=$((base + 43)) etcd_port=$((base + 79)) etcd_peer_port=$((base + 80))
-kcm_port=$((base + 57)) sched_port=$((base + 59)) kwok_port=$((base + 47))
+# shellcheck source=tools/ports.sh
+source "$here/tools/ports.sh"
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-${RINGMASTER_CACHE:-$HOME/.cache/ringmaster}/target}
 
 log() { printf '[cluster] %s\n' "$*" >&2; }

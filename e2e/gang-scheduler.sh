@@ -16,8 +16,9 @@ source "$here/tools/pidfile.sh"
 state="$here/.state"
 kubeconfig="$state/kubeconfig"
 dir="$state/gang-scheduler"
-base=${RINGMASTER_PORT_BASE:-36400}
-port=$((base + 63))
+# shellcheck source=tools/ports.sh
+source "$here/tools/ports.sh"
+port=$gang_scheduler_port
 # The name the scheduler-plugins chart gives it, which TrainingJobs' pods then name.
 scheduler_name=scheduler-plugins-scheduler
 # How long it holds a gang's placed pods waiting for the rest (the chart's value; the

@@ -25,8 +25,9 @@ source "$here/tools/pidfile.sh"
 state="$here/.state"
 kubeconfig="$state/kubeconfig"
 dir="$state/kueue"
-base=${RINGMASTER_PORT_BASE:-36400}
-webhook_port=$((base + 61)) health_port=$((base + 62))
+# shellcheck source=tools/ports.sh
+source "$here/tools/ports.sh"
+webhook_port=$kueue_webhook_port health_port=$kueue_health_port
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-${RINGMASTER_CACHE:-$HOME/.cache/ringmaster}/target}
 # The ringmaster.dev kind Kueue leaves to Ringmaster ("Kind.version.group").
 external_framework=TrainingJob.v1alpha1.ringmaster.dev

@@ -27,9 +27,8 @@ bridge=rmcni0 subnet=10.244.0.0/24 gateway=10.244.0.1
 # The Service range kwokctl gives the API server; pods route it to the host, where kube-proxy
 # turns Service addresses into endpoints.
 service_range=${RINGMASTER_SERVICE_RANGE:-10.0.0.0/24}
-base=${RINGMASTER_PORT_BASE:-36400}
-kubelet_port=$((base + 50)) kubelet_healthz=$((base + 48))
-proxy_metrics=$((base + 52)) proxy_healthz=$((base + 53))
+# shellcheck source=tools/ports.sh
+source "$here/tools/ports.sh"
 REAL_NODE_LABEL=ringmaster.dev/real-node
 
 log() { printf '[node] %s\n' "$*" >&2; }

@@ -17,9 +17,10 @@ source "$here/tools/pidfile.sh"
 state="$here/.state"
 kubeconfig="$state/kubeconfig"
 dir="$state/volcano"
-base=${RINGMASTER_PORT_BASE:-36400}
-scheduler_metrics=$((base + 64)) scheduler_health=$((base + 65))
-manager_metrics=$((base + 66)) manager_health=$((base + 67))
+# shellcheck source=tools/ports.sh
+source "$here/tools/ports.sh"
+scheduler_metrics=$volcano_scheduler_metrics scheduler_health=$volcano_scheduler_health
+manager_metrics=$volcano_manager_metrics manager_health=$volcano_manager_health
 
 log() { printf '[volcano] %s\n' "$*" >&2; }
 kubectl() { "$("$here/tools/build.sh")/kubectl" --kubeconfig "$kubeconfig" "$@"; }

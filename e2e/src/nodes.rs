@@ -78,6 +78,18 @@ impl PoolShape {
         })
     }
 
+    /// This shape with the taint `key=value:NoSchedule` on every node, so that only pods
+    /// tolerating it land there.
+    pub fn tainted(mut self, key: &str, value: &str) -> Self {
+        self.taints.push(Taint {
+            key: key.to_string(),
+            value: Some(value.to_string()),
+            effect: "NoSchedule".to_string(),
+            time_added: None,
+        });
+        self
+    }
+
     /// The name AKS gives the pool's `index`th VM: `aks-<pool>-<8 digits>-vmss<6 base-36 digits>`.
     pub fn node_name(&self, index: u32) -> String {
         // AKS derives the digits from the cluster and pool; a hash of the pool name keeps

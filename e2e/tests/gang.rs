@@ -17,7 +17,7 @@ use common::{
     wait_phase,
 };
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Pod, Taint};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Patch, PatchParams};
 use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::watcher;
@@ -80,14 +80,9 @@ impl Gang {
     }
 
     fn pool(&self) -> PoolShape {
-        let mut shape = PoolShape::new(self.pool, "Standard_ND96asr_v4", PoolMode::User).unwrap();
-        shape.taints.push(
-            serde_json::from_value::<Taint>(
-                json!({"key": POOL_TAINT, "value": self.pool, "effect": "NoSchedule"}),
-            )
-            .unwrap(),
-        );
-        shape
+        PoolShape::new(self.pool, "Standard_ND96asr_v4", PoolMode::User)
+            .unwrap()
+            .tainted(POOL_TAINT, self.pool)
     }
 
     /// The operator gang-scheduling with it, with the chart's rights for it (`gangScheduler`

@@ -23,7 +23,7 @@ use common::{
     phase_is, pods, wait_phase,
 };
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Pod, Taint};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::watcher;
@@ -55,17 +55,17 @@ async fn kueue(client: &Client) {
     UP.get_or_init(|| async {
         common::script_up("kueue.sh").await;
         for pool in ["kqa", "kqb"] {
-            let mut shape = PoolShape::new(pool, "Standard_ND96asr_v4", PoolMode::User).unwrap();
-            shape.taints.push(
-                serde_json::from_value::<Taint>(
-                    json!({"key": POOL_TAINT, "value": pool, "effect": "NoSchedule"}),
-                )
-                .unwrap(),
-            );
-            nodes::add(client, &shape, 2).await.unwrap();
+            nodes::add(client, &tainted_pool(pool), 2).await.unwrap();
         }
     })
     .await;
+}
+
+/// A pool of ND96asr_v4 nodes that only pods tolerating `POOL_TAINT=<pool>` land on.
+fn tainted_pool(pool: &str) -> PoolShape {
+    PoolShape::new(pool, "Standard_ND96asr_v4", PoolMode::User)
+        .unwrap()
+        .tainted(POOL_TAINT, pool)
 }
 
 fn kueue_api(
@@ -596,14 +596,7 @@ async fn kueue_admits_against_quota_and_the_gang_scheduler_places_admitted_gangs
     // Three nodes of 8 GPUs: a job of 2 × 8 GPUs fills two and leaves one. The quota has room
     // for both jobs, so Kueue admits the second while the first runs: its gang does not fit
     // the nodes, and only the gang scheduler keeps it off the one that is free.
-    let mut pool = PoolShape::new("kqg", "Standard_ND96asr_v4", PoolMode::User).unwrap();
-    pool.taints.push(
-        serde_json::from_value::<Taint>(
-            json!({"key": POOL_TAINT, "value": "kqg", "effect": "NoSchedule"}),
-        )
-        .unwrap(),
-    );
-    nodes::add(&client, &pool, 3).await.unwrap();
+    nodes::add(&client, &tainted_pool("kqg"), 3).await.unwrap();
     let cq = team_queue(&client, &ns, "kq-gang", &[("kq-gang", "kqg", 32)]).await;
     let watch = AdmissionWatch::start(&client, &ns.name).await;
     // The chart's rights with both settings on.

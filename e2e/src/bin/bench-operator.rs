@@ -209,6 +209,12 @@ async fn run(args: Args) -> Result<(), String> {
     nodes::remove(&client, "bench")
         .await
         .map_err(|e| e.to_string())?;
+    if !args.launcher_priority_for.is_empty() {
+        Api::<k8s_openapi::api::scheduling::v1::PriorityClass>::all(client.clone())
+            .delete(LAUNCHER_PRIORITY_CLASS, &Default::default())
+            .await
+            .map_err(|e| format!("deleting PriorityClass {LAUNCHER_PRIORITY_CLASS}: {e}"))?;
+    }
     Ok(())
 }
 
