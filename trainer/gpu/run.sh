@@ -17,6 +17,18 @@
 #                              loader alone. All three parts, or those named: each of ours
 #                              runs cuDNN's Find again, so a whole bench can outlast one
 #                              10-minute device call; split it there.
+#   trainer/gpu/run.sh session everything issue 13 asks for, most telling first, within one
+#                              device call: the tests but the flagship (TEST_TIMEOUT default 90
+#                              here); ResNet-50 at batch 256, ours with cuDNN's fused batch
+#                              norm (plain and as a CUDA graph) and PyTorch eager; the
+#                              flagship's 300 steps; torch.compile at 256; the loader; then
+#                              batch 128 and the other batch-norm engines. It
+#                              stops starting work SESSION_SECONDS (default 500) after it
+#                              began, and ends each part at that point, so what ran comes back
+#                              within the call's limit; what had no time left is listed.
+#
+# DEADLINE=EPOCH-SECONDS (set by `session`) bounds every test and benchmark row: each one's
+# time limit is cut to what is left, and one with under 20 s left is not started.
 #
 # CUDA's libraries are looked for on LD_LIBRARY_PATH, then in the Python environment's
 # nvidia-* wheels (PyTorch's), whose NCCL lacks the unversioned `libnccl.so` cudarc opens:
@@ -43,82 +55,155 @@ export LD_LIBRARY_PATH="$libs$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 echo "== libraries from $python's environment: $LD_LIBRARY_PATH"
 echo "== $("$bundle/ringmaster-trainer" info | head -c 2000)"
+# Seconds left before DEADLINE, at most $1 (the part's own limit); 0 once under 20 s are left.
+limit() {
+  local own=$1
+  [ -n "${DEADLINE:-}" ] || { echo "$own"; return; }
+  local left=$(( DEADLINE - $(date +%s) ))
+  if [ "$left" -lt 20 ]; then echo 0; elif [ "$left" -lt "$own" ]; then echo "$left"; else echo "$own"; fi
+}
+skipped=""
+skip() { skipped="$skipped  $*\n"; echo "== not started, out of time: $*" >&2; }
+
+# The tests of gpu-tests whose names contain one of the arguments, in the arguments' order
+# (all, in the binary's order, without arguments), EXCEPT=NAME… left out; each in its own
+# process under its own time limit.
+run_tests() {
+  local logs=${LOGS:-$(mktemp -d)} summary="" failed=0 ran=0 test name unwanted status verdict started seconds
+  mkdir -p "$logs"
+  logs=$(cd "$logs" && pwd)
+  local all ordered=""
+  all=$("$bundle/gpu-tests" --list --format terse | sed -n 's/: test$//p')
+  for name in "${@:-}"; do
+    for test in $all; do
+      case "$test" in *"$name"*) ;; *) continue ;; esac
+      case " $ordered " in *" $test "*) continue ;; esac
+      for unwanted in ${EXCEPT:-}; do case "$test" in *"$unwanted"*) continue 2 ;; esac; done
+      ordered="$ordered $test"
+    done
+  done
+  for test in $ordered; do
+    seconds=$(limit "${TEST_TIMEOUT:-300}")
+    if [ "$seconds" -eq 0 ]; then skip "test $test"; continue; fi
+    echo "== $test (at most $seconds s)"
+    ran=$((ran + 1))
+    started=$(date +%s)
+    set +e
+    # cuDNN's own account of a call it refuses (which argument, why), errors only.
+    ( cd "$here/.." &&   # the tests read fixtures relative to the trainer crate
+      CUDNN_LOGLEVEL_DBG=${CUDNN_LOGLEVEL_DBG:-1} CUDNN_LOGDEST_DBG=${CUDNN_LOGDEST_DBG:-stderr} \
+        timeout --kill-after=10 "$seconds" "$bundle/gpu-tests" --exact "$test" \
+        --test-threads=1 --nocapture >"$logs/$test.log" 2>&1 )
+    status=$?
+    set -e
+    tail -n 40 "$logs/$test.log"
+    case $status in
+      0) verdict=ok ;;
+      124) verdict="TIMED OUT after $seconds s" ;;
+      137) verdict="KILLED (past the time limit, or out of memory)" ;;
+      *) verdict="FAILED (exit $status)" ;;
+    esac
+    [ $status -eq 0 ] || failed=$((failed + 1))
+    summary="$summary$(printf '%-90s %s (%s s)' "$test" "$verdict" $(( $(date +%s) - started )))\n"
+  done
+  [ "$ran" -gt 0 ] || [ -n "$skipped" ] || { echo "no test of $bundle/gpu-tests matches: ${*:-(all)}" >&2; return 1; }
+  printf '\n== tests\n%b' "$summary"
+  [ "$failed" -eq 0 ] || { echo "$failed test(s) failed; logs in $logs" >&2; return 1; }
+}
+
+# One row of ours: ResNet-50 bf16 224 px, with the batch-norm engine $RINGMASTER_CUDA_BATCH_NORM
+# (fused by default); a run that fails or hangs costs its row only.
+engine() {
+  local seconds
+  seconds=$(limit "${RUN_TIMEOUT:-240}")
+  if [ "$seconds" -eq 0 ]; then skip "bench-engine $* (batch norm ${RINGMASTER_CUDA_BATCH_NORM:-fused})"; return; fi
+  timeout --kill-after=10 "$seconds" \
+    "$bundle/ringmaster-trainer" bench-engine --device cuda --precision bf16 \
+    --model resnet50 --image-size 224 --steps "${STEPS:-30}" --warmup 5 "$@" \
+    || echo "bench-engine $* (batch norm ${RINGMASTER_CUDA_BATCH_NORM:-fused}): exit $?" >&2
+}
+
+# Ours at each of BATCHES with each of BN_ENGINES, as it comes and as a CUDA graph, then fed
+# from host memory every step as `train` is (what that costs next to the rows before it).
+bench_ours() {
+  local batch bn graph
+  for batch in ${BATCHES:-256 128}; do
+    for bn in ${BN_ENGINES:-fused plain own}; do
+      for graph in "" --cuda-graph; do
+        RINGMASTER_CUDA_BATCH_NORM=$bn engine --batch-size "$batch" $graph
+      done
+    done
+    for graph in "" --cuda-graph; do
+      engine --batch-size "$batch" --from-host $graph
+    done
+  done
+}
+
+# PyTorch in each of TORCH_MODES (eager, compiled: torch.compile takes minutes) at each of
+# BATCHES, in one process.
+bench_torch() {
+  local seconds args="" batch mode
+  for mode in ${TORCH_MODES:-eager compiled}; do args="$args --mode $mode"; done
+  for batch in ${BATCHES:-256 128}; do args="$args --batch $batch"; done
+  seconds=$(limit "${TORCH_TIMEOUT:-420}")
+  if [ "$seconds" -eq 0 ]; then skip "PyTorch$args"; return; fi
+  timeout --kill-after=10 "$seconds" "$python" "$here/bench_torch.py" --steps "${STEPS:-30}" $args \
+    || echo "bench_torch.py$args: exit $?" >&2
+}
+
+# The image-folder loader alone, on this machine's CPUs.
+bench_loader() {
+  local seconds data
+  seconds=$(limit 120)
+  if [ "$seconds" -eq 0 ]; then skip "the loader"; return; fi
+  data=$(mktemp -d)
+  timeout "$seconds" sh -c '"$1" make-dataset --out "$2" --classes 8 --per-class 128 --image-size 256 >/dev/null &&
+    "$1" bench-loader --data-dir "$2" --batch-size 256 --batches 8' _ "$bundle/ringmaster-trainer" "$data" \
+    || echo "the loader: exit $?" >&2
+  rm -rf "$data"
+}
+
+status=0
 case "${1:-tests}" in
   tests)
     shift $(( $# > 0 ? 1 : 0 ))
-    cd "$here/.."   # the tests read fixtures relative to the trainer crate
-    logs=${LOGS:-$(mktemp -d)}
-    mkdir -p "$logs"
-    summary=""
-    failed=0
-    ran=0
-    tests=$("$bundle/gpu-tests" --list --format terse | sed -n 's/: test$//p')
-    for test in $tests; do
-      if [ $# -gt 0 ]; then
-        wanted=no
-        for name in "$@"; do case "$test" in *"$name"*) wanted=yes ;; esac; done
-        [ "$wanted" = yes ] || continue
-      fi
-      echo "== $test"
-      ran=$((ran + 1))
-      started=$(date +%s)
-      set +e
-      # cuDNN's own account of a call it refuses (which argument, why), errors only.
-      CUDNN_LOGLEVEL_DBG=${CUDNN_LOGLEVEL_DBG:-1} CUDNN_LOGDEST_DBG=${CUDNN_LOGDEST_DBG:-stderr} \
-        timeout --kill-after=10 "${TEST_TIMEOUT:-300}" "$bundle/gpu-tests" --exact "$test" \
-        --test-threads=1 --nocapture >"$logs/$test.log" 2>&1
-      status=$?
-      set -e
-      tail -n 40 "$logs/$test.log"
-      case $status in
-        0) verdict=ok ;;
-        124) verdict="TIMED OUT after ${TEST_TIMEOUT:-300} s" ;;
-        137) verdict="KILLED (past the time limit, or out of memory)" ;;
-        *) verdict="FAILED (exit $status)" ;;
-      esac
-      [ $status -eq 0 ] || failed=$((failed + 1))
-      summary="$summary$(printf '%-90s %s (%s s)' "$test" "$verdict" $(( $(date +%s) - started )))\n"
-    done
-    [ "$ran" -gt 0 ] || { echo "no test of $bundle/gpu-tests matches: ${*:-(all)}" >&2; exit 1; }
-    printf '\n== summary\n%b' "$summary"
-    [ "$failed" -eq 0 ] || { echo "$failed test(s) failed; logs in $logs" >&2; exit 1; }
+    run_tests "$@" || status=1
     ;;
   bench)
     shift
     parts=${*:-ours torch loader}
-    wants() { case " $parts " in *" $1 "*) return 0 ;; esac; return 1; }
-    # Each batch-norm engine (cuDNN fused where it can, cuDNN plain, ours), as it comes and
-    # recorded as a CUDA graph; a run that fails or hangs costs its row only.
-    engine() {
-      timeout --kill-after=10 "${RUN_TIMEOUT:-240}" \
-        "$bundle/ringmaster-trainer" bench-engine --device cuda --precision bf16 \
-        --model resnet50 --image-size 224 --steps "${STEPS:-30}" --warmup 5 "$@" \
-        || echo "bench-engine $* (batch norm ${RINGMASTER_CUDA_BATCH_NORM:-fused}): exit $?" >&2
-    }
-    torch_batches=""
-    for batch in ${BATCHES:-256 128}; do
-      torch_batches="$torch_batches --batch $batch"
-      wants ours || continue
-      for bn in ${BN_ENGINES:-fused plain own}; do
-        for graph in "" --cuda-graph; do
-          RINGMASTER_CUDA_BATCH_NORM=$bn engine --batch-size "$batch" $graph
-        done
-      done
-      # The batch uploaded from host memory behind every step, as `train` feeds it: what
-      # that costs next to the rows above.
+    case " $parts " in *" ours "*) bench_ours ;; esac
+    case " $parts " in *" torch "*) bench_torch ;; esac
+    case " $parts " in *" loader "*) bench_loader ;; esac
+    ;;
+  session)
+    DEADLINE=$(( $(date +%s) + ${SESSION_SECONDS:-500} ))
+    flagship=the_flagship_samples_arguments
+    echo "== session: until $(date -d "@$DEADLINE" +%T)"
+    # The backend's operations first, then whole steps and models: an early failure says
+    # most about what the later ones will do.
+    EXCEPT=$flagship TEST_TIMEOUT=${TEST_TIMEOUT:-90} run_tests uploads_and_downloads \
+      activation_pooling gemm_bias convolutions batch_norm a_cifar_step gradients_on_the_gpu \
+      batches_uploaded cuda_graph nccl resnet18 resnet50 "" || status=1
+    for graph in "" --cuda-graph; do
+      RINGMASTER_CUDA_BATCH_NORM=fused engine --batch-size 256 $graph
+    done
+    BATCHES=256 TORCH_MODES=eager bench_torch
+    TEST_TIMEOUT=300 run_tests "$flagship" || status=1
+    BATCHES=256 TORCH_MODES=compiled bench_torch
+    bench_loader
+    BATCHES=128 BN_ENGINES=fused bench_ours
+    BATCHES=128 bench_torch
+    for bn in plain own; do
       for graph in "" --cuda-graph; do
-        engine --batch-size "$batch" --from-host $graph
+        RINGMASTER_CUDA_BATCH_NORM=$bn engine --batch-size 256 $graph
       done
     done
-    if wants torch; then
-      "$python" "$here/bench_torch.py" --steps "${STEPS:-30}" $torch_batches
-    fi
-    if wants loader; then
-      data=$(mktemp -d)
-      "$bundle/ringmaster-trainer" make-dataset --out "$data" --classes 8 --per-class 128 --image-size 256 >/dev/null
-      "$bundle/ringmaster-trainer" bench-loader --data-dir "$data" --batch-size 256 --batches 8
-      rm -rf "$data"
-    fi
+    for graph in "" --cuda-graph; do
+      engine --batch-size 256 --from-host $graph
+    done
     ;;
-  *) echo "usage: $0 tests|bench" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|bench|session" >&2; exit 2 ;;
 esac
+[ -z "$skipped" ] || printf '\n== not started, out of time:\n%b' "$skipped"
+exit $status
