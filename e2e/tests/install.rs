@@ -87,6 +87,7 @@ async fn the_chart_lints_refuses_bad_values_and_matches_the_kustomize_bases() {
         ("logFormat=xml", "logFormat"),
         ("aks.subscription=not-a-guid", "subscription"),
         ("nonsense=1", "nonsense"),
+        ("podDisruptionBudget.maxUnavailable=0", "maxUnavailable"),
     ] {
         let (ok, out) = helm(&[
             "template",
@@ -205,6 +206,13 @@ async fn helm_install_gives_the_operator_exactly_enough_rights_and_uninstall_lea
         ),
         (Some(1000), Some("Never"), false)
     );
+    // One replica: no PodDisruptionBudget (maxUnavailable 1 would let a drain take the only one
+    // anyway, and minAvailable 1 would block drains).
+    let budgets = Api::<k8s_openapi::api::policy::v1::PodDisruptionBudget>::namespaced(
+        admin.clone(),
+        &system.name,
+    );
+    assert!(budgets.get_opt(&full_name).await.unwrap().is_none());
     let operator = common::impersonating(&system.name, &full_name).await;
     let ctx = Arc::new(Context::new(
         operator.clone(),
@@ -340,12 +348,47 @@ async fn helm_install_gives_the_operator_exactly_enough_rights_and_uninstall_lea
     ])
     .await;
     assert!(ok, "{out}");
+    // Two replicas: a PodDisruptionBudget whose selector the disruption controller (the real
+    // controller manager's) finds the Deployment's two pods with, and the pods spread.
+    eventually(
+        Duration::from_secs(60),
+        "the PodDisruptionBudget expecting the Deployment's 2 pods",
+        || async {
+            budgets
+                .get_opt(&full_name)
+                .await
+                .unwrap()
+                .and_then(|b| b.status)
+                .is_some_and(|s| s.expected_pods == Some(2))
+        },
+    )
+    .await;
+    let deployment =
+        Api::<k8s_openapi::api::apps::v1::Deployment>::namespaced(admin.clone(), &system.name)
+            .get(&full_name)
+            .await
+            .unwrap();
+    let spread: Vec<String> = deployment
+        .spec
+        .and_then(|s| s.template.spec)
+        .and_then(|s| s.topology_spread_constraints)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|c| format!("{} {}", c.topology_key, c.when_unsatisfiable))
+        .collect();
+    assert_eq!(
+        spread,
+        [
+            "kubernetes.io/hostname ScheduleAnyway",
+            "topology.kubernetes.io/zone ScheduleAnyway"
+        ]
+    );
     let (ok, out) = helm(&["uninstall", &release, "--namespace", &system.name, "--wait"]).await;
     assert!(ok, "{out}");
     // Nothing of the release is left but the CRDs (and the leader Lease, data of the cluster).
     let selector = format!("app.kubernetes.io/instance={release}");
     let (ok, out) = run(tool("kubectl"), &[
-        "get", "deployments,serviceaccounts,services,roles,rolebindings,clusterroles,clusterrolebindings,priorityclasses",
+        "get", "deployments,serviceaccounts,services,roles,rolebindings,clusterroles,clusterrolebindings,priorityclasses,poddisruptionbudgets",
         "-A", "-l", &selector, "-o", "name",
     ])
     .await;

@@ -13,4 +13,4 @@ render() {
     --kube-version 1.36.0 --set kustomize=true "${args[@]}"
 }
 render serviceaccount.yaml clusterrole.yaml leader-election-role.yaml > "$root/config/rbac/rbac.yaml"
-render deployment.yaml service.yaml > "$root/config/manager/manager.yaml"
+render deployment.yaml service.yaml poddisruptionbudget.yaml > "$root/config/manager/manager.yaml"
