@@ -152,6 +152,14 @@ pub fn documents(path: &Path) -> Vec<Value> {
         .unwrap_or_else(|e| panic!("parsing {}: {e}", path.display()))
 }
 
+/// The first document of kind `kind` in `config/samples/<file>`.
+pub fn sample(file: &str, kind: &str) -> Value {
+    documents(&repo_root().join("config/samples").join(file))
+        .into_iter()
+        .find(|d| d["kind"] == kind)
+        .unwrap_or_else(|| panic!("no {kind} in config/samples/{file}"))
+}
+
 /// The `.yaml` files of a folder under the repository root, sorted.
 pub fn yaml_files(dir: &str) -> Vec<PathBuf> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(repo_root().join(dir))
