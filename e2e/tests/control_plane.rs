@@ -369,8 +369,20 @@ async fn kwok_finishes_pods_as_their_annotations_say() {
         Some("Evicted")
     );
 
-    let runs = pods.get("runs").await.unwrap();
-    assert_eq!(runs.status.unwrap().phase.as_deref(), Some("Running"));
+    eventually(
+        Duration::from_secs(30),
+        "the pod that runs Running",
+        || async {
+            pods.get("runs")
+                .await
+                .unwrap()
+                .status
+                .and_then(|s| s.phase)
+                .as_deref()
+                == Some("Running")
+        },
+    )
+    .await;
     pods.delete("runs", &DeleteParams::default()).await.unwrap();
     eventually(Duration::from_secs(30), "the deleted pod gone", || async {
         matches!(pods.get_opt("runs").await, Ok(None))

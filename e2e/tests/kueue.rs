@@ -734,6 +734,8 @@ async fn pods_land_on_the_nodes_of_the_flavor_they_were_admitted_to() {
     let watch = AdmissionWatch::start(&client, &ns.name).await;
     let _operator = operator(&client, &ns.name).await;
 
+    // The second is made once the first runs: Kueue admits in Workload order, and a retry of
+    // the first's Workload could otherwise put it behind the second's.
     for name in ["first", "second"] {
         apply(
             &client,
@@ -743,7 +745,9 @@ async fn pods_land_on_the_nodes_of_the_flavor_they_were_admitted_to() {
         )
         .await
         .unwrap();
-        tokio::time::sleep(Duration::from_millis(1100)).await;
+        if name == "first" {
+            wait_phase(&client, &ns.name, name, TrainingJobPhase::Running, 60).await;
+        }
     }
     for (job, pool, flavor) in [("first", "kqa", &fa), ("second", "kqb", &fb)] {
         let status = wait_phase(&client, &ns.name, job, TrainingJobPhase::Running, 60).await;

@@ -18,7 +18,10 @@ use ringmaster::metrics::Metrics;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-const LEASE_SECONDS: u64 = 4;
+/// Short, so the takeover is quick to wait for; long enough that the leader's renewal, due a
+/// third of it (3 s) before expiry, is never late on a loaded machine (at 4 s it had 1 s, and a
+/// late renewal would hand the Lease to the follower while the leader lives).
+const LEASE_SECONDS: u64 = 9;
 
 struct Replica {
     metrics: Metrics,
@@ -78,7 +81,7 @@ fn job(name: &str) -> serde_json::Value {
     })
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_leader_reconciles_and_the_other_takes_over_when_it_dies() {
     let client = client().await;
     ensure_crds(&client).await;

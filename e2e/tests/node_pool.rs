@@ -200,9 +200,15 @@ async fn a_job_makes_its_pool_runs_on_exactly_its_nodes_and_gives_it_back() {
     let ns = TestNamespace::new(&client, "pool-ok").await;
     let s = setup(&client, &ns.name, Duration::from_secs(2)).await;
     s.aks.throttle_next(2);
-    apply(&client, &gpu_job("bert", |_| {}), &ns.name, false)
-        .await
-        .unwrap();
+    // The launcher runs until the test has seen the job Running and its pods placed.
+    apply(
+        &client,
+        &gpu_job("bert", |spec| spec["launcher"] = json!({})),
+        &ns.name,
+        false,
+    )
+    .await
+    .unwrap();
 
     let st = wait_phase(&client, &ns.name, "bert", "ProvisioningNodes", 30).await;
     let pool = st["nodePool"]["name"].as_str().unwrap().to_string();
@@ -231,6 +237,7 @@ async fn a_job_makes_its_pool_runs_on_exactly_its_nodes_and_gives_it_back() {
         );
     }
 
+    common::end_launcher(&client, &ns.name, "bert").await;
     let st = wait_phase(&client, &ns.name, "bert", "Succeeded", 90).await;
     assert_eq!(condition(&st, "NodesReady")["status"], "True");
     assert!(s.aks.throttled() >= 2, "throttled requests were retried");

@@ -40,13 +40,35 @@ fn uid_tag(job: &TrainingJob) -> String {
     job.uid().unwrap().replace('-', "")[..5].to_string()
 }
 
-/// The launcher finishes with `code` after `after`, with the trainer's summary.
-fn launcher_exits(spec: &mut Value, code: i32, after: &str) {
-    spec["launcher"] = json!({"annotations": {
+/// The annotations that make a KWOK launcher finish with `code` after `after`, with the
+/// trainer's summary.
+fn launcher_exit_annotations(code: i32, after: &str) -> Value {
+    json!({
         "kwok.ringmaster.dev/exit-code": code.to_string(),
         "kwok.ringmaster.dev/exit-after": after,
         "kwok.ringmaster.dev/termination-message": common::trainer_summary(2790.5, 100, 1.25),
-    }});
+    })
+}
+
+/// The launcher finishes with `code` after `after`, with the trainer's summary.
+fn launcher_exits(spec: &mut Value, code: i32, after: &str) {
+    spec["launcher"] = json!({"annotations": launcher_exit_annotations(code, after)});
+}
+
+/// The running launcher of `job` finishes now, with exit code 0 and the trainer's summary: for
+/// a test that must see the job Running first (a launcher that ends by itself after a few
+/// seconds can end before a loaded machine's poll sees Running).
+async fn end_launcher(client: &kube::Client, ns: &str, job: &str) {
+    Api::<Pod>::namespaced(client.clone(), ns)
+        .patch(
+            &format!("{job}-launcher"),
+            &PatchParams::default(),
+            &Patch::Merge(
+                &json!({"metadata": {"annotations": launcher_exit_annotations(0, "0s")}}),
+            ),
+        )
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -63,7 +85,6 @@ async fn a_gpu_job_with_infiniband_runs_and_succeeds_with_its_result() {
         spec["infiniband"] = json!({"enabled": true});
         spec["nodePool"] = json!({"provisioner": "existing", "vmSize": "Standard_ND96asr_v4",
                                   "nodeSelector": {"kubernetes.azure.com/agentpool": "gpu"}});
-        launcher_exits(spec, 0, "3s");
     });
     job["metadata"]["name"] = json!("resnet50");
     apply(&client, &job, &ns.name, false).await.unwrap();
@@ -141,6 +162,7 @@ async fn a_gpu_job_with_infiniband_runs_and_succeeds_with_its_result() {
         "{command}"
     );
 
+    end_launcher(&client, &ns.name, "resnet50").await;
     let status = wait_phase(
         &client,
         &ns.name,
@@ -173,14 +195,9 @@ async fn an_oom_killed_worker_restarts_the_gang_which_then_succeeds() {
     ensure_crds(&client).await;
     let ns = TestNamespace::new(&client, "tj-oom").await;
     let _operator = Operator::start(&client, &ns.name).await;
-    apply(
-        &client,
-        &cpu_job("oom", 2, |s| launcher_exits(s, 0, "6s")),
-        &ns.name,
-        false,
-    )
-    .await
-    .unwrap();
+    apply(&client, &cpu_job("oom", 2, |_| {}), &ns.name, false)
+        .await
+        .unwrap();
     wait_phase(&client, &ns.name, "oom", TrainingJobPhase::Running, 60).await;
 
     // Mid-run, worker 1 is OOM-killed.
@@ -190,6 +207,17 @@ async fn an_oom_killed_worker_restarts_the_gang_which_then_succeeds() {
         .patch("oom-worker-1", &PatchParams::default(), &Patch::Merge(&oom))
         .await
         .unwrap();
+    // The new gang runs (attempt 1's launcher), and ends.
+    eventually(
+        Duration::from_secs(90),
+        "the gang restarted once and Running again",
+        || async {
+            let status = common::job_status(&client, &ns.name, "oom").await;
+            status["restarts"] == 1 && common::phase_is(&status, TrainingJobPhase::Running)
+        },
+    )
+    .await;
+    end_launcher(&client, &ns.name, "oom").await;
     let status = wait_phase(&client, &ns.name, "oom", TrainingJobPhase::Succeeded, 90).await;
     assert_eq!(status["restarts"], 1);
     // The restart was said, with its cause, in a Warning Event (the phase itself may pass
@@ -931,11 +959,13 @@ async fn a_worker_stuck_terminating_on_a_lost_node_is_said_and_the_gang_runs_onc
         .await
         .unwrap();
     // A graceful deletion, as a person's or an eviction's (0 would be a forced one).
+    // Taken before the request: the deletion timestamp the operator counts from is set while
+    // it is answered.
+    let deleted_at = std::time::Instant::now();
     pods_api
         .delete("lost-worker-1", &DeleteParams::default().grace_period(1))
         .await
         .unwrap();
-    let deleted_at = std::time::Instant::now();
     eventually(Duration::from_secs(30), "the restart", || async {
         job_status(&client, &ns.name, "lost").await["restarts"] == 1
     })

@@ -10,6 +10,9 @@ use base64::Engine;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
+#[path = "ports.rs"]
+mod ports;
+
 /// Azurite's published development account.
 pub const ACCOUNT: &str = "devstoreaccount1";
 /// Azurite's published development key (not a secret).
@@ -54,13 +57,9 @@ impl Azurite {
             "{} is missing: run `make azurite` (make test does it)",
             bin.display()
         );
-        let port = std::net::TcpListener::bind((host, 0))
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = ports::free_port(host);
         let data = tempfile::tempdir().unwrap();
-        let child = Command::new(bin)
+        let mut child = Command::new(bin)
             .args(["--blobHost", host, "--blobPort", &port.to_string()])
             .args(["--skipApiVersionCheck", "--loose", "--silent"])
             .arg("--location")
@@ -71,6 +70,9 @@ impl Azurite {
             .expect("start azurite-blob");
         let deadline = Instant::now() + Duration::from_secs(60);
         while TcpStream::connect((host, port)).is_err() {
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!("Azurite exited ({status}) before it listened on {host}:{port}");
+            }
             assert!(
                 Instant::now() < deadline,
                 "Azurite did not listen on {port} in 60 s"

@@ -90,6 +90,9 @@ pub fn exit_code_after(mpirun: Option<i32>, signal: Option<i32>, cause: Option<&
 /// ([`exit_code_after`]).
 pub fn run(command: &[String], termination_message: &Path) -> Result<u8, LaunchError> {
     let (program, args) = command.split_first().ok_or(LaunchError::NoCommand)?;
+    // Caught from before the spawn: a SIGTERM that arrives while the child starts waits for
+    // it instead of killing `launch` (the default action) and leaving the child running.
+    let signals = termination_signals()?;
     let mut child = Command::new(program)
         .args(args)
         .stdout(Stdio::piped())
@@ -98,7 +101,7 @@ pub fn run(command: &[String], termination_message: &Path) -> Result<u8, LaunchE
             program: program.clone(),
             source,
         })?;
-    forward_termination(child.id())?;
+    forward_termination(signals, child.id());
     let stdout = child.stdout.take().expect("piped stdout");
     let mut message = TerminationMessage::default();
     let mut out = std::io::stdout().lock();
@@ -131,16 +134,19 @@ pub fn run(command: &[String], termination_message: &Path) -> Result<u8, LaunchE
 /// with it `launch`. As a container's first process, `launch` would otherwise ignore the
 /// SIGTERM the kubelet sends when the pod is deleted and be killed only when the grace period
 /// (30 s) ends: every gang restart and every deletion would wait for it.
-fn forward_termination(child: u32) -> std::io::Result<()> {
-    use signal_hook::consts::{SIGINT, SIGTERM};
-    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT])?;
+fn forward_termination(mut signals: signal_hook::iterator::Signals, child: u32) {
     std::thread::spawn(move || {
         for signal in signals.forever() {
             // SAFETY: kill(2) takes any pid and signal number; the pid is our own child's.
             unsafe { libc::kill(child as libc::pid_t, signal) };
         }
     });
-    Ok(())
+}
+
+/// SIGTERM and SIGINT, caught from now on (and reset to their defaults in a spawned program).
+fn termination_signals() -> std::io::Result<signal_hook::iterator::Signals> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    signal_hook::iterator::Signals::new([SIGTERM, SIGINT])
 }
 
 #[cfg(test)]

@@ -132,7 +132,7 @@ fn a_rank_killed_under_mpirun_leaves_the_launcher_with_the_lost_peer_code() {
             "no step within 60 s"
         );
     }
-    let ranks = common::processes_running(trainer, "train");
+    let ranks = common::processes_running_under(child.id(), trainer, "train");
     assert_eq!(ranks.len(), 3, "three ranks running: {ranks:?}");
     let victim = *ranks.iter().max().unwrap();
     assert!(

@@ -21,32 +21,13 @@ pub fn trainer(args: &[&str]) -> std::process::Output {
         .expect("trainer runs")
 }
 
-/// A port on 127.0.0.1 that was free a moment ago, and that nobody else will be handed.
-///
-/// It lies below the kernel's ephemeral range: a port taken from that range (by binding
-/// port 0) was closed again before the trainer bound it, and meanwhile the tests running
-/// beside it, and Open MPI's own daemons, bind port 0 and can be given the same one
-/// (CI once failed with "rendezvous … Address already in use"). Ports below the range are
-/// only ever bound by name, and a counter keeps the tests of one binary off each other's.
+#[path = "../../../tests/support/ports.rs"]
+mod ports;
+
+/// A port on 127.0.0.1 that was free a moment ago, and that nobody else will be handed
+/// ([`ports::free_port`]).
 pub fn free_port() -> u16 {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let ephemeral_low: u32 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|r| r.split_whitespace().next()?.parse().ok())
-        .unwrap_or(32768);
-    const LOWEST: u32 = 10_000;
-    let span = ephemeral_low.saturating_sub(LOWEST).max(1);
-    // Test binaries run one after another, but start each from its own place anyway.
-    let start = std::process::id().wrapping_mul(7919) % span;
-    for _ in 0..span {
-        let port = LOWEST + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % span;
-        let port = u16::try_from(port).expect("a port below the ephemeral range");
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
-    panic!("no free port on 127.0.0.1 between {LOWEST} and {ephemeral_low}")
+    ports::free_port("127.0.0.1")
 }
 
 /// `mpirun -np N` with the settings for this machine (loopback only), up to the program.
@@ -101,17 +82,41 @@ pub fn mpirun(ranks: usize, args: &[&str], env: &[(&str, &str)]) -> std::process
     command.output().expect("mpirun runs")
 }
 
-/// Process ids whose command line is `program SUBCOMMAND …` (read from /proc).
-pub fn processes_running(program: &str, subcommand: &str) -> Vec<u32> {
+/// Process ids under `ancestor` (its children, theirs, …) whose command line is
+/// `program SUBCOMMAND …` (read from /proc): another test's processes of the same program,
+/// running beside it, are not counted.
+pub fn processes_running_under(ancestor: u32, program: &str, subcommand: &str) -> Vec<u32> {
     std::fs::read_dir("/proc")
         .unwrap()
         .filter_map(|entry| {
             let pid: u32 = entry.ok()?.file_name().to_str()?.parse().ok()?;
             let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
             let mut args = cmdline.split(|b| *b == 0).map(String::from_utf8_lossy);
-            (args.next()? == program && args.next()? == subcommand).then_some(pid)
+            (args.next()? == program && args.next()? == subcommand && descends(pid, ancestor))
+                .then_some(pid)
         })
         .collect()
+}
+
+/// Whether `ancestor` is among `pid`'s parents, grandparents, … (each read from /proc).
+fn descends(mut pid: u32, ancestor: u32) -> bool {
+    while pid > 1 {
+        // `/proc/PID/stat`: "PID (COMM) STATE PPID …"; COMM may hold spaces and parentheses.
+        let Some(parent) = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| {
+                let after_comm = &stat[stat.rfind(')')? + 1..];
+                after_comm.split_whitespace().nth(1)?.parse::<u32>().ok()
+            })
+        else {
+            return false;
+        };
+        if parent == ancestor {
+            return true;
+        }
+        pid = parent;
+    }
+    false
 }
 
 fn which(program: &str) -> Option<std::path::PathBuf> {
