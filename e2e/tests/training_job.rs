@@ -40,14 +40,10 @@ fn uid_tag(job: &TrainingJob) -> String {
     job.uid().unwrap().replace('-', "")[..5].to_string()
 }
 
-/// The annotations that make a KWOK launcher finish with `code` after `after`, with the
-/// trainer's summary.
+/// The annotations that make a KWOK launcher finish with `code` after `after`, with this
+/// file's trainer summary.
 fn launcher_exit_annotations(code: i32, after: &str) -> Value {
-    json!({
-        "kwok.ringmaster.dev/exit-code": code.to_string(),
-        "kwok.ringmaster.dev/exit-after": after,
-        "kwok.ringmaster.dev/termination-message": common::trainer_summary(2790.5, 100, 1.25),
-    })
+    common::launcher_exit_annotations(code, after, common::trainer_summary(2790.5, 100, 1.25))
 }
 
 /// The launcher finishes with `code` after `after`, with the trainer's summary.
@@ -59,16 +55,7 @@ fn launcher_exits(spec: &mut Value, code: i32, after: &str) {
 /// a test that must see the job Running first (a launcher that ends by itself after a few
 /// seconds can end before a loaded machine's poll sees Running).
 async fn end_launcher(client: &kube::Client, ns: &str, job: &str) {
-    Api::<Pod>::namespaced(client.clone(), ns)
-        .patch(
-            &format!("{job}-launcher"),
-            &PatchParams::default(),
-            &Patch::Merge(
-                &json!({"metadata": {"annotations": launcher_exit_annotations(0, "0s")}}),
-            ),
-        )
-        .await
-        .unwrap();
+    common::end_launcher_with(client, ns, job, launcher_exit_annotations(0, "0s")).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -28,7 +28,8 @@
 #                              within the call's limit; what had no time left is listed.
 #
 # DEADLINE=EPOCH-SECONDS (set by `session`) bounds every test and benchmark row: each one's
-# time limit is cut to what is left, and one with under 20 s left is not started.
+# time limit is cut to what is left, one with under 20 s left is not started, and a test
+# stopped by a limit so cut is listed as cut, not failed. Time limits are whole seconds.
 #
 # CUDA's libraries are looked for on LD_LIBRARY_PATH, then in the Python environment's
 # nvidia-* wheels (PyTorch's), whose NCCL lacks the unversioned `libnccl.so` cudarc opens:
@@ -55,6 +56,13 @@ export LD_LIBRARY_PATH="$libs$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 echo "== libraries from $python's environment: $LD_LIBRARY_PATH"
 echo "== $("$bundle/ringmaster-trainer" info | head -c 2000)"
+# The time limits are whole seconds (`timeout`'s 5m and 0 for "none" would not mix with the
+# deadline's arithmetic).
+for limit_name in TEST_TIMEOUT RUN_TIMEOUT TORCH_TIMEOUT SESSION_SECONDS; do
+  case ${!limit_name:-1} in
+    ''|0|*[!0-9]*) echo "$limit_name=${!limit_name}: a whole number of seconds, at least 1" >&2; exit 2 ;;
+  esac
+done
 # Seconds left before DEADLINE, at most $1 (the part's own limit); 0 once under 20 s are left.
 limit() {
   local own=$1
@@ -63,17 +71,19 @@ limit() {
   if [ "$left" -lt 20 ]; then echo 0; elif [ "$left" -lt "$own" ]; then echo "$left"; else echo "$own"; fi
 }
 skipped=""
-skip() { skipped="$skipped  $*\n"; echo "== not started, out of time: $*" >&2; }
+skip() { skipped="$skipped  $*\n"; echo "== out of time: $*" >&2; }
 
 # The tests of gpu-tests whose names contain one of the arguments, in the arguments' order
 # (all, in the binary's order, without arguments), EXCEPT=NAME… left out; each in its own
 # process under its own time limit.
 run_tests() {
-  local logs=${LOGS:-$(mktemp -d)} summary="" failed=0 ran=0 test name unwanted status verdict started seconds
-  mkdir -p "$logs"
-  logs=$(cd "$logs" && pwd)
+  # Called under `||`, where bash ignores `set -e`: each step that can fail says so itself.
+  local logs=${LOGS:-$(mktemp -d)} summary="" failed=0 ran=0 cut=0 test name unwanted status verdict started seconds
+  local own=${TEST_TIMEOUT:-300}
+  mkdir -p "$logs" && logs=$(cd "$logs" && pwd) || { echo "LOGS=$logs: not a folder I can write" >&2; return 1; }
   local all ordered=""
-  all=$("$bundle/gpu-tests" --list --format terse | sed -n 's/: test$//p')
+  all=$("$bundle/gpu-tests" --list --format terse) || { echo "$bundle/gpu-tests --list failed" >&2; return 1; }
+  all=$(printf '%s\n' "$all" | sed -n 's/: test$//p')
   for name in "${@:-}"; do
     for test in $all; do
       case "$test" in *"$name"*) ;; *) continue ;; esac
@@ -83,8 +93,8 @@ run_tests() {
     done
   done
   for test in $ordered; do
-    seconds=$(limit "${TEST_TIMEOUT:-300}")
-    if [ "$seconds" -eq 0 ]; then skip "test $test"; continue; fi
+    seconds=$(limit "$own")
+    if [ "$seconds" -eq 0 ]; then skip "test $test"; cut=$((cut + 1)); continue; fi
     echo "== $test (at most $seconds s)"
     ran=$((ran + 1))
     started=$(date +%s)
@@ -99,14 +109,19 @@ run_tests() {
     tail -n 40 "$logs/$test.log"
     case $status in
       0) verdict=ok ;;
-      124) verdict="TIMED OUT after $seconds s" ;;
-      137) verdict="KILLED (past the time limit, or out of memory)" ;;
+      124|137) if [ "$seconds" -lt "$own" ]; then
+            # Its own limit was cut to the session's end: unfinished, not failed.
+            verdict="CUT at the session's end after $seconds s"
+            skip "test $test (cut after $seconds s)"
+            cut=$((cut + 1))
+          elif [ $status -eq 124 ]; then verdict="TIMED OUT after $seconds s"
+          else verdict="KILLED (past the time limit, or out of memory)"; fi ;;
       *) verdict="FAILED (exit $status)" ;;
     esac
-    [ $status -eq 0 ] || failed=$((failed + 1))
+    case $verdict in ok|CUT*) ;; *) failed=$((failed + 1)) ;; esac
     summary="$summary$(printf '%-90s %s (%s s)' "$test" "$verdict" $(( $(date +%s) - started )))\n"
   done
-  [ "$ran" -gt 0 ] || [ -n "$skipped" ] || { echo "no test of $bundle/gpu-tests matches: ${*:-(all)}" >&2; return 1; }
+  [ "$ran" -gt 0 ] || [ "$cut" -gt 0 ] || { echo "no test of $bundle/gpu-tests matches: ${*:-(all)}" >&2; return 1; }
   printf '\n== tests\n%b' "$summary"
   [ "$failed" -eq 0 ] || { echo "$failed test(s) failed; logs in $logs" >&2; return 1; }
 }
@@ -205,5 +220,5 @@ case "${1:-tests}" in
     ;;
   *) echo "usage: $0 tests|bench|session" >&2; exit 2 ;;
 esac
-[ -z "$skipped" ] || printf '\n== not started, out of time:\n%b' "$skipped"
+[ -z "$skipped" ] || printf '\n== out of time (not started, or cut):\n%b' "$skipped"
 exit $status

@@ -563,23 +563,34 @@ pub async fn apply_chart_rbac(
     }
 }
 
-/// The annotations that make a KWOK launcher exit 0 `after` its start (a duration, "0s" for
-/// now) with a trainer's summary as its termination message (kwok/stages.yaml).
-pub fn launcher_exits(after: &str) -> Value {
+/// The annotations that make a KWOK launcher exit with `code` `after` its start (a duration,
+/// "0s" for now) with `summary` (a trainer's, [`trainer_summary`]) as its termination message
+/// (kwok/stages.yaml).
+pub fn launcher_exit_annotations(code: i32, after: &str, summary: String) -> Value {
     serde_json::json!({
-        "kwok.ringmaster.dev/exit-code": "0",
+        "kwok.ringmaster.dev/exit-code": code.to_string(),
         "kwok.ringmaster.dev/exit-after": after,
-        "kwok.ringmaster.dev/termination-message": trainer_summary(100.0, 10, 1.5),
+        "kwok.ringmaster.dev/termination-message": summary,
     })
+}
+
+/// [`launcher_exit_annotations`] for exit 0 with a small run's summary.
+pub fn launcher_exits(after: &str) -> Value {
+    launcher_exit_annotations(0, after, trainer_summary(100.0, 10, 1.5))
 }
 
 /// Ends a running job on KWOK nodes: its launcher exits 0 now.
 pub async fn end_launcher(client: &Client, ns: &str, job: &str) {
+    end_launcher_with(client, ns, job, launcher_exits("0s")).await;
+}
+
+/// Ends a running job on KWOK nodes with `annotations` ([`launcher_exit_annotations`]).
+pub async fn end_launcher_with(client: &Client, ns: &str, job: &str, annotations: Value) {
     Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client.clone(), ns)
         .patch(
             &format!("{job}-launcher"),
             &PatchParams::default(),
-            &Patch::Merge(&serde_json::json!({"metadata": {"annotations": launcher_exits("0s")}})),
+            &Patch::Merge(&serde_json::json!({"metadata": {"annotations": annotations}})),
         )
         .await
         .unwrap();
