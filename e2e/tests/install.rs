@@ -44,6 +44,20 @@ async fn helm(args: &[&str]) -> (bool, String) {
     run(tool("helm"), args).await
 }
 
+/// `helm template` of the chart as release `x` with one `--set`.
+async fn template_with(chart: &str, set: &str) -> (bool, String) {
+    helm(&[
+        "template",
+        "x",
+        chart,
+        "--kube-version",
+        "1.36.0",
+        "--set",
+        set,
+    ])
+    .await
+}
+
 /// `(kind, namespace, name)` of every object in a multi-document YAML stream.
 fn objects(yaml: &str) -> BTreeSet<(String, String, String)> {
     whole_objects(yaml).into_keys().collect()
@@ -90,16 +104,7 @@ async fn the_chart_lints_refuses_bad_values_and_matches_the_kustomize_bases() {
         ("podDisruptionBudget.maxUnavailable=0", "maxUnavailable"),
         ("podDisruptionBudget.maxUnavailable=0%", "maxUnavailable"),
     ] {
-        let (ok, out) = helm(&[
-            "template",
-            "x",
-            chart,
-            "--kube-version",
-            "1.36.0",
-            "--set",
-            set,
-        ])
-        .await;
+        let (ok, out) = template_with(chart, set).await;
         assert!(!ok, "{set} was accepted");
         assert!(
             out.contains(words) && out.contains("schema"),
@@ -114,16 +119,7 @@ async fn the_chart_lints_refuses_bad_values_and_matches_the_kustomize_bases() {
         ("podDisruptionBudget.enabled=false", false, true),
         ("spreadReplicas=false", true, false),
     ] {
-        let (ok, out) = helm(&[
-            "template",
-            "x",
-            chart,
-            "--kube-version",
-            "1.36.0",
-            "--set",
-            set,
-        ])
-        .await;
+        let (ok, out) = template_with(chart, set).await;
         assert!(ok, "{set}: {out}");
         assert_eq!(
             (
