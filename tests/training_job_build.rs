@@ -311,6 +311,15 @@ fn the_launcher_runs_mpirun_over_every_rank_with_the_trainer() {
         text.contains("-x NCCL_IB_DISABLE") && text.contains("-x RINGMASTER_RENDEZVOUS"),
         "{text}"
     );
+    // Every rank knows the job's UID: the trainer resumes only from this job's checkpoints.
+    assert!(text.contains("-x RINGMASTER_JOB_UID"), "{text}");
+    let env = &value(&build::launcher_pod(&job, &inputs()))["spec"]["containers"][0]["env"];
+    assert!(
+        env.as_array()
+            .unwrap()
+            .contains(&json!({"name": ringmaster_contract::trainer::RUN_ID_ENV, "value": job.uid})),
+        "{env}"
+    );
     // Hostfile names are pod.service.namespace.svc; Open MPI would cut them to the pod name.
     assert!(text.contains("--mca orte_keep_fqdn_hostnames 1"), "{text}");
     let train = command
@@ -858,6 +867,29 @@ fn the_warm_up_flag_goes_only_with_the_specs_own_setting() {
     assert_eq!(
         warmup(|o| o["spec"]["trainer"]["extraArgs"] = json!(["--warmup-steps=500"])),
         ["--warmup-steps=500"]
+    );
+}
+
+/// The checkpoint clock is the trainer's default unless the spec sets one.
+#[test]
+fn the_checkpoint_flag_goes_only_with_the_specs_own_setting() {
+    let checkpoint = |edit: fn(&mut Value)| {
+        let job = sample("trainingjob-resnet50-nd96asr-v4.yaml", edit);
+        let command = build::launcher_command(&job);
+        train_flags(&command)
+            .iter()
+            .filter(|f| f.starts_with("--checkpoint-"))
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    assert!(checkpoint(|_| {}).is_empty());
+    assert_eq!(
+        checkpoint(|o| o["spec"]["trainer"]["checkpointMinutes"] = json!(30)),
+        ["--checkpoint-minutes=30"]
+    );
+    assert_eq!(
+        checkpoint(|o| o["spec"]["trainer"]["checkpointMinutes"] = json!(0)),
+        ["--checkpoint-minutes=0"]
     );
 }
 

@@ -217,6 +217,7 @@ fn success_reads_the_trainers_summary_and_cleans_running_pods() {
                     global_batch: 64,
                     parameters: 11_689_512,
                     seconds: 12.0,
+                    resumed_from_step: None,
                 }
                 .to_line()
             ),
@@ -467,11 +468,22 @@ fn the_result_keeps_images_per_second_to_a_tenth_as_kubectl_shows_it() {
         global_batch: 64,
         parameters: 11_689_512,
         seconds: 12.0,
+        resumed_from_step: None,
     }
     .to_line();
     let result = plan::parse_result(&line).unwrap();
     assert_eq!(result.images_per_second, Some(23.4));
     assert_eq!(result.final_loss, Some(2.125), "the loss is left as it is");
+    assert_eq!(result.resumed_from_step, None);
+}
+
+#[test]
+fn the_result_says_where_a_trainer_that_started_again_went_on_from() {
+    // As rank 0 writes it when it resumed from the job's checkpoint.
+    let line = r#"{"event":"summary","imagesPerSecond":812.5,"steps":20,"finalLoss":2.125,"finalAccuracy":0.5,"worldSize":4,"globalBatch":64,"parameters":11689512,"seconds":12.0,"resumedFromStep":12}"#;
+    let result = plan::parse_result(line).unwrap();
+    assert_eq!(result.resumed_from_step, Some(12));
+    assert_eq!(result.steps, Some(20));
 }
 
 #[test]

@@ -165,6 +165,9 @@ pub mod defaults {
     pub const SEED: u64 = 0;
     /// Progress line interval.
     pub const LOG_EVERY: usize = 10;
+    /// Minutes of training between checkpoints: at most this much is trained again after a
+    /// failure.
+    pub const CHECKPOINT_MINUTES: f32 = 10.0;
 }
 
 /// Settings of `ringmaster-trainer train` (they mirror a TrainingJob's `trainer:` section).
@@ -243,13 +246,37 @@ pub struct TrainArgs {
     /// Seed of weights, data and shuffling.
     #[arg(long, default_value_t = defaults::SEED)]
     pub seed: u64,
-    /// Folder for the checkpoint (`model.safetensors`) and nothing else.
+    /// Folder for the final model (`model.safetensors`) and the checkpoint training resumes
+    /// from (`checkpoint.safetensors`: weights, batch-norm statistics, momentum and the step).
     #[arg(long)]
     pub output_dir: Option<PathBuf>,
     /// Print a progress line every this many steps.
     #[arg(long, default_value_t = defaults::LOG_EVERY)]
     pub log_every: usize,
+    /// Write the checkpoint after every this many steps (besides --checkpoint-minutes).
+    #[arg(long)]
+    pub checkpoint_every: Option<usize>,
+    /// Write the checkpoint once this many minutes have passed since the last one (0: not by
+    /// time). Rank 0 writes it in the background while training goes on.
+    #[arg(long, default_value_t = defaults::CHECKPOINT_MINUTES)]
+    pub checkpoint_minutes: f32,
+    /// Whose checkpoint this run resumes from: one written under the same id (and the same
+    /// model, batch, length and seed). Ringmaster sets it to the TrainingJob's UID, so a gang
+    /// restarted after a failure goes on from the last checkpoint, and a job made anew under
+    /// the same name starts from the beginning.
+    #[arg(long, env = RUN_ID_ENV)]
+    pub run_id: Option<String>,
 }
+
+/// The checkpoint a run goes on from, in `--output-dir`.
+pub const CHECKPOINT_FILE: &str = "checkpoint.safetensors";
+
+/// The final model, in `--output-dir`.
+pub const MODEL_FILE: &str = "model.safetensors";
+
+/// The variable that gives the trainer its `--run-id`: the operator sets it to the
+/// TrainingJob's UID in every rank's environment.
+pub const RUN_ID_ENV: &str = "RINGMASTER_JOB_UID";
 
 impl Default for TrainArgs {
     /// The settings of `ringmaster-trainer train` with no flags (and no environment).
@@ -280,6 +307,9 @@ impl Default for TrainArgs {
             seed: defaults::SEED,
             output_dir: None,
             log_every: defaults::LOG_EVERY,
+            checkpoint_every: None,
+            checkpoint_minutes: defaults::CHECKPOINT_MINUTES,
+            run_id: None,
         }
     }
 }
@@ -373,6 +403,15 @@ impl TrainArgs {
         }
         if self.log_every != d.log_every {
             flag("log-every", self.log_every.to_string());
+        }
+        if let Some(steps) = self.checkpoint_every {
+            flag("checkpoint-every", steps.to_string());
+        }
+        if self.checkpoint_minutes != d.checkpoint_minutes {
+            flag("checkpoint-minutes", self.checkpoint_minutes.to_string());
+        }
+        if let Some(id) = &self.run_id {
+            flag("run-id", id.clone());
         }
         if self.synthetic {
             out.push("--synthetic".into());
@@ -473,6 +512,18 @@ impl TrainArgs {
         if self.width == 0 {
             refuse(Setting::Width, "must be at least 1".into());
         }
+        if self.checkpoint_every == Some(0) {
+            refuse(Setting::Checkpoint, "must be at least 1 step".into());
+        }
+        if !(self.checkpoint_minutes.is_finite() && self.checkpoint_minutes >= 0.0) {
+            refuse(
+                Setting::Checkpoint,
+                format!(
+                    "{} is not a number of minutes (a finite number ≥ 0)",
+                    self.checkpoint_minutes
+                ),
+            );
+        }
         if errors.is_empty() {
             Ok(())
         } else {
@@ -519,6 +570,8 @@ pub enum Setting {
     DatasetSize,
     /// `--width`.
     Width,
+    /// `--checkpoint-every` / `--checkpoint-minutes`.
+    Checkpoint,
 }
 
 impl Setting {
@@ -537,6 +590,7 @@ impl Setting {
             Setting::Classes => &["--classes", "--learnable-classes"],
             Setting::DatasetSize => &["--dataset-size"],
             Setting::Width => &["--width"],
+            Setting::Checkpoint => &["--checkpoint-every", "--checkpoint-minutes"],
         }
     }
 }
@@ -596,6 +650,32 @@ pub enum Line {
     Summary(Summary),
     /// Why a rank stopped (its last line, on any rank that fails).
     Failed(Failure),
+    /// Training goes on from a checkpoint of this run (rank 0, before the first step).
+    Resumed(Resumed),
+    /// A checkpoint was written (rank 0).
+    Checkpoint(CheckpointWritten),
+}
+
+/// Where a run that started again goes on from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Resumed {
+    /// Steps done before, which are not trained again.
+    pub step: u64,
+    /// The checkpoint read.
+    pub path: String,
+}
+
+/// A checkpoint on disk.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckpointWritten {
+    /// Steps done when it was taken.
+    pub step: u64,
+    /// The file.
+    pub path: String,
+    /// Time spent writing it, beside training.
+    pub seconds: f64,
 }
 
 /// Where the trainer computes.
@@ -649,6 +729,10 @@ pub struct Summary {
     pub parameters: u64,
     /// Wall time of the run.
     pub seconds: f64,
+    /// Steps restored from a checkpoint at the start (the run had started before and
+    /// stopped): `steps` less this many were trained by this start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_from_step: Option<u64>,
 }
 
 impl Summary {
@@ -780,6 +864,9 @@ mod tests {
             seed: 42,
             output_dir: Some("/output/job".into()),
             log_every: 1,
+            checkpoint_every: Some(250),
+            checkpoint_minutes: 2.5,
+            run_id: Some("0b7f0d6e-3c1a-4f9e-9a51-6f0c2d1e4b7a".into()),
         }
     }
 
@@ -845,6 +932,7 @@ mod tests {
             steps: Some(0),
             learning_rate: Some(f32::NAN),
             classes: 0,
+            checkpoint_every: Some(0),
             ..TrainArgs::default()
         };
         let settings: Vec<Setting> = bad
@@ -860,9 +948,17 @@ mod tests {
                 Setting::ImageSize,
                 Setting::Length,
                 Setting::LearningRate,
-                Setting::Classes
+                Setting::Classes,
+                Setting::Checkpoint
             ]
         );
+        let negative = TrainArgs {
+            checkpoint_minutes: -1.0,
+            ..TrainArgs::default()
+        };
+        let errors = negative.check(&caps).unwrap_err();
+        assert_eq!(errors[0].setting, Setting::Checkpoint);
+        assert!(errors[0].message.contains("-1 is not a number of minutes"));
     }
 
     #[test]
@@ -876,6 +972,7 @@ mod tests {
             global_batch: 64,
             parameters: 11_689_512,
             seconds: 3.5,
+            resumed_from_step: Some(12),
         };
         let step = serde_json::to_string(&Line::Step(Progress {
             step: 1,

@@ -22,7 +22,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::LogParams;
 use ringmaster::api::TrainingJobPhase;
-use ringmaster_contract::trainer::Summary;
+use ringmaster_contract::trainer::{CHECKPOINT_FILE, Summary};
 use serde_json::{Value, json};
 
 /// The trainer image node.sh imports: the Dockerfile's trainer recipe on Debian, run as
@@ -488,25 +488,32 @@ fn kill_container(container_id: &str) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_killed_mid_training_restarts_the_gang_which_then_succeeds() {
+async fn a_worker_killed_mid_training_restarts_the_gang_which_goes_on_from_its_checkpoint() {
     let _node = REAL_NODE_IN_USE.lock().await;
     let client = client().await;
     ensure_crds(&client).await;
     let ns = TestNamespace::new(&client, "real-kill").await;
     let _operator = Operator::start(&client, &ns.name).await;
+    // The job's output folder, on the node: the trainer's checkpoint goes there.
+    let dir = repo_root().join("e2e/.state/node/volumes").join(&ns.name);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let volume = local_volume(&client, &ns.name, "kill-output", &dir).await;
     let job = sample_on_real_node("kill", |spec| {
         spec["trainer"]["imageSize"] = json!(32);
         spec["trainer"]["steps"] = json!(30);
+        spec["trainer"]["extraArgs"] = json!(["--checkpoint-every=5"]);
+        spec["output"] = json!({"persistentVolumeClaim": {"claimName": "kill-output"}});
         spec["runPolicy"]["backoffLimit"] = json!(2);
     });
     apply(&client, &job, &ns.name, false).await.unwrap();
     launcher_started_after_ready_workers(&client, &ns.name, "kill").await;
 
-    // Training is under way once rank 0 has printed a step.
-    eventually(Duration::from_secs(120), "a training step", || async {
+    // Training is under way, and has a checkpoint, once rank 0 has said it wrote one.
+    eventually(Duration::from_secs(180), "a checkpoint", || async {
         logs(&client, &ns.name, "kill-launcher")
             .await
-            .contains(r#""event":"step""#)
+            .contains(r#""event":"checkpoint""#)
     })
     .await;
     let worker = Api::<Pod>::namespaced(client.clone(), &ns.name)
@@ -530,6 +537,45 @@ async fn a_worker_killed_mid_training_restarts_the_gang_which_then_succeeds() {
     );
     let summary = launcher_summary(&client, &ns.name, "kill").await;
     assert_result_is_the_trainers(&status, &summary, 30);
+    // The restarted gang trained only what the first had not: it went on from a checkpoint
+    // of this job (every 5 steps; the last step writes the model instead).
+    let resumed = summary
+        .resumed_from_step
+        .expect("the restarted gang resumed from the checkpoint");
+    assert!(
+        resumed % 5 == 0 && (5..30).contains(&resumed),
+        "{summary:?}"
+    );
+    assert_eq!(
+        status["result"]["resumedFromStep"].as_u64(),
+        Some(resumed),
+        "{status:#}"
+    );
+    let metadata = checkpoint_metadata(&dir.join("kill").join(CHECKPOINT_FILE));
+    let uid = Api::<ringmaster::api::TrainingJob>::namespaced(client.clone(), &ns.name)
+        .get("kill")
+        .await
+        .unwrap()
+        .metadata
+        .uid
+        .unwrap();
+    assert_eq!(metadata["run"], uid, "written under the job's UID");
+    assert!(
+        dir.join("kill/model.safetensors").exists(),
+        "the final model"
+    );
+
+    let volumes: Api<k8s_openapi::api::core::v1::PersistentVolume> = Api::all(client.clone());
+    volumes.delete(&volume, &Default::default()).await.ok();
+}
+
+/// The string metadata of a safetensors file: its header is a little-endian u64 length, then
+/// that much JSON, whose `__metadata__` holds it.
+fn checkpoint_metadata(path: &std::path::Path) -> Value {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let length = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + length]).unwrap();
+    header["__metadata__"].clone()
 }
 
 /// The trainer binary node.sh built (release) for the image.

@@ -108,6 +108,9 @@ fn immutable(field: &str) -> Rule {
     validation = Rule::new("!has(self.trainer) || !has(self.trainer.data) || self.trainer.data != 'imageFolder' || has(self.dataStageRef)")
         .message("trainer.data imageFolder reads the dataset of a DataStage: set dataStageRef")
         .field_path(".trainer.data"),
+    validation = Rule::new("!has(self.trainer) || !has(self.trainer.checkpointMinutes) || has(self.output)")
+        .message("trainer.checkpointMinutes needs output: the checkpoints are written there")
+        .field_path(".trainer.checkpointMinutes"),
     validation = Rule::new("!has(self.infiniband) || !self.infiniband.enabled || self.gpusPerWorker > 0")
         .message("infiniband needs GPUs (NCCL over RDMA): set gpusPerWorker, or infiniband.enabled: false")
         .field_path(".infiniband.enabled"),
@@ -246,6 +249,13 @@ pub struct TrainerSpec {
     /// Arithmetic on the GPU. Default: bf16 on GPUs, fp32 on CPUs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub precision: Option<Precision>,
+    /// Minutes of training between the checkpoints the trainer writes into `output`, which a
+    /// restarted gang goes on from: at most this much training is done twice after a failure.
+    /// Needs `output`. Default: the trainer's, 10; 0 writes none by the clock
+    /// (`extraArgs: ["--checkpoint-every=N"]` writes one every N steps).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0, max = 10080.0))]
+    pub checkpoint_minutes: Option<f64>,
     /// Further flags passed to `ringmaster-trainer train` as they are, after the ones
     /// Ringmaster sets (model, device, precision, batch and image size, steps or epochs,
     /// learning rate and its warm-up, data and output folders), which they cannot repeat. Checked with the
@@ -781,4 +791,8 @@ pub struct TrainingResult {
     /// Loss at the last step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub final_loss: Option<f64>,
+    /// Steps the last start of the trainer did not train again: it went on from the
+    /// checkpoint in the output folder (after a gang restart, or a readmission).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_from_step: Option<i64>,
 }

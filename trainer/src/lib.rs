@@ -6,6 +6,7 @@
 //! * `gpu` — the GPUs and CUDA libraries this machine offers, and what `--device auto` picks.
 //! * `bench` — `bench-allreduce`, with nccl-tests' bandwidth figures.
 //! * `train` — the training loop over the ranks.
+//! * `resume` — the run's checkpoint: written while training goes on, gone on from at a restart.
 //! * `launch` — the launcher wrapper that turns rank 0's summary, or the failing rank's
 //!   failure line, into a termination message.
 //! * `failure` — a failing rank's failure line, for its errors and its panics.
@@ -16,5 +17,6 @@ pub mod engine;
 pub mod failure;
 pub mod gpu;
 pub mod launch;
+pub mod resume;
 pub mod train;
 pub mod world;

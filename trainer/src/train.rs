@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use ringmaster_contract::trainer::{
-    Capabilities, DeviceChoice, Line, Progress, SettingsError, Summary, exit,
+    Capabilities, DeviceChoice, Line, MODEL_FILE, Progress, SettingsError, Summary, exit,
 };
 pub use ringmaster_contract::trainer::{
     Device, Model as ModelName, Precision, Schedule, TrainArgs,
@@ -23,6 +23,7 @@ use crate::engine::image_folder::{ImageFolder, ImageFolderError};
 use crate::engine::step::{self, RecordedStep};
 use crate::engine::tensor::DType;
 use crate::engine::{Arch, Backend, CpuBackend, LrKind, LrSchedule, Model, Sgd, Tensor};
+use crate::resume::{self, Checkpointer, Identity, ResumeError};
 
 /// Errors of a training run.
 #[derive(Debug, thiserror::Error)]
@@ -39,6 +40,9 @@ pub enum TrainError {
     /// Writing the checkpoint failed.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    /// The run's checkpoint is there but training cannot go on from it.
+    #[error(transparent)]
+    Resume(#[from] ResumeError),
     /// Reading images failed.
     #[error(transparent)]
     Images(#[from] ImageFolderError),
@@ -65,7 +69,11 @@ impl TrainError {
     pub fn exit_code(&self) -> u8 {
         match self {
             TrainError::InvalidSettings(_) | TrainError::Settings(_) => exit::INVALID_SETTINGS,
-            TrainError::Collective(e) if e.is_peer_lost() => exit::PEER_LOST,
+            TrainError::Collective(e) | TrainError::Resume(ResumeError::Collective(e))
+                if e.is_peer_lost() =>
+            {
+                exit::PEER_LOST
+            }
             _ => exit::FAILED,
         }
     }
@@ -234,20 +242,24 @@ fn train_on<B: Backend>(
 
     let mut model =
         Model::with_backend(arch(args), classes, args.seed, be.clone()).with_activations(dtype);
+    let mut sgd = Sgd::on(&be, model.params(), args.momentum, args.weight_decay);
+    // A run that started before goes on from its checkpoint.
+    let identity = Identity::of(args, classes, global_batch, total_steps);
+    let start_step = resume::restore(args, &identity, &be, &mut model, &mut sgd, collective)?;
     // The collectives work on host memory (a device backend stages through it).
     be.with_host(&mut model.params_mut().values, |values| {
         collective.broadcast(values, 0)
     })?;
-    let mut sgd = Sgd::on(&be, model.params(), args.momentum, args.weight_decay);
+    let mut checkpointer = Checkpointer::new(args, &identity, rank);
     let started = Instant::now();
     let mut timed_from = None;
     let (mut loss, mut accuracy) = (f32::NAN, 0.0f32);
     // A thread reads and decodes the next batches while this one computes.
     let (batches, prefetched) = std::sync::mpsc::sync_channel(2 * args.micro_batches);
-    std::thread::scope(|scope| -> Result<(), TrainError> {
+    let trained = std::thread::scope(|scope| -> Result<(), TrainError> {
         let source = &source;
         scope.spawn(move || {
-            for step in 0..total_steps {
+            for step in start_step..total_steps {
                 let epoch = step / steps_per_epoch;
                 let in_epoch = step % steps_per_epoch;
                 for m in 0..args.micro_batches {
@@ -290,12 +302,12 @@ fn train_on<B: Backend>(
         // finished (its all-reduces joined, its update made, its line logged).
         let mut upcoming = Some(receive());
         let mut on_device: Option<(Tensor<B>, Vec<usize>)> = None;
-        for step in 0..total_steps {
+        for step in start_step..total_steps {
             let last_step = step + 1 == total_steps;
             // The first step searches cuDNN's algorithms as its layers first run (the
             // backward halves during backward): its gradients are reduced after it, so the
             // searches time the GPU without all-reduces beside them.
-            let overlap_now = overlap && step > 0;
+            let overlap_now = overlap && step > start_step;
             let (mut loss_sum, mut correct) = (0.0f32, 0usize);
             if let Some(recorded) = &mut recorded {
                 if let Some(batch) = upcoming.take() {
@@ -377,9 +389,9 @@ fn train_on<B: Backend>(
             collective.all_reduce(&mut totals, ReduceOp::Sum)?;
             loss = totals[0] / world as f32;
             accuracy = totals[1] / global_batch as f32;
-            if step == 0 {
+            if step == start_step {
                 // The first step pays for allocation and warm-up: throughput counts from here.
-                timed_from = Some((Instant::now(), 1));
+                timed_from = Some((Instant::now(), step + 1));
             }
             let throughput = timed_from
                 .filter(|(_, from)| step + 1 > *from)
@@ -399,14 +411,26 @@ fn train_on<B: Backend>(
                     serde_json::to_string(&line).expect("a line serializes")
                 );
             }
+            if let Some(checkpointer) = &mut checkpointer
+                && checkpointer.due(step + 1, total_steps)
+            {
+                checkpointer.write(step + 1, &be, &model, &sgd)?;
+            }
         }
         Ok(())
-    })?;
+    });
+    // A checkpoint being written is finished, also when training failed: the run that
+    // starts again goes on from it.
+    let written = checkpointer
+        .as_mut()
+        .map_or(Ok(()), Checkpointer::finish_writing);
+    trained?;
+    written?;
     let images_per_second = match timed_from {
         Some((t, from)) if total_steps > from => {
             ((total_steps - from) * global_batch) as f64 / t.elapsed().as_secs_f64()
         }
-        _ => (total_steps * global_batch) as f64 / started.elapsed().as_secs_f64(),
+        _ => ((total_steps - start_step) * global_batch) as f64 / started.elapsed().as_secs_f64(),
     };
     // To a tenth: the job's status and `kubectl get` show it as it is, and the digits past
     // that are noise.
@@ -423,8 +447,8 @@ fn train_on<B: Backend>(
             ("steps".to_string(), total_steps.to_string()),
             ("worldSize".to_string(), world.to_string()),
         ]);
-        let params = model.params().to_host(&be);
-        checkpoint::save(&dir.join("model.safetensors"), &params, &metadata)?;
+        let params = model.params().weights_to_host(&be);
+        checkpoint::save(&dir.join(MODEL_FILE), &params, &metadata)?;
     }
     Ok(Summary {
         images_per_second,
@@ -435,6 +459,7 @@ fn train_on<B: Backend>(
         global_batch: global_batch as u64,
         parameters: model.num_parameters() as u64,
         seconds: started.elapsed().as_secs_f64(),
+        resumed_from_step: (start_step > 0).then_some(start_step as u64),
     })
 }
 

@@ -643,6 +643,12 @@ fn sshd_command(port: i32, user_environment: bool) -> Vec<String> {
 fn rank_env(job: &ValidatedTrainingJob, naming: ChildNaming) -> Vec<Value> {
     let mut env: BTreeMap<String, String> = BTreeMap::new();
     env.insert("RINGMASTER_JOB".into(), job.name.clone());
+    // The trainer resumes only from checkpoints written under this run's id: a job made
+    // anew under the same name starts from the beginning.
+    env.insert(
+        ringmaster_contract::trainer::RUN_ID_ENV.into(),
+        job.uid.clone(),
+    );
     env.insert(
         "RINGMASTER_RENDEZVOUS".into(),
         format!("{}:{RENDEZVOUS_PORT}", names::worker_host(job, naming, 0)),

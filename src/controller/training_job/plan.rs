@@ -502,6 +502,9 @@ pub fn parse_result(message: &str) -> Option<TrainingResult> {
         images_per_second: Some((s.images_per_second * 10.0).round() / 10.0),
         steps: i64::try_from(s.steps).ok(),
         final_loss: s.final_loss,
+        resumed_from_step: s
+            .resumed_from_step
+            .and_then(|step| i64::try_from(step).ok()),
     })
 }
 

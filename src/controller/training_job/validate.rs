@@ -356,6 +356,10 @@ fn with_defaults(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors>
                 // Its gradual warm-up is the trainer's default; a flag only when set, so a
                 // trainer image older than the flag runs the same jobs as before.
                 warmup_epochs: t.warmup_epochs.map(|epochs| epochs as f32),
+                // A flag only when set, as for the warm-up.
+                checkpoint_minutes: t
+                    .checkpoint_minutes
+                    .map_or(TrainArgs::default().checkpoint_minutes, |m| m as f32),
                 synthetic: data_dir.is_none(),
                 data_dir: data_dir.map(Into::into),
                 output_dir: spec.output.as_ref().map(|output| {

@@ -19,6 +19,14 @@ pub enum CheckpointError {
         /// The cause.
         source: std::io::Error,
     },
+    /// Putting the written file in place failed.
+    #[error("writing checkpoint {path}: {source}")]
+    Write {
+        /// The file.
+        path: String,
+        /// The cause.
+        source: std::io::Error,
+    },
     /// The safetensors library rejected the data.
     #[error("safetensors: {0}")]
     Format(#[from] SafeTensorError),
@@ -52,25 +60,65 @@ pub fn save(
     store: &ParamStore,
     metadata: &BTreeMap<String, String>,
 ) -> Result<(), CheckpointError> {
+    save_with(path, store, &[], metadata)
+}
+
+/// [`save`] with `extra` flat tensors by name beside the model's (an optimizer's state).
+/// The file appears whole or not at all: it is written under another name, then renamed.
+pub fn save_with(
+    path: &Path,
+    store: &ParamStore,
+    extra: &[(&str, &[f32])],
+    metadata: &BTreeMap<String, String>,
+) -> Result<(), CheckpointError> {
+    let model = entries(store).map(|(e, v)| (e.name.as_str(), e.shape.clone(), v));
+    let extra = extra.iter().map(|(name, v)| (*name, vec![v.len()], *v));
     // safetensors stores little-endian bytes; owning them keeps the views simple.
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = entries(store)
-        .map(|(e, v)| {
-            let b = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-            (e.name.clone(), e.shape.clone(), b)
+    let bytes: Vec<(&str, Vec<usize>, Vec<u8>)> = model
+        .chain(extra)
+        .map(|(name, shape, v)| {
+            (
+                name,
+                shape,
+                v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            )
         })
         .collect();
     let views = bytes
         .iter()
-        .map(|(name, shape, b)| {
-            Ok((
-                name.as_str(),
-                TensorView::new(Dtype::F32, shape.clone(), b)?,
-            ))
-        })
+        .map(|(name, shape, b)| Ok((*name, TensorView::new(Dtype::F32, shape.clone(), b)?)))
         .collect::<Result<Vec<_>, SafeTensorError>>()?;
     let meta: HashMap<String, String> = metadata.clone().into_iter().collect();
-    safetensors::serialize_to_file(views, Some(meta), path)?;
-    Ok(())
+    let mut partial = path.as_os_str().to_owned();
+    partial.push(".partial");
+    let partial = std::path::PathBuf::from(partial);
+    safetensors::serialize_to_file(views, Some(meta), &partial)?;
+    std::fs::rename(&partial, path).map_err(|source| CheckpointError::Write {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// The metadata of the checkpoint at `path`, without its tensors.
+pub fn metadata(path: &Path) -> Result<BTreeMap<String, String>, CheckpointError> {
+    metadata_of(&read(path)?)
+}
+
+fn metadata_of(file: &[u8]) -> Result<BTreeMap<String, String>, CheckpointError> {
+    let (_, meta) = SafeTensors::read_metadata(file)?;
+    Ok(meta
+        .metadata()
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .collect())
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, CheckpointError> {
+    std::fs::read(path).map_err(|source| CheckpointError::Io {
+        path: path.display().to_string(),
+        source,
+    })
 }
 
 /// Overwrites the parameter values and buffers of `store` from `path`, which must hold
@@ -79,22 +127,37 @@ pub fn load(
     path: &Path,
     store: &mut ParamStore,
 ) -> Result<BTreeMap<String, String>, CheckpointError> {
-    let file = std::fs::read(path).map_err(|source| CheckpointError::Io {
-        path: path.display().to_string(),
-        source,
-    })?;
+    load_with(path, store, &mut [])
+}
+
+/// [`load`], and each of `extra`'s flat tensors from the one of its name, which must have
+/// its length.
+pub fn load_with(
+    path: &Path,
+    store: &mut ParamStore,
+    extra: &mut [(&str, &mut [f32])],
+) -> Result<BTreeMap<String, String>, CheckpointError> {
+    let file = read(path)?;
     let tensors = SafeTensors::deserialize(&file)?;
+    let wanted: Vec<(String, Vec<usize>)> = entries(store)
+        .map(|(e, _)| (e.name.clone(), e.shape.clone()))
+        .chain(
+            extra
+                .iter()
+                .map(|(name, v)| (name.to_string(), vec![v.len()])),
+        )
+        .collect();
     // Read everything before writing anything, so a bad file leaves the model intact.
     let mut loaded = Vec::new();
-    for (entry, _) in entries(store) {
+    for (name, shape) in wanted {
         let view = tensors
-            .tensor(&entry.name)
-            .map_err(|_| CheckpointError::Missing(entry.name.clone()))?;
-        if view.dtype() != Dtype::F32 || view.shape() != entry.shape.as_slice() {
+            .tensor(&name)
+            .map_err(|_| CheckpointError::Missing(name.clone()))?;
+        if view.dtype() != Dtype::F32 || view.shape() != shape.as_slice() {
             return Err(CheckpointError::Mismatch {
-                name: entry.name.clone(),
+                name,
                 found: format!("{:?} {:?}", view.dtype(), view.shape()),
-                expected: entry.shape.clone(),
+                expected: shape,
             });
         }
         let values: Vec<f32> = view
@@ -104,21 +167,17 @@ pub fn load(
             .collect();
         loaded.push(values);
     }
-    let n_params = store.entries.len();
+    let (n_params, n_buffers) = (store.entries.len(), store.buffer_entries.len());
     for (i, values) in loaded.into_iter().enumerate() {
         if i < n_params {
             let r = store.entries[i].range();
             store.values[r].copy_from_slice(&values);
-        } else {
+        } else if i < n_params + n_buffers {
             let r = store.buffer_entries[i - n_params].range();
             store.buffers[r].copy_from_slice(&values);
+        } else {
+            extra[i - n_params - n_buffers].1.copy_from_slice(&values);
         }
     }
-    let (_, meta) = SafeTensors::read_metadata(&file)?;
-    Ok(meta
-        .metadata()
-        .clone()
-        .unwrap_or_default()
-        .into_iter()
-        .collect())
+    metadata_of(&file)
 }

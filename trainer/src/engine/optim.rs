@@ -48,6 +48,11 @@ impl<B: Backend> Sgd<B> {
         &self.velocity
     }
 
+    /// The momentum buffer to write into (a checkpoint's, when a run resumes).
+    pub fn velocity_mut(&mut self) -> &mut B::Buf {
+        &mut self.velocity
+    }
+
     /// Applies one update with learning rate `lr` from `params.grads`, one backend call
     /// per parameter tensor.
     pub fn step(&mut self, params: &mut ParamStore<B>, lr: f32) {

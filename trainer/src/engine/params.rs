@@ -100,6 +100,18 @@ impl<B: Backend> ParamStore<B> {
         }
     }
 
+    /// A copy of the values and buffers on the host, without the gradients (what a
+    /// checkpoint holds).
+    pub fn weights_to_host(&self, be: &B) -> ParamStore {
+        ParamStore {
+            values: be.download(&self.values, &[self.num_parameters()]),
+            grads: Vec::new(),
+            entries: self.entries.clone(),
+            buffers: be.download(&self.buffers, &[self.num_buffer_values()]),
+            buffer_entries: self.buffer_entries.clone(),
+        }
+    }
+
     /// Overwrites the values and buffers with a host store of the same layout (a loaded
     /// checkpoint).
     pub fn load_from_host(&mut self, be: &B, host: &ParamStore) {
