@@ -268,6 +268,9 @@ pub struct TrainArgs {
     pub run_id: Option<String>,
 }
 
+/// The longest `--checkpoint-minutes`: a week.
+pub const MAX_CHECKPOINT_MINUTES: f32 = 10080.0;
+
 /// The checkpoint a run goes on from, in `--output-dir`.
 pub const CHECKPOINT_FILE: &str = "checkpoint.safetensors";
 
@@ -515,11 +518,11 @@ impl TrainArgs {
         if self.checkpoint_every == Some(0) {
             refuse(Setting::Checkpoint, "must be at least 1 step".into());
         }
-        if !(self.checkpoint_minutes.is_finite() && self.checkpoint_minutes >= 0.0) {
+        if !(0.0..=MAX_CHECKPOINT_MINUTES).contains(&self.checkpoint_minutes) {
             refuse(
                 Setting::Checkpoint,
                 format!(
-                    "{} is not a number of minutes (a finite number ≥ 0)",
+                    "{} is not a number of minutes from 0 to {MAX_CHECKPOINT_MINUTES} (a week)",
                     self.checkpoint_minutes
                 ),
             );
@@ -959,6 +962,14 @@ mod tests {
         let errors = negative.check(&caps).unwrap_err();
         assert_eq!(errors[0].setting, Setting::Checkpoint);
         assert!(errors[0].message.contains("-1 is not a number of minutes"));
+        let beyond = TrainArgs {
+            checkpoint_minutes: 1e30,
+            ..TrainArgs::default()
+        };
+        assert_eq!(
+            beyond.check(&caps).unwrap_err()[0].setting,
+            Setting::Checkpoint
+        );
     }
 
     #[test]

@@ -48,6 +48,15 @@ impl Identity {
             ("globalBatch".to_string(), global_batch.to_string()),
             ("totalSteps".to_string(), total_steps.to_string()),
             ("seed".to_string(), args.seed.to_string()),
+            ("imageSize".to_string(), args.image_size.to_string()),
+            (
+                "learningRate".to_string(),
+                args.learning_rate
+                    .map_or("default".to_string(), |lr| lr.to_string()),
+            ),
+            ("schedule".to_string(), args.schedule.to_string()),
+            ("momentum".to_string(), args.momentum.to_string()),
+            ("weightDecay".to_string(), args.weight_decay.to_string()),
         ]);
         if let Some(run) = &args.run_id {
             keys.insert("run".to_string(), run.clone());
@@ -92,10 +101,20 @@ pub fn restore<B: Backend>(
     collective: &mut dyn Collective,
 ) -> Result<usize, ResumeError> {
     let found = match (&args.output_dir, collective.rank()) {
-        (Some(dir), 0) => read(&dir.join(FILE), identity, be, model)?,
-        _ => None,
+        (Some(dir), 0) => read(&dir.join(FILE), identity, be, model),
+        _ => Ok(None),
     };
-    let step = share_step(found.as_ref().map_or(0, |f| f.step), collective)?;
+    // Every rank learns the outcome, a failure on rank 0 too: the others stop with it rather
+    // than wait out the collective's timeout.
+    let shared = match &found {
+        Ok(found) => found.as_ref().map_or(0, |f| f.step),
+        Err(_) => UNREADABLE,
+    };
+    let step = share_step(shared, collective)?;
+    let found = found?;
+    if step == UNREADABLE {
+        return Err(ResumeError::OnRankZero);
+    }
     if step == 0 {
         return Ok(0);
     }
@@ -173,10 +192,13 @@ fn read<B: Backend>(
     }))
 }
 
+/// What rank 0 shares for a checkpoint of this run it could not read.
+const UNREADABLE: usize = u32::MAX as usize;
+
 /// Rank 0's `step` on every rank, exactly (an f32 holds integers up to 2^24 exactly: the
 /// step goes as two 16-bit halves).
 fn share_step(step: usize, collective: &mut dyn Collective) -> Result<usize, CollectiveError> {
-    let step = u32::try_from(step).unwrap_or(u32::MAX);
+    let step = u32::try_from(step).unwrap_or(u32::MAX - 1);
     let mut halves = [(step >> 16) as f32, (step & 0xffff) as f32];
     collective.broadcast(&mut halves, 0)?;
     Ok(((halves[0] as usize) << 16) | halves[1] as usize)
@@ -189,7 +211,8 @@ pub struct Checkpointer {
     interval: Option<Duration>,
     last: Instant,
     metadata: BTreeMap<String, String>,
-    writing: Option<JoinHandle<Result<(), CheckpointError>>>,
+    /// The checkpoint being written; its failure names its step.
+    writing: Option<JoinHandle<Result<(), (usize, CheckpointError)>>>,
 }
 
 impl Checkpointer {
@@ -225,15 +248,9 @@ impl Checkpointer {
     }
 
     /// Takes the state after `steps_done` steps off the device and writes it on a thread of
-    /// its own, once the previous checkpoint is written (its failure is returned here).
-    pub fn write<B: Backend>(
-        &mut self,
-        steps_done: usize,
-        be: &B,
-        model: &Model<B>,
-        sgd: &Sgd<B>,
-    ) -> Result<(), CheckpointError> {
-        self.finish_writing()?;
+    /// its own, once the previous checkpoint is written.
+    pub fn write<B: Backend>(&mut self, steps_done: usize, be: &B, model: &Model<B>, sgd: &Sgd<B>) {
+        self.finish_writing();
         self.last = Instant::now();
         let store = model.params().weights_to_host(be);
         let velocity = be.download(sgd.velocity(), &[store.values.len()]);
@@ -242,13 +259,17 @@ impl Checkpointer {
         let path = self.path.clone();
         self.writing = Some(std::thread::spawn(move || {
             let started = Instant::now();
+            let failed = |e| (steps_done, e);
             if let Some(dir) = path.parent() {
-                std::fs::create_dir_all(dir).map_err(|source| CheckpointError::Write {
-                    path: dir.display().to_string(),
-                    source,
+                std::fs::create_dir_all(dir).map_err(|source| {
+                    failed(CheckpointError::Write {
+                        path: dir.display().to_string(),
+                        source,
+                    })
                 })?;
             }
-            checkpoint::save_with(&path, &store, &[(VELOCITY, &velocity)], &metadata)?;
+            checkpoint::save_with(&path, &store, &[(VELOCITY, &velocity)], &metadata)
+                .map_err(failed)?;
             print_line(&Line::Checkpoint(CheckpointWritten {
                 step: steps_done as u64,
                 path: path.display().to_string(),
@@ -256,16 +277,22 @@ impl Checkpointer {
             }));
             Ok(())
         }));
-        Ok(())
     }
 
-    /// Waits for the checkpoint being written, and returns its failure.
-    pub fn finish_writing(&mut self) -> Result<(), CheckpointError> {
-        match self.writing.take() {
-            Some(writing) => writing
-                .join()
-                .expect("the checkpoint writer does not panic"),
-            None => Ok(()),
+    /// Waits for the checkpoint being written. One that could not be written (a full or
+    /// unreachable share) is said on stderr and training goes on: a restart would go on from
+    /// the one before, and the run may well finish and write its model.
+    pub fn finish_writing(&mut self) {
+        let Some(writing) = self.writing.take() else {
+            return;
+        };
+        let written = writing
+            .join()
+            .expect("the checkpoint writer does not panic");
+        if let Err((step, e)) = written {
+            eprintln!(
+                "ringmaster-trainer: warning: the checkpoint of step {step} was not written ({e}); training goes on"
+            );
         }
     }
 }
@@ -298,6 +325,9 @@ pub enum ResumeError {
         /// The run's length.
         total_steps: usize,
     },
+    /// Rank 0 could not read the run's checkpoint (its own error says why).
+    #[error("rank 0 could not read the run's checkpoint")]
+    OnRankZero,
     /// Handing the checkpoint to the other ranks failed.
     #[error(transparent)]
     Collective(#[from] CollectiveError),

@@ -414,18 +414,17 @@ fn train_on<B: Backend>(
             if let Some(checkpointer) = &mut checkpointer
                 && checkpointer.due(step + 1, total_steps)
             {
-                checkpointer.write(step + 1, &be, &model, &sgd)?;
+                checkpointer.write(step + 1, &be, &model, &sgd);
             }
         }
         Ok(())
     });
     // A checkpoint being written is finished, also when training failed: the run that
     // starts again goes on from it.
-    let written = checkpointer
-        .as_mut()
-        .map_or(Ok(()), Checkpointer::finish_writing);
+    if let Some(checkpointer) = &mut checkpointer {
+        checkpointer.finish_writing();
+    }
     trained?;
-    written?;
     let images_per_second = match timed_from {
         Some((t, from)) if total_steps > from => {
             ((total_steps - from) * global_batch) as f64 / t.elapsed().as_secs_f64()

@@ -1,5 +1,8 @@
 //! A run that stops (a peer lost) and starts again goes on from its checkpoint, and ends
-//! with the weights of a run that never stopped; another run's checkpoint is not taken.
+//! with the weights of a run that never stopped, on one rank and on two under `mpirun`;
+//! another run's checkpoint is not taken.
+
+mod common;
 
 use std::path::{Path, PathBuf};
 
@@ -67,10 +70,14 @@ fn fresh_dir(name: &str) -> PathBuf {
     dir
 }
 
-fn weights(path: &Path) -> Vec<f32> {
+/// A saved model's weights and batch-norm statistics.
+fn weights(path: &Path) -> (Vec<f32>, Vec<f32>) {
     let mut model = Model::new(Arch::CifarResNet { depth: 8, width: 8 }, 4, 99);
     checkpoint::load(path, model.params_mut()).expect("the model loads");
-    model.params().values.clone()
+    (
+        model.params().values.clone(),
+        model.params().buffers.clone(),
+    )
 }
 
 fn checkpoint_metadata(dir: &Path) -> std::collections::BTreeMap<String, String> {
@@ -104,7 +111,7 @@ fn a_run_that_lost_a_peer_goes_on_from_its_checkpoint_and_ends_as_if_it_had_not(
     assert_eq!(resumed.resumed_from_step, Some(4));
     assert_eq!(resumed.steps, 12);
     // Weights, batch-norm statistics, momentum, the data's place and the learning rate all
-    // came back: the run ends where the uninterrupted one did.
+    // came back: the run ends where the uninterrupted one did, statistics included.
     assert_eq!(resumed.final_loss, uninterrupted.final_loss);
     assert_eq!(
         weights(&stopped.join("model.safetensors")),
@@ -155,4 +162,115 @@ fn a_checkpoint_that_cannot_be_read_stops_the_run_and_says_what_to_do() {
     assert!(message.contains("checkpoint.safetensors"), "{message}");
     assert!(message.contains("move it away"), "{message}");
     assert_eq!(failed.exit_code(), exit::FAILED);
+}
+
+/// The flags of a small run on `ranks` ranks (a global batch of 16) into `output_dir`.
+fn flags(output_dir: &Path, ranks: usize) -> Vec<String> {
+    [
+        "train",
+        "--model=cifar8",
+        "--width=8",
+        "--learnable-classes=4",
+        "--image-size=16",
+        "--dataset-size=256",
+        "--learning-rate=0.05",
+        "--steps=6",
+        "--checkpoint-every=2",
+        "--run-id=run-m",
+        "--log-every=1",
+    ]
+    .map(String::from)
+    .into_iter()
+    .chain([
+        format!("--batch-size={}", 16 / ranks),
+        format!("--output-dir={}", output_dir.display()),
+    ])
+    .collect()
+}
+
+fn succeeded(out: &std::process::Output) -> &[u8] {
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    &out.stdout
+}
+
+#[test]
+fn two_ranks_go_on_from_rank_0s_checkpoint_with_its_momentum_and_statistics_on_both() {
+    let dir = fresh_dir("two-ranks");
+    let args = flags(&dir, 2);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let first = common::mpirun(2, &args, &[]);
+    let first_summary = common::summary(succeeded(&first));
+    assert!(first_summary.get("resumedFromStep").is_none());
+    let finished = weights(&dir.join("model.safetensors"));
+
+    // The finished run's last checkpoint is step 4's: the same run started again goes on from
+    // there on both ranks. Rank 1 takes rank 0's momentum: without it, its updates (and so
+    // the gradients it adds to rank 0's) would differ, and so would the model.
+    let again = common::mpirun(2, &args, &[]);
+    let stdout = succeeded(&again);
+    let resumed = common::json_lines(stdout)
+        .into_iter()
+        .find(|l| l["event"] == "resumed")
+        .expect("a resumed line");
+    assert_eq!(resumed["step"], 4);
+    assert_eq!(common::summary(stdout)["resumedFromStep"], 4);
+    assert_eq!(common::steps(stdout)[0]["step"], 5, "step 5 comes next");
+    assert_eq!(weights(&dir.join("model.safetensors")), finished);
+
+    // Rank 0 cannot read it: both ranks stop at once with rank 0's reason, not 60 s later
+    // as lost peers.
+    std::fs::write(dir.join(resume::FILE), b"not a safetensors file").unwrap();
+    let broken = common::mpirun(2, &args, &[]);
+    assert!(!broken.status.success());
+    let failures: Vec<_> = common::json_lines(&broken.stdout)
+        .into_iter()
+        .filter(|l| l["event"] == "failed")
+        .collect();
+    let of = |rank: u64| {
+        failures
+            .iter()
+            .find(|l| l["rank"] == rank)
+            .unwrap_or_else(|| panic!("rank {rank} said why it stopped: {failures:?}"))
+    };
+    assert!(
+        of(0)["error"].as_str().unwrap().contains("move it away"),
+        "{failures:?}"
+    );
+    assert_eq!(of(1)["error"], "rank 0 could not read the run's checkpoint");
+    assert_eq!(
+        of(1)["exitCode"],
+        u64::from(exit::FAILED),
+        "not a lost peer"
+    );
+}
+
+#[test]
+fn a_checkpoint_that_cannot_be_written_is_said_and_training_goes_on_to_its_model() {
+    let dir = fresh_dir("unwritable");
+    // The name the file is written under before it is renamed is taken by a folder.
+    std::fs::create_dir_all(dir.join("checkpoint.safetensors.partial")).unwrap();
+    let args = flags(&dir, 1);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = common::trainer(&args);
+    let stdout = succeeded(&out);
+    assert_eq!(common::summary(stdout)["steps"], 6);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for step in [2, 4] {
+        assert!(
+            stderr.contains(&format!(
+                "warning: the checkpoint of step {step} was not written"
+            )),
+            "{stderr}"
+        );
+    }
+    assert!(!dir.join(resume::FILE).exists());
+    assert!(
+        dir.join("model.safetensors").exists(),
+        "the model is written"
+    );
 }

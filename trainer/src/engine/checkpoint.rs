@@ -27,6 +27,9 @@ pub enum CheckpointError {
         /// The cause.
         source: std::io::Error,
     },
+    /// The file does not start with a safetensors header.
+    #[error("not a safetensors header: {0}")]
+    Header(String),
     /// The safetensors library rejected the data.
     #[error("safetensors: {0}")]
     Format(#[from] SafeTensorError),
@@ -93,15 +96,52 @@ pub fn save_with(
     partial.push(".partial");
     let partial = std::path::PathBuf::from(partial);
     safetensors::serialize_to_file(views, Some(meta), &partial)?;
-    std::fs::rename(&partial, path).map_err(|source| CheckpointError::Write {
+    let written = |source| CheckpointError::Write {
         path: path.display().to_string(),
         source,
-    })
+    };
+    // On the disk before it takes the name: after a crash of the node the name holds the
+    // previous file or this one, never a file whose data never reached the disk.
+    std::fs::File::open(&partial)
+        .and_then(|file| file.sync_all())
+        .map_err(written)?;
+    std::fs::rename(&partial, path).map_err(written)?;
+    // The rename itself, where the file system lets a folder be synced (not every network
+    // file system does; the file's data is on the disk either way).
+    if let Some(folder) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        let _ = std::fs::File::open(folder).and_then(|folder| folder.sync_all());
+    }
+    Ok(())
 }
 
-/// The metadata of the checkpoint at `path`, without its tensors.
+/// The metadata of the checkpoint at `path`, read from its header alone (the tensors can be
+/// hundreds of megabytes on a network share).
 pub fn metadata(path: &Path) -> Result<BTreeMap<String, String>, CheckpointError> {
-    metadata_of(&read(path)?)
+    use std::io::Read;
+    let io = |source| CheckpointError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let mut file = std::fs::File::open(path).map_err(io)?;
+    let mut length = [0u8; 8];
+    file.read_exact(&mut length).map_err(io)?;
+    // safetensors' own limit on a header.
+    let length = u64::from_le_bytes(length);
+    if length > 100_000_000 {
+        return Err(CheckpointError::Header(format!(
+            "a header of {length} bytes"
+        )));
+    }
+    let mut header = vec![0u8; length as usize];
+    file.read_exact(&mut header).map_err(io)?;
+    #[derive(serde::Deserialize)]
+    struct Header {
+        #[serde(rename = "__metadata__", default)]
+        metadata: BTreeMap<String, String>,
+    }
+    serde_json::from_slice::<Header>(&header)
+        .map(|h| h.metadata)
+        .map_err(|e| CheckpointError::Header(e.to_string()))
 }
 
 fn metadata_of(file: &[u8]) -> Result<BTreeMap<String, String>, CheckpointError> {
