@@ -257,13 +257,13 @@ pub struct TrainArgs {
     #[arg(long)]
     pub checkpoint_every: Option<usize>,
     /// Write the checkpoint once this many minutes have passed since the last one (0: not by
-    /// time). Rank 0 writes it in the background while training goes on.
+    /// time; at most 10080, a week). Rank 0 writes it in the background while training goes on.
     #[arg(long, default_value_t = defaults::CHECKPOINT_MINUTES)]
     pub checkpoint_minutes: f32,
-    /// Whose checkpoint this run resumes from: one written under the same id (and the same
-    /// model, batch, length and seed). Ringmaster sets it to the TrainingJob's UID, so a gang
-    /// restarted after a failure goes on from the last checkpoint, and a job made anew under
-    /// the same name starts from the beginning.
+    /// Whose checkpoint this run resumes from: one written under the same id, with the same
+    /// model, image size, global batch, length, optimizer settings and seed. Ringmaster sets it
+    /// to the TrainingJob's UID, so a gang restarted after a failure goes on from the last
+    /// checkpoint, and a job made anew under the same name starts from the beginning.
     #[arg(long, env = RUN_ID_ENV)]
     pub run_id: Option<String>,
 }

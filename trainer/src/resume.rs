@@ -30,8 +30,9 @@ const VELOCITY: &str = "optimizer.velocity";
 const STEP: &str = "step";
 
 /// What a checkpoint must have been written by to be resumed from: the run (`--run-id`, the
-/// TrainingJob's UID under Ringmaster) and what decides the weights' path (model, classes,
-/// global batch, length, seed). Another run's checkpoint is not resumed from.
+/// TrainingJob's UID under Ringmaster) and the settings that decide the weights' path (model,
+/// width, classes, image size, global batch, length, learning rate, schedule, momentum,
+/// weight decay, seed). Another run's checkpoint is not resumed from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Identity {
     keys: BTreeMap<String, String>,
