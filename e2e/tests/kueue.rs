@@ -319,14 +319,26 @@ impl AdmissionWatch {
         )
         .map(|event| event.map(|e| ("workload", as_values(e))));
         let record = changes.clone();
+        let (started, both_started) = tokio::sync::oneshot::channel();
         let task = tokio::spawn(async move {
             let mut both = futures::stream::select(pods.boxed(), workloads.boxed());
+            // Each watch has listed what exists and watches from there once it says InitDone.
+            let (mut started, mut listed) = (Some(started), BTreeSet::new());
             while let Some(event) = both.next().await {
                 let Ok((kind, event)) = event else { continue };
                 let (object, gone) = match event {
                     watcher::Event::Apply(o) | watcher::Event::InitApply(o) => (o, false),
                     watcher::Event::Delete(o) => (o, true),
-                    watcher::Event::Init | watcher::Event::InitDone => continue,
+                    watcher::Event::InitDone => {
+                        listed.insert(kind);
+                        if listed.len() == 2
+                            && let Some(started) = started.take()
+                        {
+                            let _ = started.send(());
+                        }
+                        continue;
+                    }
+                    watcher::Event::Init => continue,
                 };
                 let rv: u64 = object["metadata"]["resourceVersion"]
                     .as_str()
@@ -354,8 +366,11 @@ impl AdmissionWatch {
                 record.lock().unwrap().push((rv, change));
             }
         });
-        // The watches have started before the test makes anything.
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Both watches have started before the test makes anything.
+        tokio::time::timeout(Duration::from_secs(30), both_started)
+            .await
+            .expect("the watches of pods and Workloads started within 30 s")
+            .expect("the watch task runs");
         Self { changes, task }
     }
 
