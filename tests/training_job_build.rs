@@ -846,19 +846,21 @@ fn a_users_volume_clashes_only_with_what_ringmaster_gives_the_same_pod() {
     );
 }
 
+/// The trainer flags starting with `prefix` that the flagship sample, changed by `edit`, gets.
+fn flagship_train_flags_starting(prefix: &str, edit: fn(&mut Value)) -> Vec<String> {
+    let job = sample("trainingjob-resnet50-nd96asr-v4.yaml", edit);
+    train_flags(&build::launcher_command(&job))
+        .iter()
+        .filter(|f| f.starts_with(prefix))
+        .cloned()
+        .collect()
+}
+
 /// The warm-up is the trainer's default unless the spec sets one: no flag the spec did not
 /// ask for, so a trainer image older than `--warmup-epochs` runs the same jobs as before.
 #[test]
 fn the_warm_up_flag_goes_only_with_the_specs_own_setting() {
-    let warmup = |edit: fn(&mut Value)| {
-        let job = sample("trainingjob-resnet50-nd96asr-v4.yaml", edit);
-        let command = build::launcher_command(&job);
-        train_flags(&command)
-            .iter()
-            .filter(|f| f.starts_with("--warmup-"))
-            .cloned()
-            .collect::<Vec<_>>()
-    };
+    let warmup = |edit| flagship_train_flags_starting("--warmup-", edit);
     assert!(warmup(|_| {}).is_empty());
     assert_eq!(
         warmup(|o| o["spec"]["trainer"]["warmupEpochs"] = json!(0.5)),
@@ -873,15 +875,7 @@ fn the_warm_up_flag_goes_only_with_the_specs_own_setting() {
 /// The checkpoint clock is the trainer's default unless the spec sets one.
 #[test]
 fn the_checkpoint_flag_goes_only_with_the_specs_own_setting() {
-    let checkpoint = |edit: fn(&mut Value)| {
-        let job = sample("trainingjob-resnet50-nd96asr-v4.yaml", edit);
-        let command = build::launcher_command(&job);
-        train_flags(&command)
-            .iter()
-            .filter(|f| f.starts_with("--checkpoint-"))
-            .cloned()
-            .collect::<Vec<_>>()
-    };
+    let checkpoint = |edit| flagship_train_flags_starting("--checkpoint-", edit);
     assert!(checkpoint(|_| {}).is_empty());
     assert_eq!(
         checkpoint(|o| o["spec"]["trainer"]["checkpointMinutes"] = json!(30)),

@@ -22,7 +22,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::LogParams;
 use ringmaster::api::TrainingJobPhase;
-use ringmaster_contract::trainer::{CHECKPOINT_FILE, Summary};
+use ringmaster_contract::trainer::{CHECKPOINT_FILE, MODEL_FILE, Summary};
 use serde_json::{Value, json};
 
 /// The trainer image node.sh imports: the Dockerfile's trainer recipe on Debian, run as
@@ -561,7 +561,7 @@ async fn a_worker_killed_mid_training_restarts_the_gang_which_goes_on_from_its_c
         .unwrap();
     assert_eq!(metadata["run"], uid, "written under the job's UID");
     assert!(
-        dir.join("kill/model.safetensors").exists(),
+        dir.join("kill").join(MODEL_FILE).exists(),
         "the final model"
     );
 

@@ -119,15 +119,25 @@ pub fn restore<B: Backend>(
     if step == 0 {
         return Ok(0);
     }
+    // Rank 0 puts the checkpoint's values in, and every rank takes rank 0's: one trip through
+    // the host each. The weights are broadcast by the caller, as at every start.
+    let take = |v: &mut [f32], from: Option<&Vec<f32>>| {
+        if let Some(from) = from {
+            v.copy_from_slice(from);
+        }
+    };
     let params = model.params_mut();
     if let Some(found) = &found {
         be.with_host(&mut params.values, |v| v.copy_from_slice(&found.values));
-        be.with_host(&mut params.buffers, |v| v.copy_from_slice(&found.buffers));
-        be.with_host(sgd.velocity_mut(), |v| v.copy_from_slice(&found.velocity));
     }
-    // The weights are broadcast by the caller, as at every start.
-    be.with_host(&mut params.buffers, |v| collective.broadcast(v, 0))?;
-    be.with_host(sgd.velocity_mut(), |v| collective.broadcast(v, 0))?;
+    be.with_host(&mut params.buffers, |v| {
+        take(v, found.as_ref().map(|f| &f.buffers));
+        collective.broadcast(v, 0)
+    })?;
+    be.with_host(sgd.velocity_mut(), |v| {
+        take(v, found.as_ref().map(|f| &f.velocity));
+        collective.broadcast(v, 0)
+    })?;
     if let Some(found) = found {
         print_line(&Line::Resumed(Resumed {
             step: step as u64,

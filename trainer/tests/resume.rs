@@ -6,7 +6,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use ringmaster_contract::trainer::{Capabilities, TrainArgs, exit};
+use ringmaster_contract::trainer::{Capabilities, MODEL_FILE, TrainArgs, exit};
 use ringmaster_trainer::collective::{Collective, CollectiveError, ReduceOp, SingleRank};
 use ringmaster_trainer::engine::checkpoint;
 use ringmaster_trainer::engine::{Arch, Model};
@@ -104,7 +104,7 @@ fn a_run_that_lost_a_peer_goes_on_from_its_checkpoint_and_ends_as_if_it_had_not(
     assert_eq!(failed.exit_code(), exit::PEER_LOST);
     assert_eq!(checkpoint_metadata(&stopped)["step"], "4");
     assert_eq!(checkpoint_metadata(&stopped)["run"], "run-a");
-    assert!(!stopped.join("model.safetensors").exists());
+    assert!(!stopped.join(MODEL_FILE).exists());
 
     let resumed =
         run_with(&args(&stopped, "run-a"), &mut SingleRank, &caps, 0).expect("the run goes on");
@@ -114,8 +114,8 @@ fn a_run_that_lost_a_peer_goes_on_from_its_checkpoint_and_ends_as_if_it_had_not(
     // came back: the run ends where the uninterrupted one did, statistics included.
     assert_eq!(resumed.final_loss, uninterrupted.final_loss);
     assert_eq!(
-        weights(&stopped.join("model.safetensors")),
-        weights(&whole.join("model.safetensors"))
+        weights(&stopped.join(MODEL_FILE)),
+        weights(&whole.join(MODEL_FILE))
     );
     // Its last checkpoint is step 8's: the last step writes the model instead.
     assert_eq!(checkpoint_metadata(&stopped)["step"], "8");
@@ -206,7 +206,7 @@ fn two_ranks_go_on_from_rank_0s_checkpoint_with_its_momentum_and_statistics_on_b
     let first = common::mpirun(2, &args, &[]);
     let first_summary = common::summary(succeeded(&first));
     assert!(first_summary.get("resumedFromStep").is_none());
-    let finished = weights(&dir.join("model.safetensors"));
+    let finished = weights(&dir.join(MODEL_FILE));
 
     // The finished run's last checkpoint is step 4's: the same run started again goes on from
     // there on both ranks. Rank 1 takes rank 0's momentum: without it, its updates (and so
@@ -220,7 +220,7 @@ fn two_ranks_go_on_from_rank_0s_checkpoint_with_its_momentum_and_statistics_on_b
     assert_eq!(resumed["step"], 4);
     assert_eq!(common::summary(stdout)["resumedFromStep"], 4);
     assert_eq!(common::steps(stdout)[0]["step"], 5, "step 5 comes next");
-    assert_eq!(weights(&dir.join("model.safetensors")), finished);
+    assert_eq!(weights(&dir.join(MODEL_FILE)), finished);
 
     // Rank 0 cannot read it: both ranks stop at once with rank 0's reason, not 60 s later
     // as lost peers.
@@ -269,8 +269,5 @@ fn a_checkpoint_that_cannot_be_written_is_said_and_training_goes_on_to_its_model
         );
     }
     assert!(!dir.join(resume::FILE).exists());
-    assert!(
-        dir.join("model.safetensors").exists(),
-        "the model is written"
-    );
+    assert!(dir.join(MODEL_FILE).exists(), "the model is written");
 }

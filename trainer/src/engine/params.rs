@@ -92,11 +92,8 @@ impl<B: Backend> ParamStore<B> {
     /// A copy of the values, gradients and buffers on the host.
     pub fn to_host(&self, be: &B) -> ParamStore {
         ParamStore {
-            values: be.download(&self.values, &[self.num_parameters()]),
             grads: be.download(&self.grads, &[self.num_parameters()]),
-            entries: self.entries.clone(),
-            buffers: be.download(&self.buffers, &[self.num_buffer_values()]),
-            buffer_entries: self.buffer_entries.clone(),
+            ..self.weights_to_host(be)
         }
     }
 
