@@ -6,7 +6,7 @@ mod fixtures;
 use ringmaster::controller::training_job::build::{self, BuildInputs, SshKeys};
 use ringmaster::controller::training_job::names::ChildNaming;
 use ringmaster::controller::training_job::validate::{
-    Program, ValidatedTrainingJob, validate_value_for,
+    Program, ValidatedTrainingJob, validate_value,
 };
 use ringmaster::gang::{GangApi, GangScheduler};
 use ringmaster_contract::trainer::{Capabilities, TrainArgs};
@@ -18,8 +18,7 @@ fn sample(file: &str, edit: impl FnOnce(&mut Value)) -> ValidatedTrainingJob {
     object["metadata"]["namespace"] = json!("ml");
     object["metadata"]["uid"] = json!("6f1c2d3e-0000-4000-8000-00000000abcd");
     edit(&mut object);
-    validate_value_for(&object, None, &fixtures::with_cuda())
-        .unwrap_or_else(|e| panic!("{file}: {e}"))
+    validate_value(&object, None).unwrap_or_else(|e| panic!("{file}: {e}"))
 }
 
 fn gpu_job() -> ValidatedTrainingJob {
@@ -674,8 +673,8 @@ fn train_flags(command: &[String]) -> &[String] {
 }
 
 /// The trainer's own parser and settings check accept the command the operator builds for
-/// every sample that validate accepts on this release, and the GPU sample on a trainer with
-/// the CUDA engine; the parsed settings are the ones validate derived (no drift).
+/// every sample, the GPU one too; the parsed settings are the ones validate derived (no
+/// drift).
 #[test]
 fn the_trainer_accepts_the_command_the_operator_builds() {
     let mut checked = 0;
@@ -684,26 +683,25 @@ fn the_trainer_accepts_the_command_the_operator_builds() {
             if object["kind"] != "TrainingJob" {
                 continue;
             }
-            for capabilities in [Capabilities::this_release(), fixtures::with_cuda()] {
-                let Ok(job) = validate_value_for(&object, None, &capabilities) else {
-                    continue;
-                };
-                let command = build::launcher_command(&job);
-                let parsed = TrainArgs::parse_flags(train_flags(&command))
-                    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-                assert_eq!(parsed.check(&capabilities), Ok(()), "{}", path.display());
-                match &job.program {
-                    Program::Trainer(t) => assert_eq!(parsed, t.args),
-                    Program::Command(_) => unreachable!("the samples run the trainer"),
-                }
-                checked += 1;
+            let job =
+                validate_value(&object, None).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let command = build::launcher_command(&job);
+            let parsed = TrainArgs::parse_flags(train_flags(&command))
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            assert_eq!(
+                parsed.check(&Capabilities::this_release()),
+                Ok(()),
+                "{}",
+                path.display()
+            );
+            match &job.program {
+                Program::Trainer(t) => assert_eq!(parsed, t.args),
+                Program::Command(_) => unreachable!("the samples run the trainer"),
             }
+            checked += 1;
         }
     }
-    assert_eq!(
-        checked, 3,
-        "the CPU sample twice, the GPU sample with the CUDA engine"
-    );
+    assert_eq!(checked, 2, "the CPU sample and the GPU sample");
     // The user's extra flags come last, so they win, and the trainer sees them.
     let job = sample("trainingjob-cpu-small.yaml", |o| {
         o["spec"]["trainer"]["extraArgs"] = json!(["--seed=7", "--log-every=1"]);
@@ -832,7 +830,7 @@ fn a_users_volume_clashes_only_with_what_ringmaster_gives_the_same_pod() {
         object["metadata"]["namespace"] = json!("ml");
         object["spec"]["worker"]["volumes"] =
             json!([{"name": "dshm", "emptyDir": {"medium": "Memory"}}]);
-        validate_value_for(&object, None, &fixtures::with_cuda())
+        validate_value(&object, None)
     };
     assert!(with_dshm("trainingjob-cpu-small.yaml").is_ok());
     let errors = with_dshm("trainingjob-resnet50-nd96asr-v4.yaml").unwrap_err();

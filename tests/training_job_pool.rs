@@ -10,17 +10,16 @@ use ringmaster::aks::{Accepted, AgentPool, ArmError, Operation};
 use ringmaster::api::NodePoolStatus;
 use ringmaster::controller::training_job::plan::PoolState;
 use ringmaster::controller::training_job::pool::{PoolSeen, after_create, decide};
-use ringmaster::controller::training_job::validate::{ValidatedTrainingJob, validate_value_for};
+use ringmaster::controller::training_job::validate::{ValidatedTrainingJob, validate_value};
 use serde_json::json;
 
-/// The flagship sample (2 × Standard_ND96asr_v4 in its own pool), as a trainer with the
-/// CUDA engine would take it.
+/// The flagship sample (2 × Standard_ND96asr_v4 in its own pool).
 fn job() -> ValidatedTrainingJob {
     let path = fixtures::root().join("config/samples/trainingjob-resnet50-nd96asr-v4.yaml");
     let mut object = fixtures::ringmaster_objects(&path).remove(0);
     object["metadata"]["namespace"] = json!("ml");
     object["metadata"]["uid"] = json!("6f1c2d3e-0000-4000-8000-00000000abcd");
-    validate_value_for(&object, None, &fixtures::with_cuda()).unwrap()
+    validate_value(&object, None).unwrap()
 }
 
 fn seen(pool: Result<Option<AgentPool>, ArmError>) -> PoolSeen {

@@ -434,24 +434,32 @@ impl TrainArgs {
             refuse(
                 Setting::Device,
                 match self.device {
-                    Device::Cuda => "this release of ringmaster-trainer computes on CPUs only: its CUDA engine (cuDNN, cuBLAS, NCCL) is built in but not yet verified on a GPU, so GPU jobs cannot run the built-in trainer (use gpusPerWorker: 0, or your own command)".to_string(),
-                    other => format!("this release of ringmaster-trainer cannot compute on {other} (it can on: {})", list(&capabilities.devices)),
+                    Device::Cuda => format!(
+                        "this ringmaster-trainer has no CUDA engine: it computes on {} only (use gpusPerWorker: 0, or your own command)",
+                        list(&capabilities.devices)
+                    ),
+                    other => format!(
+                        "this ringmaster-trainer cannot compute on {other} (it can on: {})",
+                        list(&capabilities.devices)
+                    ),
                 },
             );
         }
         if !capabilities.precisions.contains(&self.precision) {
             refuse(
                 Setting::Precision,
-                match self.precision {
-                    Precision::Bf16 => format!(
-                        "bf16 needs the CUDA engine, which this release of ringmaster-trainer has not yet verified on a GPU; it computes in {} (set precision: fp32 with gpusPerWorker: 0)",
-                        list(&capabilities.precisions)
-                    ),
-                    other => format!(
-                        "this release of ringmaster-trainer cannot compute in {other} (it can in: {})",
-                        list(&capabilities.precisions)
-                    ),
-                },
+                format!(
+                    "this ringmaster-trainer cannot compute in {} (it can in: {})",
+                    self.precision,
+                    list(&capabilities.precisions)
+                ),
+            );
+        } else if self.precision == Precision::Bf16 && self.device == Device::Cpu {
+            // The CPU engine is the fp32 reference; `auto` is decided on the machine, and the
+            // trainer refuses bf16 there when it picks the CPU.
+            refuse(
+                Setting::Precision,
+                "bf16 computes on the CUDA engine only, and this job computes on CPUs (set precision: fp32, or give the workers GPUs with gpusPerWorker)".to_string(),
             );
         }
         if !capabilities.models.contains(&self.model) {
@@ -624,13 +632,13 @@ pub struct Capabilities {
 }
 
 impl Capabilities {
-    /// The trainer of this release: the CPU engine in fp32, every network, the TCP ring and
-    /// NCCL (NCCL is loaded at run time, where a GPU is). The CUDA engine adds `cuda` and
-    /// `bf16` when it lands.
+    /// The trainer of this release: the CPU engine in fp32 and the CUDA engine in fp32 and
+    /// bf16, every network, the TCP ring and NCCL (CUDA's libraries and NCCL are loaded at
+    /// run time, where a GPU is).
     pub fn this_release() -> Self {
         Self {
-            devices: vec![Device::Cpu],
-            precisions: vec![Precision::Fp32],
+            devices: vec![Device::Cpu, Device::Cuda],
+            precisions: vec![Precision::Fp32, Precision::Bf16],
             models: Model::ALL.to_vec(),
             collectives: vec![
                 CollectiveKind::Auto,
@@ -905,9 +913,44 @@ mod tests {
     }
 
     #[test]
-    fn this_release_refuses_the_gpu_with_the_reason() {
+    fn this_release_computes_in_bf16_on_the_gpu_only() {
         let caps = Capabilities::this_release();
-        let errors = everything_set().check(&caps).unwrap_err();
+        assert_eq!(everything_set().check(&caps), Ok(()));
+        let fp32_on_cpu = TrainArgs {
+            device: Device::Cpu,
+            precision: Precision::Fp32,
+            ..everything_set()
+        };
+        assert_eq!(fp32_on_cpu.check(&caps), Ok(()));
+        let auto = TrainArgs {
+            device: Device::Auto,
+            ..everything_set()
+        };
+        assert_eq!(auto.check(&caps), Ok(()), "auto is decided on the machine");
+        let bf16_on_cpu = TrainArgs {
+            device: Device::Cpu,
+            ..everything_set()
+        };
+        let errors = bf16_on_cpu.check(&caps).unwrap_err();
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(errors[0].setting, Setting::Precision);
+        assert!(
+            errors[0]
+                .to_string()
+                .starts_with("--precision: bf16 computes on the CUDA engine only"),
+            "{}",
+            errors[0]
+        );
+    }
+
+    #[test]
+    fn a_trainer_without_the_cuda_engine_refuses_the_gpu_with_the_reason() {
+        let cpu_only = Capabilities {
+            devices: vec![Device::Cpu],
+            precisions: vec![Precision::Fp32],
+            ..Capabilities::this_release()
+        };
+        let errors = everything_set().check(&cpu_only).unwrap_err();
         let settings: Vec<Setting> = errors.iter().map(|e| e.setting).collect();
         assert_eq!(settings, vec![Setting::Device, Setting::Precision]);
         assert!(
@@ -915,14 +958,16 @@ mod tests {
             "{}",
             errors[0]
         );
-        assert!(errors[0].message.contains("CUDA engine"), "{}", errors[0]);
-        assert!(errors[1].message.contains("bf16"), "{}", errors[1]);
-        let cpu = TrainArgs {
-            device: Device::Cpu,
-            precision: Precision::Fp32,
-            ..everything_set()
-        };
-        assert_eq!(cpu.check(&caps), Ok(()));
+        assert!(
+            errors[0].message.contains("no CUDA engine"),
+            "{}",
+            errors[0]
+        );
+        assert!(
+            errors[1].message.contains("cannot compute in bf16"),
+            "{}",
+            errors[1]
+        );
     }
 
     #[test]
@@ -1060,7 +1105,8 @@ mod tests {
     #[test]
     fn capabilities_print_as_flag_values() {
         let json = serde_json::to_value(Capabilities::this_release()).unwrap();
-        assert_eq!(json["devices"], serde_json::json!(["cpu"]));
+        assert_eq!(json["devices"], serde_json::json!(["cpu", "cuda"]));
+        assert_eq!(json["precisions"], serde_json::json!(["fp32", "bf16"]));
         assert_eq!(json["collectives"][1], "tcp-ring");
         assert_eq!(json["models"][2], "resnet50");
     }

@@ -67,8 +67,8 @@ async fn a_gpu_job_with_infiniband_runs_and_succeeds_with_its_result() {
     let mut job = cpu_job("resnet50", 2, |spec| {
         spec["gpusPerWorker"] = json!(8);
         spec.as_object_mut().unwrap().remove("slotsPerWorker");
-        spec.as_object_mut().unwrap().remove("trainer");
-        spec["command"] = common::own_gpu_program();
+        // The built-in trainer, with the operator's GPU defaults (CUDA, bf16).
+        spec["trainer"] = json!({"model": "resnet50", "steps": 100});
         spec["infiniband"] = json!({"enabled": true});
         spec["nodePool"] = json!({"provisioner": "existing", "vmSize": "Standard_ND96asr_v4",
                                   "nodeSelector": {"kubernetes.azure.com/agentpool": "gpu"}});
@@ -146,6 +146,12 @@ async fn a_gpu_job_with_infiniband_runs_and_succeeds_with_its_result() {
         .join(" ");
     assert!(
         command.contains("mpirun --hostfile /etc/ringmaster/mpi/hostfile -np 16"),
+        "{command}"
+    );
+    assert!(
+        command.contains("ringmaster-trainer train")
+            && command.contains("--device=cuda")
+            && command.contains("--precision=bf16"),
         "{command}"
     );
 

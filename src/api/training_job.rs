@@ -111,6 +111,9 @@ fn immutable(field: &str) -> Rule {
     validation = Rule::new("!has(self.trainer) || !has(self.trainer.checkpointMinutes) || has(self.output)")
         .message("trainer.checkpointMinutes needs output: the checkpoints are written there")
         .field_path(".trainer.checkpointMinutes"),
+    validation = Rule::new("!has(self.trainer) || !has(self.trainer.precision) || self.trainer.precision != 'bf16' || self.gpusPerWorker > 0")
+        .message("trainer.precision bf16 computes on GPUs only (the trainer's CUDA engine): set gpusPerWorker, or precision: fp32")
+        .field_path(".trainer.precision"),
     validation = Rule::new("!has(self.infiniband) || !self.infiniband.enabled || self.gpusPerWorker > 0")
         .message("infiniband needs GPUs (NCCL over RDMA): set gpusPerWorker, or infiniband.enabled: false")
         .field_path(".infiniband.enabled"),
@@ -246,7 +249,8 @@ pub struct TrainerSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0.0, max = 1000.0))]
     pub warmup_epochs: Option<f64>,
-    /// Arithmetic on the GPU. Default: bf16 on GPUs, fp32 on CPUs.
+    /// Arithmetic: bf16 (mixed precision: bf16 activations, fp32 master weights and sums;
+    /// GPUs only) or fp32. Default: bf16 on GPUs, fp32 on CPUs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub precision: Option<Precision>,
     /// Minutes of training between the checkpoints the trainer writes into `output`, which a

@@ -87,15 +87,3 @@ pub fn invalid_fixtures() -> Vec<InvalidFixture> {
         })
         .collect()
 }
-
-/// A trainer with the CUDA engine (GPU devices and bf16): what the GPU samples are written
-/// for. The trainer of this release refuses them in validate (tests/validate.rs); builder
-/// tests build them as this one would take them.
-pub fn with_cuda() -> ringmaster_contract::trainer::Capabilities {
-    use ringmaster_contract::trainer::{Capabilities, Device, Precision};
-    Capabilities {
-        devices: vec![Device::Cpu, Device::Cuda],
-        precisions: vec![Precision::Fp32, Precision::Bf16],
-        ..Capabilities::this_release()
-    }
-}

@@ -14,6 +14,11 @@ import torch
 import torchvision
 
 
+def used_on_device() -> int:
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
 def measure(mode: str, batch: int, steps: int, warmup: int) -> dict:
     torch.backends.cudnn.benchmark = True
     torch.cuda.empty_cache()
@@ -50,6 +55,10 @@ def measure(mode: str, batch: int, steps: int, warmup: int) -> dict:
         "imagesPerSecond": steps * batch / seconds,
         "stepMs": seconds * 1000 / steps,
         "peakBytes": torch.cuda.max_memory_allocated(),
+        # Beside the tensors: what the caching allocator held at most, and what the whole
+        # process held on the GPU at the end (context and kernels too), as ours counts.
+        "reservedBytes": torch.cuda.max_memory_reserved(),
+        "deviceUsedBytes": used_on_device(),
         "torch": torch.__version__,
     }
 

@@ -17,17 +17,23 @@
 #                              loader alone. All three parts, or those named: each of ours
 #                              runs cuDNN's Find again, so a whole bench can outlast one
 #                              10-minute device call; split it there.
+#   trainer/gpu/run.sh flagship
+#                              the flagship sample's trainer arguments (the operator's flags,
+#                              tests/fixtures/flagship-train-flags.txt) through the trainer's
+#                              own command line, on a learnable folder of 2,560 JPEGs, for
+#                              FLAGSHIP_STEPS (default 100) steps.
 #   trainer/gpu/run.sh session everything issue 13 asks for, most telling first, within one
 #                              device call: the tests but the flagship (TEST_TIMEOUT default 90
 #                              here); ResNet-50 at batch 256, ours with cuDNN's fused batch
 #                              norm (plain and as a CUDA graph) and PyTorch eager; the
-#                              flagship's 300 steps; torch.compile at 256; the loader; then
-#                              batch 128 and the other batch-norm engines. It
+#                              flagship's 300 steps (test, then command line);
+#                              torch.compile at 256; the loader; then batch 128 and the
+#                              other batch-norm engines. It
 #                              stops starting work SESSION_SECONDS (default 500) after it
 #                              began, and ends each part at that point, so what ran comes back
 #                              within the call's limit; what had no time left is listed.
 #
-# DEADLINE=EPOCH-SECONDS (set by `session`) bounds every test and benchmark row: each one's
+# DEADLINE=EPOCH-SECONDS (set by `session`, or exported for several calls) bounds every test and benchmark row: each one's
 # time limit is cut to what is left, one with under 20 s left is not started, and a test
 # stopped by a limit so cut is listed as cut, not failed. Time limits are whole seconds.
 #
@@ -178,6 +184,25 @@ bench_loader() {
   rm -rf "$data"
 }
 
+# The flagship sample's trainer arguments through `ringmaster-trainer train`, as a rank runs
+# them (the epochs, folders replaced; the warm-up of its 16 ranks' global batch, as the
+# flagship test asks).
+flagship_cli() {
+  local seconds data flags
+  seconds=$(limit "${RUN_TIMEOUT:-240}")
+  if [ "$seconds" -eq 0 ]; then skip "the flagship's command line"; return; fi
+  data=$(mktemp -d)
+  flags=$(grep -v -e '^--epochs' -e '^--data-dir' -e '^--output-dir' \
+    "$here/../tests/fixtures/flagship-train-flags.txt")
+  # shellcheck disable=SC2086 # one flag a line, none with spaces
+  { "$bundle/ringmaster-trainer" make-dataset --out "$data/images" --classes 10 --per-class 256 \
+      --image-size 224 >/dev/null &&
+    timeout --kill-after=10 "$seconds" "$bundle/ringmaster-trainer" train $flags --warmup-epochs=5 \
+      --data-dir "$data/images" --output-dir "$data/out" --steps "${FLAGSHIP_STEPS:-100}" \
+      --log-every 20; } || echo "the flagship's command line: exit $?" >&2
+  rm -rf "$data"
+}
+
 status=0
 case "${1:-tests}" in
   tests)
@@ -205,6 +230,7 @@ case "${1:-tests}" in
     done
     BATCHES=256 TORCH_MODES=eager bench_torch
     TEST_TIMEOUT=300 run_tests "$flagship" || status=1
+    flagship_cli
     BATCHES=256 TORCH_MODES=compiled bench_torch
     bench_loader
     BATCHES=128 BN_ENGINES=fused bench_ours
@@ -218,7 +244,8 @@ case "${1:-tests}" in
       engine --batch-size 256 --from-host $graph
     done
     ;;
-  *) echo "usage: $0 tests|bench|session" >&2; exit 2 ;;
+  flagship) flagship_cli ;;
+  *) echo "usage: $0 tests|bench|flagship|session" >&2; exit 2 ;;
 esac
 [ -z "$skipped" ] || printf '\n== out of time (not started, or cut):\n%b' "$skipped"
 exit $status

@@ -154,6 +154,9 @@ pub struct EngineRow {
     /// use beside the arena's reservation, plus the arena's peak).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_bytes: Option<u64>,
+    /// What `peak_bytes` is made of, where the backend can tell.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory: Option<DeviceMemory>,
     /// What computed training batch norm (CUDA: `fused`, `plain` or `own`, as
     /// `RINGMASTER_CUDA_BATCH_NORM` chose).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -162,6 +165,21 @@ pub struct EngineRow {
     /// (CUDA with the `fused` engine).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fused_batch_norms: Option<String>,
+}
+
+/// A CUDA run's device memory, by where it went.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceMemory {
+    /// In use on the GPU beside the arena: the CUDA context and the libraries' kernels,
+    /// weights, gradients, momentum, the cuDNN and cuBLAS workspaces.
+    pub beside_arena_bytes: u64,
+    /// The most of the arena one step used: activations kept for the backward pass and
+    /// the step's temporaries.
+    pub arena_peak_bytes: u64,
+    /// The cuDNN workspace (part of `beside_arena_bytes`): the largest the chosen
+    /// algorithms need.
+    pub cudnn_workspace_bytes: u64,
 }
 
 /// What [`engine`] times.

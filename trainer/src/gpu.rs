@@ -153,7 +153,7 @@ pub fn resolve_device(
     match requested {
         Device::Auto if !capabilities.devices.contains(&Device::Cuda) => (
             Device::Cpu,
-            Some("this release of ringmaster-trainer has no CUDA engine yet".into()),
+            Some("this ringmaster-trainer has no CUDA engine".into()),
         ),
         Device::Auto => match probe().missing {
             None => (Device::Cuda, None),
@@ -181,13 +181,13 @@ mod tests {
 
     #[test]
     fn auto_takes_the_gpu_only_when_the_engine_and_the_machine_have_one() {
-        let this_release = Capabilities::this_release();
-        let with_cuda = Capabilities {
-            devices: vec![Device::Cpu, Device::Cuda],
+        let cpu_only = Capabilities {
+            devices: vec![Device::Cpu],
             ..Capabilities::this_release()
         };
+        let with_cuda = Capabilities::this_release();
         let never = || -> GpuProbe { panic!("no probe needed") };
-        let (device, why) = resolve_device(Device::Auto, &this_release, never);
+        let (device, why) = resolve_device(Device::Auto, &cpu_only, never);
         assert_eq!(device, Device::Cpu);
         assert!(why.unwrap().contains("no CUDA engine"));
         assert_eq!(

@@ -56,8 +56,8 @@ enum Command {
     /// nccl-tests (busbw = algbw × 2(n−1)/n).
     BenchAllreduce(BenchArgs),
     /// Time training steps of one model on one device, the batch already there (synthetic
-    /// data): images/s and step time as one JSON line. `--device cuda` runs the CUDA engine,
-    /// which is built in but not yet verified on a GPU (`train` refuses it until it is).
+    /// data): images/s and step time as one JSON line (`--device cuda`: with the device
+    /// memory it took, and where it went).
     BenchEngine(EngineArgs),
     /// Time the ImageNet-folder loader alone (read, decode, crop, normalise) on this
     /// machine's CPUs: can it feed the GPU? One JSON line.
@@ -392,18 +392,22 @@ fn bench_engine(args: &EngineArgs) -> Result<(), String> {
         let mut model = Model::with_backend(arch, 1000, 1, be).with_activations(dtype);
         Ok(engine(&mut model, &args.bench()))
     }
-    let (engine_name, (images_per_second, step_ms, cuda_graph), peak_bytes, batch_norm) =
+    let (engine_name, (images_per_second, step_ms, cuda_graph), memory, batch_norm) =
         match args.device {
             train::Device::Cuda => {
                 let be = CudaBackend::new(0, None).map_err(|e| e.to_string())?;
                 let figures = measure(be.clone(), args, arch, dtype)?;
                 let (after, arena) = be.memory();
-                let peak = after.saturating_sub(arena) + be.arena_peak();
+                let memory = ringmaster_trainer::bench::DeviceMemory {
+                    beside_arena_bytes: after.saturating_sub(arena) as u64,
+                    arena_peak_bytes: be.arena_peak() as u64,
+                    cudnn_workspace_bytes: be.workspace_bytes() as u64,
+                };
                 let plans = be.batch_norm_plans();
                 let fused = plans.iter().filter(|p| p.fused).count();
                 let fused = format!("{fused}/{}", plans.len());
                 let engine = be.batch_norm_engine();
-                ("cuda", figures, Some(peak as u64), Some((engine, fused)))
+                ("cuda", figures, Some(memory), Some((engine, fused)))
             }
             _ => ("cpu", measure(CpuBackend, args, arch, dtype)?, None, None),
         };
@@ -418,7 +422,10 @@ fn bench_engine(args: &EngineArgs) -> Result<(), String> {
         from_host: args.from_host,
         images_per_second,
         step_ms,
-        peak_bytes,
+        peak_bytes: memory
+            .as_ref()
+            .map(|m| m.beside_arena_bytes + m.arena_peak_bytes),
+        memory,
         fused_batch_norms: batch_norm
             .as_ref()
             .filter(|(engine, _)| *engine == BatchNormEngine::CudnnFused)

@@ -123,17 +123,7 @@ pub fn run(
     collective: &mut dyn Collective,
     gpu_ordinal: usize,
 ) -> Result<Summary, TrainError> {
-    run_with(args, collective, &Capabilities::this_release(), gpu_ordinal)
-}
-
-/// [`run`] for a trainer with `capabilities`: the GPU tests run the CUDA engine through
-/// here before this release advertises it.
-pub fn run_with(
-    args: &TrainArgs,
-    collective: &mut dyn Collective,
-    capabilities: &Capabilities,
-    gpu_ordinal: usize,
-) -> Result<Summary, TrainError> {
+    let capabilities = &Capabilities::this_release();
     // The operator ran this same check on the TrainingJob; a hand-written command meets it here.
     args.check(capabilities)
         .map_err(TrainError::InvalidSettings)?;
@@ -147,7 +137,7 @@ pub fn run_with(
         let line = Line::Device(DeviceChoice {
             requested: args.device,
             device,
-            reason,
+            reason: reason.clone(),
         });
         println!(
             "{}",
@@ -162,6 +152,11 @@ pub fn run_with(
             })?;
             train_on(args, collective, be, dtype)
         }
+        // The check refuses bf16 on `cpu`: only `auto` that found no usable GPU gets here.
+        Device::Cpu if dtype == DType::Bf16 => Err(TrainError::Settings(format!(
+            "--precision bf16 computes on the CUDA engine only, and --device auto computes on the CPU here: {}",
+            reason.as_deref().unwrap_or("no usable GPU")
+        ))),
         // `resolve_device` turns `auto` into one of the others.
         Device::Cpu | Device::Auto => train_on(args, collective, CpuBackend, dtype),
     }

@@ -6,12 +6,12 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use ringmaster_contract::trainer::{Capabilities, MODEL_FILE, TrainArgs, exit};
+use ringmaster_contract::trainer::{MODEL_FILE, TrainArgs, exit};
 use ringmaster_trainer::collective::{Collective, CollectiveError, ReduceOp, SingleRank};
 use ringmaster_trainer::engine::checkpoint;
 use ringmaster_trainer::engine::{Arch, Model};
 use ringmaster_trainer::resume::{self, ResumeError};
-use ringmaster_trainer::train::{TrainError, run_with};
+use ringmaster_trainer::train::{TrainError, run};
 
 /// One rank whose peer is lost at its `fails_at`-th all-reduce (counted from 1), as a
 /// worker's death reaches the ranks left.
@@ -86,10 +86,8 @@ fn checkpoint_metadata(dir: &Path) -> std::collections::BTreeMap<String, String>
 
 #[test]
 fn a_run_that_lost_a_peer_goes_on_from_its_checkpoint_and_ends_as_if_it_had_not() {
-    let caps = Capabilities::this_release();
     let (whole, stopped) = (fresh_dir("whole"), fresh_dir("stopped"));
-    let uninterrupted =
-        run_with(&args(&whole, "run-a"), &mut SingleRank, &caps, 0).expect("the run trains");
+    let uninterrupted = run(&args(&whole, "run-a"), &mut SingleRank, 0).expect("the run trains");
     assert_eq!(uninterrupted.resumed_from_step, None);
 
     // One all-reduce a step (the loss for the log): the 6th is step 6's, after the
@@ -98,16 +96,15 @@ fn a_run_that_lost_a_peer_goes_on_from_its_checkpoint_and_ends_as_if_it_had_not(
         fails_at: 6,
         calls: 0,
     };
-    let failed = run_with(&args(&stopped, "run-a"), &mut lost, &caps, 0)
-        .expect_err("the peer is lost at step 6");
+    let failed =
+        run(&args(&stopped, "run-a"), &mut lost, 0).expect_err("the peer is lost at step 6");
     assert!(matches!(failed, TrainError::Collective(_)), "{failed}");
     assert_eq!(failed.exit_code(), exit::PEER_LOST);
     assert_eq!(checkpoint_metadata(&stopped)["step"], "4");
     assert_eq!(checkpoint_metadata(&stopped)["run"], "run-a");
     assert!(!stopped.join(MODEL_FILE).exists());
 
-    let resumed =
-        run_with(&args(&stopped, "run-a"), &mut SingleRank, &caps, 0).expect("the run goes on");
+    let resumed = run(&args(&stopped, "run-a"), &mut SingleRank, 0).expect("the run goes on");
     assert_eq!(resumed.resumed_from_step, Some(4));
     assert_eq!(resumed.steps, 12);
     // Weights, batch-norm statistics, momentum, the data's place and the learning rate all
@@ -123,17 +120,16 @@ fn a_run_that_lost_a_peer_goes_on_from_its_checkpoint_and_ends_as_if_it_had_not(
 
 #[test]
 fn another_runs_checkpoint_is_not_resumed_from_and_is_overwritten() {
-    let caps = Capabilities::this_release();
     let dir = fresh_dir("other-run");
     let mut lost = PeerLostAt {
         fails_at: 6,
         calls: 0,
     };
-    run_with(&args(&dir, "run-a"), &mut lost, &caps, 0).expect_err("the peer is lost");
+    run(&args(&dir, "run-a"), &mut lost, 0).expect_err("the peer is lost");
     assert_eq!(checkpoint_metadata(&dir)["run"], "run-a");
 
     // The same name made anew (another UID) starts from the beginning.
-    let other = run_with(&args(&dir, "run-b"), &mut SingleRank, &caps, 0).expect("it trains");
+    let other = run(&args(&dir, "run-b"), &mut SingleRank, 0).expect("it trains");
     assert_eq!(other.resumed_from_step, None);
     assert_eq!(checkpoint_metadata(&dir)["run"], "run-b");
     assert_eq!(checkpoint_metadata(&dir)["step"], "8");
@@ -141,19 +137,17 @@ fn another_runs_checkpoint_is_not_resumed_from_and_is_overwritten() {
     // So does a run with other settings under the same id.
     let mut longer = args(&dir, "run-b");
     longer.steps = Some(16);
-    let longer = run_with(&longer, &mut SingleRank, &caps, 0).expect("it trains");
+    let longer = run(&longer, &mut SingleRank, 0).expect("it trains");
     assert_eq!(longer.resumed_from_step, None);
     assert_eq!(checkpoint_metadata(&dir)["totalSteps"], "16");
 }
 
 #[test]
 fn a_checkpoint_that_cannot_be_read_stops_the_run_and_says_what_to_do() {
-    let caps = Capabilities::this_release();
     let dir = fresh_dir("unreadable");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join(resume::FILE), b"not a safetensors file").unwrap();
-    let failed =
-        run_with(&args(&dir, "run-a"), &mut SingleRank, &caps, 0).expect_err("it is refused");
+    let failed = run(&args(&dir, "run-a"), &mut SingleRank, 0).expect_err("it is refused");
     assert!(
         matches!(failed, TrainError::Resume(ResumeError::Read { .. })),
         "{failed}"

@@ -318,8 +318,8 @@ pub fn trainer_summary(images_per_second: f64, steps: u64, final_loss: f64) -> S
     .to_line()
 }
 
-/// A user's own GPU program in place of the built-in trainer, whose CUDA engine has not
-/// landed (validate refuses GPU jobs that run the built-in trainer).
+/// A user's own GPU program in place of the built-in trainer (KWOK runs neither: the tests
+/// of scheduling, pools and queues that use it are about the pods, not what they run).
 pub fn own_gpu_program() -> serde_json::Value {
     serde_json::json!(["python3", "/workspace/train.py"])
 }

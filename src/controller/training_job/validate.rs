@@ -180,7 +180,7 @@ pub struct NodePoolPlan {
 /// the trainer of this release.
 pub fn validate(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors> {
     validation::check_object(job)?;
-    checked_for(with_defaults(job)?, &Capabilities::this_release())
+    checked(with_defaults(job)?)
 }
 
 /// Checks a raw object as a user wrote it (and, for an update, against the `old` one), then
@@ -189,27 +189,14 @@ pub fn validate_value(
     value: &serde_json::Value,
     old: Option<&serde_json::Value>,
 ) -> Result<ValidatedTrainingJob, FieldErrors> {
-    validate_value_for(value, old, &Capabilities::this_release())
-}
-
-/// [`validate_value`] for a trainer with other capabilities (a build with the CUDA engine,
-/// in the builder tests of GPU jobs).
-pub fn validate_value_for(
-    value: &serde_json::Value,
-    old: Option<&serde_json::Value>,
-    capabilities: &Capabilities,
-) -> Result<ValidatedTrainingJob, FieldErrors> {
     let job: TrainingJob = validation::parse_object(value, old)?;
-    checked_for(with_defaults(&job)?, capabilities)
+    checked(with_defaults(&job)?)
 }
 
-/// Refuses a trainer invocation the trainer would refuse.
-fn checked_for(
-    job: ValidatedTrainingJob,
-    capabilities: &Capabilities,
-) -> Result<ValidatedTrainingJob, FieldErrors> {
+/// Refuses a trainer invocation the trainer of this release would refuse.
+fn checked(job: ValidatedTrainingJob) -> Result<ValidatedTrainingJob, FieldErrors> {
     if let Program::Trainer(settings) = &job.program {
-        settings.check(capabilities)?;
+        settings.check(&Capabilities::this_release())?;
     }
     let clashes = overrides_that_clash(&job);
     if !clashes.is_empty() {

@@ -1005,6 +1005,11 @@ impl CudaBackend {
         arena.peak.max(arena.top)
     }
 
+    /// Bytes of the cuDNN workspace (the largest any plan has needed so far).
+    pub fn workspace_bytes(&self) -> usize {
+        self.inner.workspace.borrow().as_ref().map_or(0, |w| w.2)
+    }
+
     /// Device memory: (bytes in use on the GPU by every process, the arena's reservation).
     pub fn memory(&self) -> (usize, usize) {
         let (free, total) = self
