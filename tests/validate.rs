@@ -97,6 +97,44 @@ fn an_update_that_keeps_immutable_fields_passes() {
     training_job::validate::validate_value(&new, Some(&old)).expect("suspend may change");
 }
 
+/// Synthetic data in a world whose global batch passes the trainer's default dataset (4,096
+/// images: here 4 × 8 GPUs × 256) gets an epoch of one global batch, which the trainer's
+/// own parser reads back; a smaller world keeps the default and passes no flag.
+#[test]
+fn synthetic_data_has_an_epoch_of_at_least_one_global_batch() {
+    let path = fixtures::root().join("config/samples/trainingjob-resnet50-nd96asr-v4.yaml");
+    let synthetic = |workers: u32| {
+        let mut object = fixtures::ringmaster_objects(&path).remove(0);
+        object["spec"]["workers"] = workers.into();
+        object["spec"]["trainer"]["data"] = "synthetic".into();
+        object["spec"]["trainer"]
+            .as_object_mut()
+            .unwrap()
+            .remove("dataPath");
+        match training_job::validate::validate_value(&object, None)
+            .unwrap()
+            .program
+        {
+            training_job::validate::Program::Trainer(t) => t,
+            other => panic!("expected the trainer, got {other:?}"),
+        }
+    };
+    let large = synthetic(4);
+    assert_eq!(large.args.dataset_size, 8192);
+    let parsed = TrainArgs::parse_flags(large.flags()).unwrap();
+    assert_eq!(parsed.dataset_size, 8192, "{:?}", large.flags());
+    let small = synthetic(2);
+    assert_eq!(small.args.dataset_size, TrainArgs::default().dataset_size);
+    assert!(
+        !small
+            .flags()
+            .iter()
+            .any(|f| f.starts_with("--dataset-size")),
+        "{:?}",
+        small.flags()
+    );
+}
+
 #[test]
 fn defaults_are_filled_in() {
     let path = fixtures::root().join("config/samples/trainingjob-resnet50-nd96asr-v4.yaml");

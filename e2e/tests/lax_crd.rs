@@ -91,6 +91,41 @@ async fn an_invalid_spec_that_got_past_the_api_server_is_reported() {
         },
     )
     .await;
+
+    // The trainer's own settings check, which the operator runs on the launcher's exact
+    // command line: a flag the trainer would refuse at start is refused on the status,
+    // naming the field, and its removal accepted.
+    let refused = json!({"spec": {"trainer": {"extraArgs": ["--micro-batches=3"]}}});
+    api.patch(name, &PatchParams::default(), &Patch::Merge(&refused))
+        .await
+        .expect("extra flag applied");
+    eventually(
+        Duration::from_secs(30),
+        "SpecValid=False naming trainer.extraArgs and the trainer's reason",
+        || async {
+            let (c, status) = spec_valid().await;
+            c["status"] == "False"
+                && c["message"].as_str().is_some_and(|m| {
+                    m.contains("spec.trainer.extraArgs")
+                        && m.contains("--micro-batches: 3 must divide the batch size 256")
+                })
+                && status["observedGeneration"] == 3
+        },
+    )
+    .await;
+    let removed = json!({"spec": {"trainer": {"extraArgs": null}}});
+    api.patch(name, &PatchParams::default(), &Patch::Merge(&removed))
+        .await
+        .expect("extra flag removed");
+    eventually(
+        Duration::from_secs(30),
+        "SpecValid=True without the flag",
+        || async {
+            let (c, status) = spec_valid().await;
+            c["status"] == "True" && status["observedGeneration"] == 4
+        },
+    )
+    .await;
     ensure_crds(&client).await;
 }
 

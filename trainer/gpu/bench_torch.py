@@ -3,7 +3,8 @@
 torchvision `resnet50`, channels_last, bf16 autocast, SGD with momentum,
 `cudnn.benchmark=True`, one synthetic batch already on the device (as our
 `bench-engine`). Eager, then `torch.compile`. One JSON line per (mode, batch):
-images/s and `torch.cuda.max_memory_allocated`.
+images/s and memory: `torch.cuda.max_memory_allocated` (tensors), `max_memory_reserved`
+(the caching allocator) and what the whole process holds on the device at the end.
 """
 
 import argparse

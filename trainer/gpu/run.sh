@@ -190,17 +190,19 @@ bench_loader() {
 flagship_cli() {
   local seconds data flags
   seconds=$(limit "${RUN_TIMEOUT:-240}")
-  if [ "$seconds" -eq 0 ]; then skip "the flagship's command line"; return; fi
-  data=$(mktemp -d)
+  if [ "$seconds" -eq 0 ]; then skip "the flagship's command line"; return 0; fi
   flags=$(grep -v -e '^--epochs' -e '^--data-dir' -e '^--output-dir' \
-    "$here/../tests/fixtures/flagship-train-flags.txt")
+    "$here/../tests/fixtures/flagship-train-flags.txt") || { echo "no flagship flags" >&2; return 1; }
+  data=$(mktemp -d)
+  local failed=0
   # shellcheck disable=SC2086 # one flag a line, none with spaces
   { "$bundle/ringmaster-trainer" make-dataset --out "$data/images" --classes 10 --per-class 256 \
       --image-size 224 >/dev/null &&
     timeout --kill-after=10 "$seconds" "$bundle/ringmaster-trainer" train $flags --warmup-epochs=5 \
       --data-dir "$data/images" --output-dir "$data/out" --steps "${FLAGSHIP_STEPS:-100}" \
-      --log-every 20; } || echo "the flagship's command line: exit $?" >&2
+      --log-every 20; } || { echo "the flagship's command line: exit $?" >&2; failed=1; }
   rm -rf "$data"
+  return $failed
 }
 
 status=0
@@ -230,7 +232,7 @@ case "${1:-tests}" in
     done
     BATCHES=256 TORCH_MODES=eager bench_torch
     TEST_TIMEOUT=300 run_tests "$flagship" || status=1
-    flagship_cli
+    flagship_cli || status=1
     BATCHES=256 TORCH_MODES=compiled bench_torch
     bench_loader
     BATCHES=128 BN_ENGINES=fused bench_ours
@@ -244,7 +246,7 @@ case "${1:-tests}" in
       engine --batch-size 256 --from-host $graph
     done
     ;;
-  flagship) flagship_cli ;;
+  flagship) flagship_cli || status=1 ;;
   *) echo "usage: $0 tests|bench|flagship|session" >&2; exit 2 ;;
 esac
 [ -z "$skipped" ] || printf '\n== out of time (not started, or cut):\n%b' "$skipped"

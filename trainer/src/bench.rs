@@ -171,8 +171,9 @@ pub struct EngineRow {
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct DeviceMemory {
-    /// In use on the GPU beside the arena: the CUDA context and the libraries' kernels,
-    /// weights, gradients, momentum, the cuDNN and cuBLAS workspaces.
+    /// In use on the GPU beside the arena, by every process on it (on a GPU of its own:
+    /// the CUDA context and the libraries' kernels, weights, gradients, momentum, the cuDNN
+    /// and cuBLAS workspaces).
     pub beside_arena_bytes: u64,
     /// The most of the arena one step used: activations kept for the backward pass and
     /// the step's temporaries.

@@ -987,13 +987,15 @@ fn the_flagship_samples_arguments_train_resnet50_on_the_gpu_for_300_steps() {
         .expect("the run started again goes on from its checkpoint");
     println!("flagship resumed on the GPU: {}", resumed.to_line());
     assert_eq!(resumed.resumed_from_step, Some(200));
-    assert_eq!(resumed.steps, 300);
+    // Weights, statistics and momentum all restored: the last 100 steps end where the
+    // uninterrupted run's did (on the H100, to the last digit; cuDNN's backward-filter
+    // algorithms may add in another order from run to run).
     let resumed_loss = resumed
         .final_loss
         .expect("a finite final loss after resuming");
     assert!(
-        resumed_loss < (10f64).ln(),
-        "the resumed run's loss ({resumed_loss}) is above chance (ln 10)"
+        (resumed_loss - loss).abs() <= 1e-2 * loss,
+        "the resumed run ends at loss {resumed_loss}, the uninterrupted one at {loss}"
     );
     std::fs::remove_dir_all(&dir).ok();
 }

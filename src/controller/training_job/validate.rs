@@ -347,6 +347,14 @@ fn with_defaults(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors>
                 checkpoint_minutes: t
                     .checkpoint_minutes
                     .map_or(TrainArgs::default().checkpoint_minutes, |m| m as f32),
+                // Synthetic images have no size of their own: an epoch of at least one
+                // global batch, so a world past the trainer's default of 4,096 images still
+                // has a step to take (a flag only then).
+                dataset_size: if data_dir.is_none() {
+                    (global_batch as usize).max(TrainArgs::default().dataset_size)
+                } else {
+                    TrainArgs::default().dataset_size
+                },
                 synthetic: data_dir.is_none(),
                 data_dir: data_dir.map(Into::into),
                 output_dir: spec.output.as_ref().map(|output| {
