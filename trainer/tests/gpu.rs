@@ -807,14 +807,13 @@ fn a_step_recorded_as_a_cuda_graph_trains_as_the_step_run_as_it_comes() {
         recorded.run(&mut graphed, 0.1);
         let got = recorded.stats(&graphed);
         assert_eq!(recorded.recorded(), step >= WARMUP_STEPS, "step {step}");
+        let got_grads = be.download(&graphed.params().grads, &[n]);
+        let want_grads = be.download(&eager.params().grads, &[n]);
         println!(
             "step {step}: loss recorded {} eager {}; gradients' relative difference {:.1e}",
             got.loss,
             want.loss,
-            relative_difference(
-                &be.download(&graphed.params().grads, &[n]),
-                &be.download(&eager.params().grads, &[n])
-            )
+            relative_difference(&got_grads, &want_grads)
         );
         assert!(got.correct.abs_diff(want.correct) <= 1, "step {step}");
         assert!(
@@ -825,8 +824,8 @@ fn a_step_recorded_as_a_cuda_graph_trains_as_the_step_run_as_it_comes() {
         );
         assert_close(
             &format!("step {step}: gradients"),
-            &be.download(&graphed.params().grads, &[n]),
-            &be.download(&eager.params().grads, &[n]),
+            &got_grads,
+            &want_grads,
             // bf16 sums in another order, through 18 layers.
             5e-2,
         );

@@ -351,9 +351,9 @@ fn with_defaults(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors>
                 // global batch, so a world past the trainer's default of 4,096 images still
                 // has a step to take (a flag only then).
                 dataset_size: if data_dir.is_none() {
-                    (global_batch as usize).max(TrainArgs::default().dataset_size)
+                    (global_batch as usize).max(contract::defaults::DATASET_SIZE)
                 } else {
-                    TrainArgs::default().dataset_size
+                    contract::defaults::DATASET_SIZE
                 },
                 synthetic: data_dir.is_none(),
                 data_dir: data_dir.map(Into::into),
