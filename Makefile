@@ -142,7 +142,7 @@ test-gpu: gpu-bundle ## GPU tests (needs an NVIDIA GPU with cuDNN, cuBLAS, NVRTC
 	trainer/gpu/run.sh tests
 
 .PHONY: bench-gpu
-bench-gpu: gpu-bundle ## Benchmark on a GPU: ResNet-50 bf16 at 224 px, batch 256 and 128, ours next to PyTorch eager and torch.compile; the image loader on the CPUs
+bench-gpu: gpu-bundle ## Benchmark on a GPU: ResNet-50 bf16 at 224 px, batch 256 and 128, ours next to PyTorch eager, fused SGD, CUDA graphs, torch.compile and max-autotune, 3 alternating repeats, memory by NVML
 	trainer/gpu/run.sh bench
 
 .PHONY: bench-trainer

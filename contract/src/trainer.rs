@@ -665,6 +665,57 @@ pub enum Line {
     Resumed(Resumed),
     /// A checkpoint was written (rank 0).
     Checkpoint(CheckpointWritten),
+    /// How a step's gradients were all-reduced beside its backward pass (rank 0, every
+    /// `--log-every` steps, on GPUs with NCCL).
+    AllReduce(AllReduceTiming),
+    /// Which fabric carries the gradients between ranks (rank 0, after the first step of a
+    /// run of several ranks).
+    Fabric(Fabric),
+}
+
+/// The fabric the gradients cross, as NCCL itself reports it (its INIT and NET account).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Fabric {
+    /// The collective: `nccl` or `tcp-ring` (kernel TCP, whatever the network).
+    pub collective: String,
+    /// The network NCCL uses between hosts on rank 0 (`IB`, `Socket`, a plugin's name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<String>,
+    /// The transports of rank 0's connected channels (`NET/IB`, `NET/Socket`, `P2P`, `SHM`).
+    #[serde(default)]
+    pub transports: Vec<String>,
+    /// Whether rank 0's network channels read and write GPU memory directly (GPUDirect
+    /// RDMA).
+    #[serde(default)]
+    pub gpu_direct_rdma: bool,
+    /// Ranks whose traffic between hosts goes over InfiniBand (NCCL's network `IB`, no
+    /// socket channel).
+    pub ranks_on_infiniband: u64,
+    /// Ranks in all.
+    pub world_size: u64,
+}
+
+/// How one step's all-reduce of its gradients, in buckets queued while backward still ran,
+/// overlapped that backward pass (CUDA events on both streams).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AllReduceTiming {
+    /// The step (steps done, as in its progress line).
+    pub step: u64,
+    /// Buckets of gradients all-reduced.
+    pub buckets: u64,
+    /// The most buckets queued and not yet reduced at once.
+    pub max_in_flight: u64,
+    /// Time the all-reduces ran, in milliseconds.
+    pub all_reduce_ms: f64,
+    /// Of that, time before the backward pass ended: hidden behind it.
+    pub hidden_ms: f64,
+    /// `hidden_ms` as a share of `all_reduce_ms`, in percent.
+    pub hidden_percent: f64,
+    /// Time from the backward pass's end to the last all-reduce's end: what the step
+    /// waited for.
+    pub waited_ms: f64,
 }
 
 /// Where a run that started again goes on from.

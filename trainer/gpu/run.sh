@@ -9,31 +9,27 @@
 #                              costs one test, not the run; a summary at the end, exit 1 if
 #                              any failed. LOGS=DIR keeps each test's output in DIR; cuDNN
 #                              logs the calls it refuses there (CUDNN_LOGLEVEL_DBG=1).
-#   trainer/gpu/run.sh bench [ours|torch|loader...]
-#                              ResNet-50 bf16 at 224 px, batch 256 and 128 (BATCHES): ours,
-#                              with each batch-norm engine (BN_ENGINES), plain and as a CUDA
-#                              graph, then fed from host memory every step as `train` is;
-#                              next to PyTorch eager and torch.compile; the image-folder
-#                              loader alone. All three parts, or those named: each of ours
-#                              runs cuDNN's Find again, so a whole bench can outlast one
-#                              10-minute device call; split it there.
+#   trainer/gpu/run.sh bench [ENGINE...|loader]
+#                              ResNet-50 bf16 at 224 px at each of BATCHES (default 256 128):
+#                              the ENGINES (default: ours, ours-graph, pytorch-eager,
+#                              pytorch-fused, pytorch-graph, pytorch-compile,
+#                              pytorch-max-autotune; also ours-from-host,
+#                              ours-graph-from-host), each row STEPS (100) timed steps in a
+#                              process of its own under nvml_peak.py (the whole process's
+#                              device memory by NVML, the same for every engine), REPEATS (3)
+#                              times, the engines' order reversed every other repeat; rows
+#                              go to $LOGS/bench.jsonl, and summarize.py prints median, min,
+#                              max and spread. `loader`: the image-folder loader alone.
+#   trainer/gpu/run.sh exec COMMAND...
+#                              runs COMMAND with CUDA's libraries found as below (a profiler
+#                              around the trainer, compare_step.py after a --dump-step).
 #   trainer/gpu/run.sh flagship
 #                              the flagship sample's trainer arguments (the operator's flags,
 #                              tests/fixtures/flagship-train-flags.txt) through the trainer's
 #                              own command line, on a learnable folder of 2,560 JPEGs, for
 #                              FLAGSHIP_STEPS (default 100) steps.
-#   trainer/gpu/run.sh session everything issue 13 asks for, most telling first, within one
-#                              device call: the tests but the flagship (TEST_TIMEOUT default 90
-#                              here); ResNet-50 at batch 256, ours with cuDNN's fused batch
-#                              norm (plain and as a CUDA graph) and PyTorch eager; the
-#                              flagship's 300 steps (test, then command line);
-#                              torch.compile at 256; the loader; then batch 128 and the
-#                              other batch-norm engines. It
-#                              stops starting work SESSION_SECONDS (default 500) after it
-#                              began, and ends each part at that point, so what ran comes back
-#                              within the call's limit; what had no time left is listed.
 #
-# DEADLINE=EPOCH-SECONDS (set by `session`, or exported for several calls) bounds every test and benchmark row: each one's
+# DEADLINE=EPOCH-SECONDS (exported, for one device call's several run.sh calls) bounds every test and benchmark row: each one's
 # time limit is cut to what is left, one with under 20 s left is not started, and a test
 # stopped by a limit so cut is listed as cut, not failed. Time limits are whole seconds.
 #
@@ -60,6 +56,8 @@ nccl=$(ls "$site"/nvidia/nccl/lib/libnccl.so.* 2>/dev/null | head -n1 || true)
 [ -n "$nccl" ] && ln -sf "$nccl" "$libs/libnccl.so"
 export LD_LIBRARY_PATH="$libs$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
+# The tests that run the trainer's command line (under mpirun too) find it here.
+export RINGMASTER_TRAINER_BIN="$bundle/ringmaster-trainer"
 echo "== libraries from $python's environment: $LD_LIBRARY_PATH"
 echo "== $("$bundle/ringmaster-trainer" info | head -c 2000)"
 # The time limits are whole seconds (`timeout`'s 5m and 0 for "none" would not mix with the
@@ -116,8 +114,8 @@ run_tests() {
     case $status in
       0) verdict=ok ;;
       124|137) if [ "$seconds" -lt "$own" ]; then
-            # Its own limit was cut to the session's end: unfinished, not failed.
-            verdict="CUT at the session's end after $seconds s"
+            # Its own limit was cut to the deadline: unfinished, not failed.
+            verdict="CUT at the deadline after $seconds s"
             skip "test $test (cut after $seconds s)"
             cut=$((cut + 1))
           elif [ $status -eq 124 ]; then verdict="TIMED OUT after $seconds s"
@@ -132,44 +130,44 @@ run_tests() {
   [ "$failed" -eq 0 ] || { echo "$failed test(s) failed; logs in $logs" >&2; return 1; }
 }
 
-# One row of ours: ResNet-50 bf16 224 px, with the batch-norm engine $RINGMASTER_CUDA_BATCH_NORM
-# (fused by default); a run that fails or hangs costs its row only.
-engine() {
-  local seconds
-  seconds=$(limit "${RUN_TIMEOUT:-240}")
-  if [ "$seconds" -eq 0 ]; then skip "bench-engine $* (batch norm ${RINGMASTER_CUDA_BATCH_NORM:-fused})"; return; fi
-  timeout --kill-after=10 "$seconds" \
-    "$bundle/ringmaster-trainer" bench-engine --device cuda --precision bf16 \
-    --model resnet50 --image-size 224 --steps "${STEPS:-30}" --warmup 5 "$@" \
-    || echo "bench-engine $* (batch norm ${RINGMASTER_CUDA_BATCH_NORM:-fused}): exit $?" >&2
+# One benchmark row, engine $1 at batch $2, repeat $3, under nvml_peak.py; the row with
+# its NVML figures goes to $rows. A run that fails or hangs costs its row only.
+rows=""
+bench_row() {
+  local engine=$1 batch=$2 repeat=$3 seconds
+  seconds=$(limit "${RUN_TIMEOUT:-420}")
+  if [ "$seconds" -eq 0 ]; then skip "$engine at batch $batch (repeat $repeat)"; return; fi
+  local command
+  case $engine in
+    ours|ours-graph|ours-from-host|ours-graph-from-host)
+      command=("$bundle/ringmaster-trainer" bench-engine --device cuda --precision bf16
+        --model resnet50 --image-size 224 --steps "${STEPS:-100}" --warmup 5 --batch-size "$batch")
+      case $engine in *graph*) command+=(--cuda-graph) ;; esac
+      case $engine in *from-host) command+=(--from-host) ;; esac ;;
+    pytorch-*)
+      command=("$python" "$here/bench_torch.py" --mode "${engine#pytorch-}" --batch "$batch"
+        --steps "${STEPS:-100}") ;;
+    *) echo "unknown engine $engine" >&2; return 1 ;;
+  esac
+  echo "== $engine, batch $batch, repeat $repeat (at most $seconds s)"
+  timeout --kill-after=10 "$seconds" "$python" "$here/nvml_peak.py" --out "$rows" \
+    --tag "repeat=$repeat" -- "${command[@]}" || echo "$engine at batch $batch: exit $?" >&2
 }
 
-# Ours at each of BATCHES with each of BN_ENGINES, as it comes and as a CUDA graph, then fed
-# from host memory every step as `train` is (what that costs next to the rows before it).
-bench_ours() {
-  local batch bn graph
-  for batch in ${BATCHES:-256 128}; do
-    for bn in ${BN_ENGINES:-fused plain own}; do
-      for graph in "" --cuda-graph; do
-        RINGMASTER_CUDA_BATCH_NORM=$bn engine --batch-size "$batch" $graph
-      done
-    done
-    for graph in "" --cuda-graph; do
-      engine --batch-size "$batch" --from-host $graph
+# The engines at each of BATCHES, REPEATS times, alternating their order.
+bench_engines() {
+  local engines=("$@") repeat batch i order
+  for repeat in $(seq 1 "${REPEATS:-3}"); do
+    order=("${engines[@]}")
+    if [ $((repeat % 2)) -eq 0 ]; then
+      order=()
+      for ((i = ${#engines[@]} - 1; i >= 0; i--)); do order+=("${engines[i]}"); done
+    fi
+    for batch in ${BATCHES:-256 128}; do
+      for engine in "${order[@]}"; do bench_row "$engine" "$batch" "$repeat"; done
     done
   done
-}
-
-# PyTorch in each of TORCH_MODES (eager, compiled: torch.compile takes minutes) at each of
-# BATCHES, in one process.
-bench_torch() {
-  local seconds args="" batch mode
-  for mode in ${TORCH_MODES:-eager compiled}; do args="$args --mode $mode"; done
-  for batch in ${BATCHES:-256 128}; do args="$args --batch $batch"; done
-  seconds=$(limit "${TORCH_TIMEOUT:-420}")
-  if [ "$seconds" -eq 0 ]; then skip "PyTorch$args"; return; fi
-  timeout --kill-after=10 "$seconds" "$python" "$here/bench_torch.py" --steps "${STEPS:-30}" $args \
-    || echo "bench_torch.py$args: exit $?" >&2
+  "$python" "$here/summarize.py" "$rows"
 }
 
 # The image-folder loader alone, on this machine's CPUs.
@@ -213,41 +211,20 @@ case "${1:-tests}" in
     ;;
   bench)
     shift
-    parts=${*:-ours torch loader}
-    case " $parts " in *" ours "*) bench_ours ;; esac
-    case " $parts " in *" torch "*) bench_torch ;; esac
-    case " $parts " in *" loader "*) bench_loader ;; esac
-    ;;
-  session)
-    DEADLINE=$(( $(date +%s) + ${SESSION_SECONDS:-500} ))
-    flagship=the_flagship_samples_arguments
-    echo "== session: until $(date -d "@$DEADLINE" +%T)"
-    # The backend's operations first, then whole steps and models: an early failure says
-    # most about what the later ones will do.
-    EXCEPT=$flagship TEST_TIMEOUT=${TEST_TIMEOUT:-90} run_tests uploads_and_downloads \
-      activation_pooling gemm_bias convolutions batch_norm a_cifar_step gradients_on_the_gpu \
-      batches_uploaded cuda_graph nccl resnet18 resnet50 "" || status=1
-    for graph in "" --cuda-graph; do
-      RINGMASTER_CUDA_BATCH_NORM=fused engine --batch-size 256 $graph
-    done
-    BATCHES=256 TORCH_MODES=eager bench_torch
-    TEST_TIMEOUT=300 run_tests "$flagship" || status=1
-    flagship_cli || status=1
-    BATCHES=256 TORCH_MODES=compiled bench_torch
-    bench_loader
-    BATCHES=128 BN_ENGINES=fused bench_ours
-    BATCHES=128 bench_torch
-    for bn in plain own; do
-      for graph in "" --cuda-graph; do
-        RINGMASTER_CUDA_BATCH_NORM=$bn engine --batch-size 256 $graph
+    logs=${LOGS:-$(mktemp -d)}
+    mkdir -p "$logs"
+    rows="$logs/bench.jsonl"
+    engines=()
+    for part in "${@:-ours ours-graph pytorch-eager pytorch-fused pytorch-graph pytorch-compile pytorch-max-autotune}"; do
+      for name in $part; do
+        case $name in loader) bench_loader ;; *) engines+=("$name") ;; esac
       done
     done
-    for graph in "" --cuda-graph; do
-      engine --batch-size 256 --from-host $graph
-    done
+    [ ${#engines[@]} -eq 0 ] || bench_engines "${engines[@]}"
     ;;
   flagship) flagship_cli || status=1 ;;
-  *) echo "usage: $0 tests|bench|flagship|session" >&2; exit 2 ;;
+  exec) shift; "$@" || status=$? ;;
+  *) echo "usage: $0 tests|bench|flagship|exec COMMAND..." >&2; exit 2 ;;
 esac
 [ -z "$skipped" ] || printf '\n== out of time (not started, or cut):\n%b' "$skipped"
 exit $status

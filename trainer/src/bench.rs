@@ -200,6 +200,25 @@ pub struct EngineBench {
     /// Upload the batch from host memory every step, behind the step before it, as `train`
     /// does; else it is uploaded once and stays on the device.
     pub from_host: bool,
+    /// Bracket the timed steps with the CUDA profiler's start and stop, so a profiler told
+    /// to wait for them (`ncu --profile-from-start off`) sees those steps alone.
+    pub profile: bool,
+}
+
+/// Starts (`true`) or stops the CUDA profiler's collection; nothing where no driver is.
+pub fn cuda_profiler(start: bool) {
+    // SAFETY: a dlopen probe first; the calls take no arguments and only tell an attached
+    // profiler where to collect.
+    unsafe {
+        if !cudarc::driver::sys::is_culib_present() {
+            return;
+        }
+        if start {
+            cudarc::driver::sys::cuProfilerStart();
+        } else {
+            cudarc::driver::sys::cuProfilerStop();
+        }
+    }
 }
 
 /// Times `bench.steps` SGD steps of `model` on one synthetic batch after `bench.warmup`
@@ -240,15 +259,80 @@ pub fn engine<B: crate::engine::Backend>(
         step(model);
     }
     be.synchronize();
+    if bench.profile {
+        cuda_profiler(true);
+    }
     let started = Instant::now();
     for _ in 0..steps {
         step(model);
     }
     be.synchronize();
     let seconds = started.elapsed().as_secs_f64();
+    if bench.profile {
+        cuda_profiler(false);
+    }
     (
         (steps * batch_size) as f64 / seconds,
         seconds * 1000.0 / steps.max(1) as f64,
         recorded.recorded(),
     )
+}
+
+/// One training step (forward, loss, backward; no update) of `model` on a synthetic batch of
+/// `batch_size` images of `image_size`², written to `dir` for `trainer/gpu/compare_step.py`
+/// to run the same step in PyTorch from the same weights and compare tensor by tensor:
+/// `before.safetensors` (the weights and batch-norm statistics by torchvision's names, and
+/// the batch: `images` NCHW f32 flattened, `labels` as f32) and `after.safetensors` (each
+/// parameter's gradient under the parameter's name, the statistics after the step; the
+/// loss in the metadata). Returns the loss.
+pub fn dump_step<B: crate::engine::Backend>(
+    model: &mut crate::engine::Model<B>,
+    batch_size: usize,
+    image_size: usize,
+    dir: &std::path::Path,
+) -> Result<f32, crate::engine::checkpoint::CheckpointError> {
+    use crate::engine::checkpoint;
+    use crate::engine::data::SyntheticData;
+    let be = model.backend().clone();
+    let data = SyntheticData::new(model.num_classes(), image_size, batch_size, 1);
+    let (images, labels) = data.batch(&(0..batch_size).collect::<Vec<_>>());
+    let labels_f32: Vec<f32> = labels.iter().map(|&l| l as f32).collect();
+    let classes = model.num_classes();
+    let precision = match model.activations() {
+        crate::engine::tensor::DType::F32 => "fp32",
+        crate::engine::tensor::DType::Bf16 => "bf16",
+    };
+    let metadata = |loss: Option<f32>| {
+        let mut m = std::collections::BTreeMap::from([
+            ("batchSize".to_string(), batch_size.to_string()),
+            ("imageSize".to_string(), image_size.to_string()),
+            ("classes".to_string(), classes.to_string()),
+            ("precision".to_string(), precision.to_string()),
+        ]);
+        if let Some(loss) = loss {
+            m.insert("loss".to_string(), loss.to_string());
+        }
+        m
+    };
+    std::fs::create_dir_all(dir).map_err(|source| checkpoint::CheckpointError::Write {
+        path: dir.display().to_string(),
+        source,
+    })?;
+    let before = model.params().weights_to_host(&be);
+    checkpoint::save_with(
+        &dir.join("before.safetensors"),
+        &before,
+        &[("images", &images.data), ("labels", &labels_f32)],
+        &metadata(None),
+    )?;
+    model.zero_grads();
+    let loss = model.forward_backward(&images, &labels, 0.0, 1.0).loss;
+    let mut after = model.params().to_host(&be);
+    after.values = std::mem::take(&mut after.grads);
+    checkpoint::save(
+        &dir.join("after.safetensors"),
+        &after,
+        &metadata(Some(loss)),
+    )?;
+    Ok(loss)
 }

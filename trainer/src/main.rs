@@ -149,6 +149,15 @@ struct EngineArgs {
     /// does (else it is uploaded once and stays on the device).
     #[arg(long)]
     from_host: bool,
+    /// Bracket the timed steps with the CUDA profiler's start and stop (for
+    /// `ncu --profile-from-start off`: a kernel table of those steps alone).
+    #[arg(long)]
+    profile: bool,
+    /// Instead of timing: write one step's weights, batch, gradients and statistics to this
+    /// folder, for `trainer/gpu/compare_step.py` to compare with PyTorch's step from the
+    /// same weights, tensor by tensor.
+    #[arg(long)]
+    dump_step: Option<PathBuf>,
 }
 
 impl EngineArgs {
@@ -160,6 +169,7 @@ impl EngineArgs {
             warmup: self.warmup,
             record: self.cuda_graph,
             from_host: self.from_host,
+            profile: self.profile,
         }
     }
 }
@@ -273,6 +283,7 @@ fn run_training(args: &train::TrainArgs) -> Result<(), Failure> {
         })?;
     let world = World::from_env().map_err(|e| Failure::from(e.to_string()))?;
     ringmaster_trainer::failure::set_rank(world.rank);
+    prepare_nccl_environment(&world);
     let mut collective = collective(&world, args.collective)?;
     let summary = match train::run(args, collective.as_mut(), world.gpu_ordinal()) {
         Ok(summary) => summary,
@@ -306,8 +317,34 @@ fn info() -> Result<(), String> {
     Ok(())
 }
 
+/// NCCL's environment for a rank of several: a host id of its own where it shares its GPU
+/// ([`World::nccl_host_id`]), unless the environment sets one, and NCCL's account of its
+/// fabric written to a file the trainer reads ([`collective::fabric`]), unless the user
+/// set `NCCL_DEBUG`.
+fn prepare_nccl_environment(world: &World) {
+    let env: std::collections::HashMap<String, String> = std::env::vars().collect();
+    let mut settings = Vec::new();
+    if let Some(id) = world.nccl_host_id()
+        && !env.contains_key("NCCL_HOSTID")
+    {
+        settings.push(("NCCL_HOSTID".to_string(), id));
+    }
+    if world.size > 1 {
+        settings.extend(collective::fabric::debug_settings(
+            &env,
+            &std::env::temp_dir(),
+        ));
+    }
+    for (name, value) in settings {
+        // SAFETY: called before the trainer starts a thread (the collective, the loader and
+        // rayon's pool come later), so nothing reads the environment meanwhile.
+        unsafe { std::env::set_var(name, value) };
+    }
+}
+
 fn bench_allreduce(args: BenchArgs) -> Result<(), Failure> {
     let world = World::from_env().map_err(|e| Failure::from(e.to_string()))?;
+    prepare_nccl_environment(&world);
     let mut collective = collective(&world, args.collective)?;
     if args.vanish_rank == Some(world.rank) {
         std::process::exit(0);
@@ -377,6 +414,9 @@ fn bench_engine(args: &EngineArgs) -> Result<(), String> {
         train::Precision::Bf16 => DType::Bf16,
     };
     let arch = train::arch_of(args.model, 16);
+    if let Some(dir) = &args.dump_step {
+        return dump_step(args, arch, dtype, dir);
+    }
     fn measure<B: Backend>(
         be: B,
         args: &EngineArgs,
@@ -433,6 +473,43 @@ fn bench_engine(args: &EngineArgs) -> Result<(), String> {
         batch_norm: batch_norm.map(|(engine, _)| engine.name().to_string()),
     };
     println!("{}", serde_json::to_string(&row).expect("a row serializes"));
+    Ok(())
+}
+
+/// `bench-engine --dump-step DIR`: one step written out for the comparison with PyTorch.
+fn dump_step(
+    args: &EngineArgs,
+    arch: ringmaster_trainer::engine::Arch,
+    dtype: ringmaster_trainer::engine::tensor::DType,
+    dir: &std::path::Path,
+) -> Result<(), String> {
+    use ringmaster_trainer::engine::backend::{CpuBackend, CudaBackend};
+    use ringmaster_trainer::engine::{Backend, Model};
+    fn on<B: Backend>(
+        be: B,
+        args: &EngineArgs,
+        arch: ringmaster_trainer::engine::Arch,
+        dtype: ringmaster_trainer::engine::tensor::DType,
+        dir: &std::path::Path,
+    ) -> Result<f32, String> {
+        let mut model = Model::with_backend(arch, 1000, 1, be).with_activations(dtype);
+        ringmaster_trainer::bench::dump_step(&mut model, args.batch_size, args.image_size, dir)
+            .map_err(|e| e.to_string())
+    }
+    let loss = match args.device {
+        train::Device::Cuda => on(
+            CudaBackend::new(0, None).map_err(|e| e.to_string())?,
+            args,
+            arch,
+            dtype,
+            dir,
+        )?,
+        _ => on(CpuBackend, args, arch, dtype, dir)?,
+    };
+    println!(
+        "{}",
+        serde_json::json!({"dumped": dir.display().to_string(), "loss": loss})
+    );
     Ok(())
 }
 

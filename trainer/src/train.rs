@@ -8,13 +8,13 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use ringmaster_contract::trainer::{
-    Capabilities, DeviceChoice, Line, MODEL_FILE, Progress, SettingsError, Summary, exit,
+    Capabilities, DeviceChoice, Fabric, Line, MODEL_FILE, Progress, SettingsError, Summary, exit,
 };
 pub use ringmaster_contract::trainer::{
     Device, Model as ModelName, Precision, Schedule, TrainArgs,
 };
 
-use crate::collective::{Collective, CollectiveError, ReduceOp};
+use crate::collective::{Collective, CollectiveError, ReduceOp, overlap};
 use crate::engine::backend::{CudaBackend, CudaError};
 use crate::engine::buckets::{BUCKET_ELEMENTS, GradientBuckets};
 use crate::engine::checkpoint::{self, CheckpointError};
@@ -22,7 +22,9 @@ use crate::engine::data::{LearnableData, SyntheticData, shard};
 use crate::engine::image_folder::{ImageFolder, ImageFolderError};
 use crate::engine::step::{self, RecordedStep};
 use crate::engine::tensor::DType;
-use crate::engine::{Arch, Backend, CpuBackend, LrKind, LrSchedule, Model, Sgd, Tensor};
+use crate::engine::{
+    Arch, Backend, CpuBackend, LrKind, LrSchedule, Model, ParamStore, Sgd, Tensor,
+};
 use crate::resume::{self, Checkpointer, Identity, ResumeError};
 
 /// Errors of a training run.
@@ -245,6 +247,14 @@ fn train_on<B: Backend>(
     be.with_host(&mut model.params_mut().values, |values| {
         collective.broadcast(values, 0)
     })?;
+    // Micro-batch m of this rank stands for a rank of a world `micro_batches` times larger
+    // (see the shards above), and each rank keeps batch-norm statistics of its own: so
+    // does each micro-batch. The model's own, which are saved, are micro-batch 0's, as a
+    // world saves rank 0's; the others are copies taken here (after a resume: of rank 0's
+    // checkpoint, as every rank takes).
+    let mut micro_batch_statistics: Vec<B::Buf> = (1..args.micro_batches)
+        .map(|_| statistics_copy(&be, model.params()))
+        .collect();
     let mut checkpointer = Checkpointer::new(args, &identity, rank);
     let started = Instant::now();
     let mut timed_from = None;
@@ -309,7 +319,14 @@ fn train_on<B: Backend>(
                     let (images, labels) = batch?;
                     recorded.load(&model, &images, &labels);
                 }
+                let replayed_before = recorded.recorded();
                 recorded.run(&mut model, args.label_smoothing);
+                if rank == 0 && !replayed_before && recorded.recorded() {
+                    eprintln!(
+                        "ringmaster-trainer: step {} recorded as a CUDA graph; replayed from here on",
+                        step + 1
+                    );
+                }
                 if !last_step {
                     // Into the step's own inputs: the device reads them in order.
                     match receive() {
@@ -334,6 +351,9 @@ fn train_on<B: Backend>(
                     let mut buckets = (overlap_now && m + 1 == args.micro_batches)
                         .then(|| GradientBuckets::new(num_parameters, BUCKET_ELEMENTS));
                     let mut failed = Ok(());
+                    if let Some(own) = m.checked_sub(1).map(|i| &mut micro_batch_statistics[i]) {
+                        std::mem::swap(&mut model.params_mut().buffers, own);
+                    }
                     let queued = model.queue_step(
                         &images,
                         &labels,
@@ -352,6 +372,10 @@ fn train_on<B: Backend>(
                             }
                         },
                     );
+                    // The step's statistics updates are queued: micro-batch 0's go back.
+                    if let Some(own) = m.checked_sub(1).map(|i| &mut micro_batch_statistics[i]) {
+                        std::mem::swap(&mut model.params_mut().buffers, own);
+                    }
                     failed?;
                     if !(last_step && m + 1 == args.micro_batches) {
                         match receive() {
@@ -367,12 +391,16 @@ fn train_on<B: Backend>(
                     correct += stats.correct;
                 }
             }
+            let mut all_reduce_timing = None;
             if overlap {
                 if !overlap_now {
                     let grads = &mut model.params_mut().grads;
                     be.queue_all_reduce(grads, 0..num_parameters, collective, ReduceOp::Average)?;
                 }
                 be.join_all_reduces(collective)?;
+                all_reduce_timing = collective
+                    .on_device()
+                    .and_then(|d| overlap::timing((step + 1) as u64, &d.last_buckets()));
             } else if world > 1 {
                 let grads = &mut model.params_mut().grads;
                 be.queue_all_reduce(grads, 0..num_parameters, collective, ReduceOp::Average)?;
@@ -387,6 +415,10 @@ fn train_on<B: Backend>(
             if step == start_step {
                 // The first step pays for allocation and warm-up: throughput counts from here.
                 timed_from = Some((Instant::now(), step + 1));
+                // Its all-reduce connected NCCL's channels: say which fabric they took.
+                if world > 1 {
+                    report_fabric(collective, rank, world)?;
+                }
             }
             let throughput = timed_from
                 .filter(|(_, from)| step + 1 > *from)
@@ -405,6 +437,13 @@ fn train_on<B: Backend>(
                     "{}",
                     serde_json::to_string(&line).expect("a line serializes")
                 );
+                if let Some(timing) = all_reduce_timing {
+                    let line = Line::AllReduce(timing);
+                    println!(
+                        "{}",
+                        serde_json::to_string(&line).expect("a line serializes")
+                    );
+                }
             }
             if let Some(checkpointer) = &mut checkpointer
                 && checkpointer.due(step + 1, total_steps)
@@ -455,6 +494,43 @@ fn train_on<B: Backend>(
         seconds: started.elapsed().as_secs_f64(),
         resumed_from_step: (start_step > 0).then_some(start_step as u64),
     })
+}
+
+/// Rank 0 says which fabric carries the gradients ([`Line::Fabric`]): its NCCL's network
+/// and transports, and how many ranks' NCCL uses InfiniBand (every rank takes part).
+fn report_fabric(
+    collective: &mut dyn Collective,
+    rank: usize,
+    world: usize,
+) -> Result<(), CollectiveError> {
+    let seen = collective.fabric();
+    let mut on_infiniband = [f32::from(u8::from(
+        seen.as_ref().is_some_and(|s| s.on_infiniband()),
+    ))];
+    collective.all_reduce(&mut on_infiniband, ReduceOp::Sum)?;
+    if rank == 0 {
+        let seen = seen.unwrap_or_default();
+        let line = Line::Fabric(Fabric {
+            collective: collective.name().to_string(),
+            network: seen.network,
+            transports: seen.transports.into_iter().collect(),
+            gpu_direct_rdma: seen.gpu_direct_rdma,
+            ranks_on_infiniband: on_infiniband[0] as u64,
+            world_size: world as u64,
+        });
+        println!(
+            "{}",
+            serde_json::to_string(&line).expect("a line serializes")
+        );
+    }
+    Ok(())
+}
+
+/// A copy of the batch-norm statistics in memory of its own (a device buffer's clone
+/// shares its memory).
+fn statistics_copy<B: Backend>(be: &B, params: &ParamStore<B>) -> B::Buf {
+    let len = params.num_buffer_values();
+    be.upload(&be.download(&params.buffers, &[len]), &[len], DType::F32)
 }
 
 /// A number for the JSON lines; NaN and infinities (a diverged run) are `null`.

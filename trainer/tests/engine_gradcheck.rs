@@ -37,15 +37,17 @@ macro_rules! impl_layer {
         }
     )*};
 }
-impl_layer!(
-    Conv2d,
-    BatchNorm2d,
-    Relu,
-    MaxPool2d,
-    GlobalAvgPool,
-    Linear,
-    ResidualBlock
-);
+impl_layer!(Conv2d, BatchNorm2d, Relu, MaxPool2d, GlobalAvgPool, Linear);
+
+impl Layer for ResidualBlock {
+    fn fwd(&mut self, p: &mut ParamStore, x: &Tensor) -> Tensor {
+        self.forward(&CpuBackend, p, x, true)
+    }
+    // A block takes its output's gradient (it drops it once used).
+    fn bwd(&mut self, p: &mut ParamStore, g: &Tensor) -> Tensor {
+        self.backward(&CpuBackend, p, g.clone())
+    }
+}
 
 #[derive(Clone, Copy)]
 struct Tol {

@@ -64,6 +64,7 @@ fn the_engine_benchmark_from_host_memory_trains_as_from_the_device() {
             warmup: 1,
             record: false,
             from_host,
+            profile: false,
         };
         let (images_per_second, step_ms, recorded) = engine(&mut model, &bench);
         assert!(images_per_second > 0.0 && step_ms > 0.0 && !recorded);

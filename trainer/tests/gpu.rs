@@ -28,12 +28,16 @@ use ringmaster_contract::trainer::TrainArgs;
 
 mod common;
 
+/// Several ranks sharing the GPU, through the trainer's command line under mpirun.
+#[path = "gpu/ranks.rs"]
+mod ranks;
+
 const F32_TOL: f32 = 1e-4;
 const BF16_TOL: f32 = 2e-2;
 
 fn gpu() -> CudaBackend {
-    // 2 GiB of arena is plenty for these shapes and leaves room beside other processes.
-    CudaBackend::new(0, Some(2 << 30)).expect("the CUDA backend starts on GPU 0")
+    // The arena as training sizes it: from the first step's peak.
+    CudaBackend::new(0, None).expect("the CUDA backend starts on GPU 0")
 }
 
 /// Normal samples rounded to bf16, so the CPU in f32 and the GPU in bf16 start from the same
@@ -878,6 +882,7 @@ fn nccl_all_reduces_through_the_collective_trait() {
         size: 1,
         local_rank: 0,
         source: "test",
+        ..World::single()
     };
     let config = RingConfig {
         rendezvous: format!("127.0.0.1:{port}"),
@@ -952,6 +957,7 @@ fn the_flagship_samples_arguments_train_resnet50_on_the_gpu_for_300_steps() {
         size: 1,
         local_rank: 0,
         source: "test",
+        ..World::single()
     };
     let port = common::free_port();
     let config = RingConfig {

@@ -372,6 +372,19 @@ fn relu_and_add_match_the_cpu() {
             );
             kernels::add_assign(&grid, xm.op(), dym.op());
             assert_close(&format!("{dtype:?} add"), &xm.values(), &want_sum, 0.0);
+            // A length of whole 8-byte words: the kernel that adds a word a thread.
+            let whole = len - 3;
+            let (mut a, mut b) = (
+                Mem::with(&x[..whole], dtype),
+                Mem::with(&dy[..whole], dtype),
+            );
+            kernels::add_assign(&grid, a.op(), b.op());
+            assert_close(
+                &format!("{dtype:?} add by words"),
+                &a.values(),
+                &want_sum[..whole],
+                0.0,
+            );
         }
     }
 }
@@ -515,6 +528,41 @@ fn bias_rows_column_sums_and_sgd_match_the_cpu() {
         kernels::sgd_update(&grid, wm.op(), gm.op(), vm.op(), 0.1, 0.9, 1e-4);
         assert_close("SGD weights", &wm.values(), &want_w, 1e-6);
         assert_close("SGD momenta", &vm.values(), &want_v, 1e-6);
+
+        // All tensors at once: the ranges without weight decay (a batch norm's scale and
+        // shift between two weights, a bias at the end) get none, the rest do.
+        let undecayed = [700..764, 764..828, 2990..3000];
+        let (mut want_w, mut want_v) = (w.clone(), v.clone());
+        let mut start = 0;
+        for r in undecayed.iter().cloned().chain(std::iter::once(len..len)) {
+            let (a, b) = (start..r.start, r.clone());
+            for (range, wd) in [(a, 1e-4), (b, 0.0)] {
+                cpu.sgd_update(
+                    &mut want_w[range.clone()],
+                    &g[range.clone()],
+                    &mut want_v[range],
+                    0.1,
+                    0.9,
+                    wd,
+                );
+            }
+            start = r.end;
+        }
+        let bounds = kernels::sgd_bounds(&undecayed);
+        let (mut wm, mut gm, mut vm, mut bm) = (
+            Mem::with(&w, DType::F32),
+            Mem::with(&g, DType::F32),
+            Mem::with(&v, DType::F32),
+            Mem::with(&bounds, DType::F32),
+        );
+        kernels::sgd_update_all(&grid, [wm.op(), gm.op(), vm.op()], 0.1, 0.9, 1e-4, bm.op());
+        assert_close("SGD weights, all at once", &wm.values(), &want_w, 1e-6);
+        assert_close("SGD momenta, all at once", &vm.values(), &want_v, 1e-6);
+        // The undecayed ranges did take no decay (the decayed step differs there).
+        assert_ne!(
+            want_w[710],
+            w[710] - 0.1 * (0.9 * v[710] + g[710] + 1e-4 * w[710])
+        );
     }
 }
 

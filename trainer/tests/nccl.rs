@@ -32,6 +32,7 @@ fn two_ranks(kind: CollectiveKind) -> Vec<Result<(&'static str, Vec<f32>), Colle
                         size: 2,
                         local_rank: rank,
                         source: "test",
+                        ..World::single()
                     };
                     let mut c = collective::connect(&world, kind, config(port))?;
                     let mut data = vec![(rank + 1) as f32; 1000];

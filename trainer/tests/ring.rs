@@ -30,6 +30,7 @@ fn on_ranks<T: Send>(n: usize, body: impl Fn(&mut TcpRing) -> T + Sync) -> Vec<T
                         size: n,
                         local_rank: rank,
                         source: "test",
+                        ..World::single()
                     };
                     let mut ring = TcpRing::connect(&world, config(port)).expect("ring wired");
                     body(&mut ring)

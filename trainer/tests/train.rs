@@ -75,9 +75,17 @@ fn training_on_learnable_data_drives_the_loss_down() {
 }
 
 fn weights(path: &Path) -> Vec<f32> {
+    weights_and_statistics(path).0
+}
+
+/// The weights and the batch-norm statistics of a saved model.
+fn weights_and_statistics(path: &Path) -> (Vec<f32>, Vec<f32>) {
     let mut model = Model::new(Arch::CifarResNet { depth: 8, width: 8 }, 4, 99);
     checkpoint::load(path, model.params_mut()).expect("checkpoint loads");
-    model.params().values.clone()
+    (
+        model.params().values.clone(),
+        model.params().buffers.clone(),
+    )
 }
 
 #[test]
@@ -123,9 +131,9 @@ fn four_ranks_end_with_the_weights_of_one_rank_with_the_whole_batch() {
     assert_eq!(ranks["worldSize"], 4);
     assert_eq!(ranks["globalBatch"], single["globalBatch"]);
 
-    let (a, b) = (
-        weights(&one.join("model.safetensors")),
-        weights(&four.join("model.safetensors")),
+    let ((a, a_statistics), (b, b_statistics)) = (
+        weights_and_statistics(&one.join("model.safetensors")),
+        weights_and_statistics(&four.join("model.safetensors")),
     );
     assert_eq!(a.len(), b.len());
     // Only the order of float additions differs (ring vs. sequential accumulation, and the
@@ -138,6 +146,19 @@ fn four_ranks_end_with_the_weights_of_one_rank_with_the_whole_batch() {
     assert!(
         relative < 1e-4,
         "weights differ by {relative:.3e} of their norm"
+    );
+    // Each micro-batch keeps statistics of its own, as each rank does, and both save the
+    // first's (rank 0's): the same, to rounding.
+    let difference: Vec<f32> = a_statistics
+        .iter()
+        .zip(&b_statistics)
+        .map(|(x, y)| x - y)
+        .collect();
+    let relative = norm(&difference) / norm(&a_statistics);
+    eprintln!("relative difference of the batch-norm statistics: {relative:.3e}");
+    assert!(
+        relative < 1e-5,
+        "statistics differ by {relative:.3e} of their norm"
     );
     let initial = Model::new(Arch::CifarResNet { depth: 8, width: 8 }, 4, 0)
         .params()

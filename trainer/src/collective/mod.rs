@@ -1,6 +1,8 @@
 //! Collectives behind one trait: a single rank, a TCP ring, and (with GPUs) NCCL.
 
+pub mod fabric;
 mod nccl;
+pub mod overlap;
 mod ring;
 mod single;
 
@@ -92,6 +94,12 @@ pub trait Collective: Send {
     fn on_device(&mut self) -> Option<&mut dyn DeviceAllReduce> {
         None
     }
+    /// What NCCL said of the fabric this rank uses (the network, the transports of the
+    /// channels connected so far); `None` for the collectives without NCCL or when its
+    /// account could not be read.
+    fn fabric(&self) -> Option<fabric::FabricSeen> {
+        None
+    }
 }
 
 /// A collective that reduces GPU memory in place on a stream of its own, so the reduction
@@ -110,6 +118,11 @@ pub trait DeviceAllReduce {
     /// Returns once every queued all-reduce has finished, or fails within the collective's
     /// timeout when a peer is gone or stuck.
     fn join(&mut self) -> Result<(), CollectiveError>;
+    /// When each all-reduce joined last was ready, started and ended, in order (see
+    /// [`overlap::timing`]); empty where the collective does not time them.
+    fn last_buckets(&self) -> Vec<overlap::BucketTimes> {
+        Vec::new()
+    }
 }
 
 /// Which collective a process uses (part of the operator ↔ trainer contract).

@@ -9,7 +9,8 @@
 //! travel over the TCP ring's rendezvous (`RINGMASTER_RENDEZVOUS`), which stays open as the
 //! bootstrap channel for broadcasts of host data and for barriers. Each rank drives the GPU
 //! of its local rank ([`World::gpu_ordinal`], as the CUDA backend): a rank without a GPU of
-//! its own is an error, not a second rank on a shared GPU (which NCCL refuses).
+//! its own is an error, unless `RINGMASTER_GPUS_PER_NODE` shares GPUs among ranks (each then
+//! has an `NCCL_HOSTID` of its own: NCCL refuses two ranks on one GPU of one host).
 //!
 //! A peer that dies mid-collective makes NCCL wait for ever; this collective waits on a CUDA
 //! event with the ring's timeout instead, returns [`CollectiveError::PeerTimeout`], and the
@@ -18,9 +19,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use cudarc::nccl::{Comm, Id};
 
+use super::overlap::BucketTimes;
 use super::{Collective, CollectiveError, DeviceAllReduce, ReduceOp, RingConfig, TcpRing};
 use crate::world::World;
 
@@ -108,6 +110,46 @@ pub struct NcclCollective {
     comm: SendComm,
     staging: Option<CudaSlice<f32>>,
     timeout: Duration,
+    /// The queued buckets' events: ready (compute stream), started and ended (ours).
+    queued: Vec<[CudaEvent; 3]>,
+    /// Their times once joined, for [`DeviceAllReduce::last_buckets`].
+    joined: Vec<BucketTimes>,
+    /// Where NCCL writes its account of the fabric in this process, when it does.
+    debug_file: Option<std::path::PathBuf>,
+}
+
+impl Drop for NcclCollective {
+    fn drop(&mut self) {
+        // Our copy of NCCL's account: read when asked for, of no use afterwards.
+        if let Some(file) = &self.debug_file
+            && std::env::var_os("RINGMASTER_KEEP_NCCL_LOG").is_none()
+        {
+            std::fs::remove_file(file).ok();
+        }
+    }
+}
+
+/// The host name as NCCL writes it in `%h` (up to the first dot).
+fn short_host_name() -> String {
+    let mut buffer = [0u8; 256];
+    // SAFETY: gethostname writes at most `len` bytes into the buffer it is given.
+    let ok = unsafe { libc::gethostname(buffer.as_mut_ptr().cast(), buffer.len()) } == 0;
+    let name = if ok {
+        let end = buffer.iter().position(|&b| b == 0).unwrap_or(buffer.len());
+        String::from_utf8_lossy(&buffer[..end]).to_string()
+    } else {
+        String::new()
+    };
+    name.split('.').next().unwrap_or_default().to_string()
+}
+
+/// An event that keeps its time (cudarc's default events do not).
+fn timed_event(stream: &CudaStream) -> Result<CudaEvent, CollectiveError> {
+    stream
+        .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+        .map_err(|e| CollectiveError::Device {
+            message: format!("record a CUDA event: {e:?}"),
+        })
 }
 
 impl NcclCollective {
@@ -129,7 +171,7 @@ impl NcclCollective {
         if ordinal >= probe.devices {
             return Err(CollectiveError::Device {
                 message: format!(
-                    "local rank {ordinal} has no GPU of its own: this process sees {} (one process per GPU)",
+                    "local rank {ordinal} has no GPU of its own: this process sees {} (one process per GPU, or RINGMASTER_GPUS_PER_NODE to share them)",
                     probe.devices
                 ),
             });
@@ -162,7 +204,40 @@ impl NcclCollective {
             comm: SendComm(comm),
             staging: None,
             timeout,
+            queued: Vec::new(),
+            joined: Vec::new(),
+            debug_file: super::fabric::debug_file(
+                &std::env::vars().collect(),
+                &short_host_name(),
+                std::process::id(),
+            ),
         })
+    }
+
+    /// The queued buckets' times in milliseconds after the first one was ready (all their
+    /// events have completed).
+    fn bucket_times(&self) -> Result<Vec<BucketTimes>, CollectiveError> {
+        let Some([origin, ..]) = self.queued.first() else {
+            return Ok(Vec::new());
+        };
+        let since = |event: &CudaEvent| {
+            origin
+                .elapsed_ms(event)
+                .map(f64::from)
+                .map_err(|e| CollectiveError::Device {
+                    message: format!("time an all-reduce: {e:?}"),
+                })
+        };
+        self.queued
+            .iter()
+            .map(|[ready, start, end]| {
+                Ok(BucketTimes {
+                    ready: since(ready)?,
+                    start: since(start)?,
+                    end: since(end)?,
+                })
+            })
+            .collect()
     }
 
     /// Waits for the stream's work with the timeout; a dead peer leaves NCCL spinning.
@@ -237,6 +312,10 @@ impl Collective for NcclCollective {
     fn on_device(&mut self) -> Option<&mut dyn DeviceAllReduce> {
         Some(self)
     }
+    fn fabric(&self) -> Option<super::fabric::FabricSeen> {
+        let log = std::fs::read_to_string(self.debug_file.as_ref()?).ok()?;
+        Some(super::fabric::parse(&log))
+    }
 }
 
 fn nccl_op(op: ReduceOp) -> cudarc::nccl::ReduceOp {
@@ -259,13 +338,12 @@ impl DeviceAllReduce for NcclCollective {
         };
         // NCCL's stream waits for what the compute stream has queued so far: the
         // gradients of this bucket are written by then. (Both streams belong to this GPU's
-        // primary context.)
-        let written = after
-            .record_event(None)
-            .map_err(|e| device("record a CUDA event", &e))?;
+        // primary context.) Timed, as the start and end, to tell how much backward hid.
+        let written = timed_event(after)?;
         self.stream
             .wait(&written)
             .map_err(|e| device("order NCCL after the backward pass", &e))?;
+        let started = timed_event(&self.stream)?;
         let mut bucket = DeviceGradients {
             ptr,
             len,
@@ -275,11 +353,20 @@ impl DeviceAllReduce for NcclCollective {
             .0
             .all_reduce_in_place(&mut bucket, &nccl_op(op))
             .map_err(|e| device("ncclAllReduce", &e))?;
+        let ended = timed_event(&self.stream)?;
+        self.queued.push([written, started, ended]);
         Ok(())
     }
 
     fn join(&mut self) -> Result<(), CollectiveError> {
-        self.wait()
+        self.wait()?;
+        self.joined = self.bucket_times()?;
+        self.queued.clear();
+        Ok(())
+    }
+
+    fn last_buckets(&self) -> Vec<BucketTimes> {
+        self.joined.clone()
     }
 }
 

@@ -232,7 +232,7 @@ impl<B: Backend> Model<B> {
         final_from(be, &mut p.grads, self.fc.weight.start);
         g = self.pool.backward(be, p, &g);
         for block in self.blocks.iter_mut().rev() {
-            g = block.backward(be, p, &g);
+            g = block.backward(be, p, g);
             final_from(be, &mut p.grads, block.first_parameter());
         }
         if let Some(pool) = &mut self.maxpool {

@@ -17,6 +17,8 @@ pub struct Sgd<B: Backend = CpuBackend> {
     velocity: B::Buf,
     /// Per parameter entry: its range and whether it is decayed.
     decay: Vec<(std::ops::Range<usize>, bool)>,
+    /// The backend's table for one update of every parameter at once, where it has one.
+    table: Option<B::Buf>,
     backend: B,
 }
 
@@ -30,16 +32,23 @@ impl Sgd {
 impl<B: Backend> Sgd<B> {
     /// An optimizer on `be` for the parameters in `params`, with zero initial velocity.
     pub fn on(be: &B, params: &ParamStore<B>, momentum: f32, weight_decay: f32) -> Self {
+        let decay: Vec<_> = params
+            .entries
+            .iter()
+            .map(|e| (e.range(), e.shape.len() > 1))
+            .collect();
+        let undecayed: Vec<_> = decay
+            .iter()
+            .filter(|(_, decayed)| !decayed)
+            .map(|(range, _)| range.clone())
+            .collect();
         Self {
             momentum,
             weight_decay,
             velocity: be.zeros(params.num_parameters(), DType::F32),
+            table: be.sgd_table(&undecayed),
             backend: be.clone(),
-            decay: params
-                .entries
-                .iter()
-                .map(|e| (e.range(), e.shape.len() > 1))
-                .collect(),
+            decay,
         }
     }
 
@@ -53,16 +62,29 @@ impl<B: Backend> Sgd<B> {
         &mut self.velocity
     }
 
-    /// Applies one update with learning rate `lr` from `params.grads`, one backend call
-    /// per parameter tensor.
+    /// Applies one update with learning rate `lr` from `params.grads`: one backend call
+    /// for every parameter where the backend has a table for it, else one per tensor.
     pub fn step(&mut self, params: &mut ParamStore<B>, lr: f32) {
         let be = &self.backend;
+        let n = self.decay.last().map_or(0, |(r, _)| r.end);
         assert_eq!(
             params.num_parameters(),
-            self.decay.last().map_or(0, |(r, _)| r.end),
+            n,
             "optimizer built for another model"
         );
         let ParamStore { values, grads, .. } = params;
+        if let Some(table) = &self.table {
+            be.sgd_update_all(
+                be.view_mut(values, 0..n),
+                be.view(grads, 0..n),
+                be.view_mut(&mut self.velocity, 0..n),
+                lr,
+                self.momentum,
+                self.weight_decay,
+                table,
+            );
+            return;
+        }
         for (range, decayed) in &self.decay {
             let wd = if *decayed { self.weight_decay } else { 0.0 };
             be.sgd_update(

@@ -78,8 +78,9 @@ impl<B: Backend> RecordedStep<B> {
             totals,
             ..
         } = self;
+        // Outside the recording: the arena may grow between steps, never inside one.
+        be.begin_step();
         let mut work = || {
-            be.begin_step();
             model.zero_grads();
             be.fill_zero(be.view_mut(totals, 0..2));
             model.queue_forward_backward(

@@ -13,9 +13,16 @@ pub const TINY_RUN: &[&str] = &[
     "--learnable-classes=2",
 ];
 
+/// The trainer's binary: `RINGMASTER_TRAINER_BIN` where set (a GPU machine runs the tests
+/// from a bundle, where the build machine's path does not exist), else Cargo's.
+pub fn trainer_bin() -> String {
+    std::env::var("RINGMASTER_TRAINER_BIN")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_ringmaster-trainer").to_string())
+}
+
 /// `ringmaster-trainer ARGS…`, run to the end.
 pub fn trainer(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_ringmaster-trainer"))
+    Command::new(trainer_bin())
         .args(args)
         .output()
         .expect("trainer runs")
@@ -73,7 +80,7 @@ pub fn mpirun(ranks: usize, args: &[&str], env: &[(&str, &str)]) -> std::process
     let mut command = Command::new(mpirun);
     command
         .args(options)
-        .arg(env!("CARGO_BIN_EXE_ringmaster-trainer"))
+        .arg(trainer_bin())
         .args(args)
         .envs(mpirun_env());
     for (k, v) in env {

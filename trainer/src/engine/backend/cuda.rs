@@ -7,9 +7,11 @@
 //! * Precision: activations in f32 or bf16 (cuDNN computes in f32 either way, with tensor
 //!   cores for bf16); parameters, gradients, batch-norm statistics, the classifier and the
 //!   loss in f32.
-//! * Memory: step temporaries ([`Backend::alloc`]) come from one arena reserved at start
-//!   and recycled by [`Backend::begin_step`], so a step allocates nothing from the driver
-//!   and lands on the same addresses every time (what a CUDA graph capture will need).
+//! * Memory: step temporaries ([`Backend::alloc`]) come from one arena ([`super::arena`]),
+//!   each freed as soon as nothing holds it (gradients of activations layer by layer, each
+//!   activation once its backward has run), recycled whole by [`Backend::begin_step`] and
+//!   sized from the peak the first step measured, so a step allocates nothing from the
+//!   driver and lands on the same addresses every time (what a CUDA graph capture needs).
 //!   Parameters, optimizer state and uploads own their allocations.
 //! * Images reach the GPU without stopping it: each 4-D upload is copied into page-locked
 //!   memory and sent on a stream of its own, while the compute stream still runs the step
@@ -39,6 +41,7 @@ use cudarc::driver::{
 
 use crate::collective::{Collective, CollectiveError, ReduceOp};
 
+use super::arena::{ArenaBook, Lease, Placement};
 use super::kernels::{self, KernelLauncher, Operand};
 use super::{
     Backend, BatchNormConfig, BnEpilogue, BnEpilogueGrad, BnEpilogueKind, ConvShape, Matrix,
@@ -46,11 +49,46 @@ use super::{
 };
 use crate::engine::tensor::DType;
 
-/// Workspace cuDNN's algorithm search may use (algorithms needing more are not tried).
-const FIND_WORKSPACE_BYTES: usize = 1 << 30;
+/// Workspace cuDNN's algorithm search may use (algorithms needing more are not tried). On
+/// an H200 at batch 256 the fastest algorithms of ResNet-50 need 212 MB at most; the
+/// search's workspace is live while the first step's activations are, so it counts in the
+/// process's peak memory.
+const FIND_WORKSPACE_BYTES: usize = 256 << 20;
+
+/// How convolution algorithms are chosen (`RINGMASTER_CUDNN_SEARCH`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AlgorithmSearch {
+    /// cuDNN's Find: every algorithm timed on the call's own buffers, the fastest kept (as
+    /// PyTorch's `cudnn.benchmark`). The choice can differ between processes and runs.
+    Find,
+    /// cuDNN's heuristics: no timing, the same choice in every process and run (for
+    /// reproducible results, as PyTorch without `cudnn.benchmark`).
+    Heuristic,
+}
+
+impl AlgorithmSearch {
+    /// The variable that chooses.
+    pub const ENV: &'static str = "RINGMASTER_CUDNN_SEARCH";
+
+    /// From `RINGMASTER_CUDNN_SEARCH` (`find`, the default, or `heuristic`).
+    pub fn from_env() -> Result<Self, CudaError> {
+        match std::env::var(Self::ENV).as_deref() {
+            Err(_) | Ok("find") => Ok(Self::Find),
+            Ok("heuristic") => Ok(Self::Heuristic),
+            Ok(other) => Err(CudaError::Setting {
+                name: Self::ENV,
+                value: other.to_string(),
+                expected: "find (time the algorithms, the default) or heuristic (cuDNN's heuristics: the same choice in every process)",
+            }),
+        }
+    }
+}
 
 /// Alignment of arena allocations (cuDNN and tensor cores want 128 bytes or more).
 const ARENA_ALIGN: usize = 256;
+
+/// The arena grows in steps of this (the driver's allocation granularity for large blocks).
+const ARENA_GRANULE: usize = 2 << 20;
 
 /// cuBLAS's workspace: what NVIDIA recommends for Hopper (32 MiB).
 const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
@@ -125,6 +163,20 @@ pub enum CudaError {
         /// Free on the device.
         free: usize,
     },
+}
+
+/// The arena to reserve at start, in MiB, from `RINGMASTER_CUDA_ARENA_MIB` (0 when unset:
+/// the arena is sized from the first step's peak instead).
+fn arena_mib_setting() -> Result<usize, CudaError> {
+    const NAME: &str = "RINGMASTER_CUDA_ARENA_MIB";
+    match std::env::var(NAME) {
+        Err(_) => Ok(0),
+        Ok(value) => value.trim().parse().map_err(|_| CudaError::Setting {
+            name: NAME,
+            value,
+            expected: "a whole number of MiB to reserve for step temporaries at start",
+        }),
+    }
 }
 
 /// NVRTC is missing: the one check before cudarc, which panics on a library it cannot load.
@@ -237,14 +289,26 @@ fn cublas_at_start(status: cublas::cublasStatus_t, call: &'static str) -> Result
     }
 }
 
-/// Memory on the GPU: a place, a length and a type. Owned buffers keep their allocation
-/// alive through `owner`; arena buffers are valid until the next [`Backend::begin_step`].
+/// A temporary's hold on its place in the arena (spilled ones own their memory).
+type ArenaLease = Lease<CudaSlice<u8>>;
+
+/// What keeps a buffer's memory.
+#[derive(Clone, Debug)]
+enum Owner {
+    /// An allocation of its own, freed with the last clone.
+    Slice { _memory: Rc<CudaSlice<u8>> },
+    /// A place in the arena, free again with the last clone (or at the next step).
+    Arena { _lease: Rc<ArenaLease> },
+}
+
+/// Memory on the GPU: a place, a length and a type, kept by `owner`. Arena buffers are
+/// valid until the last clone is dropped, at most until the next [`Backend::begin_step`].
 #[derive(Clone)]
 pub struct CudaBuf {
     ptr: CUdeviceptr,
     len: usize,
     dtype: DType,
-    owner: Option<Rc<CudaSlice<u8>>>,
+    owner: Owner,
 }
 
 impl std::fmt::Debug for CudaBuf {
@@ -253,7 +317,7 @@ impl std::fmt::Debug for CudaBuf {
             .field("ptr", &format_args!("{:#x}", self.ptr))
             .field("len", &self.len)
             .field("dtype", &self.dtype)
-            .field("owned", &self.owner.is_some())
+            .field("owned", &matches!(self.owner, Owner::Slice { .. }))
             .finish()
     }
 }
@@ -322,26 +386,30 @@ macro_rules! operand {
 operand!(CudaBuf, DevView<'_>, DevViewMut<'_>, DevPtr);
 
 /// What a convolution keeps: the KRSC working copy of its weight.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct CudaConvSaved {
-    weight: DevPtr,
+    weight: CudaBuf,
 }
 
-/// What a training batch norm keeps: its input, the batch's mean and inverse deviation,
-/// and cuDNN's reserve space when the fused `…Ex` call ran.
-#[derive(Clone, Copy, Debug)]
+/// What a training batch norm keeps: its input (held in the arena until backward), the
+/// batch's mean and inverse deviation, and cuDNN's reserve space when the fused `…Ex` call
+/// ran.
+#[derive(Clone, Debug)]
 pub struct CudaBnSaved {
     x: DevPtr,
-    mean: DevPtr,
-    inv_var: DevPtr,
-    /// The reserve space (`len` in bytes) the fused forward pass filled for its backward.
-    reserve: Option<(CUdeviceptr, usize)>,
+    /// The arena temporary `x` lies in, kept alive for backward.
+    _x_held: Option<Rc<ArenaLease>>,
+    mean: CudaBuf,
+    inv_var: CudaBuf,
+    /// The reserve space (and its length in bytes) the fused forward pass filled for its
+    /// backward.
+    reserve: Option<(CudaBuf, usize)>,
 }
 
 /// What a max pool keeps: the winners' indices.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct CudaPoolSaved {
-    argmax: DevPtr,
+    argmax: CudaBuf,
 }
 
 fn cudnn_type(dtype: DType) -> cudnn::cudnnDataType_t {
@@ -736,16 +804,6 @@ impl FusedBn {
     }
 }
 
-/// A bump allocator over one device allocation.
-struct Arena {
-    _memory: CudaSlice<u8>,
-    base: CUdeviceptr,
-    size: usize,
-    top: usize,
-    /// The most the arena held in a step, for reports.
-    peak: usize,
-}
-
 /// The way an upload of one length reaches the GPU beside the compute stream: page-locked
 /// host memory, which the copy engine reads at full speed while kernels run (from pageable
 /// memory the driver would stage the copy itself, and may wait for the stream first), and
@@ -779,9 +837,14 @@ struct Inner {
     /// cuBLAS's workspace (set on the handle; freed after it).
     _cublas_workspace: CudaSlice<u8>,
     kernels: HashMap<&'static str, CudaFunction>,
-    arena: RefCell<Arena>,
-    /// cuDNN's workspace: its address and size (grown, never shrunk, between calls).
-    workspace: RefCell<Option<(CudaSlice<u8>, CUdeviceptr, usize)>>,
+    /// Where the step's temporaries are placed, and which are held.
+    arena: Rc<RefCell<ArenaBook<CudaSlice<u8>>>>,
+    /// The arena's memory (none until a step has measured what it needs, unless
+    /// `RINGMASTER_CUDA_ARENA_MIB` reserves it at start).
+    arena_memory: RefCell<Option<CudaSlice<u8>>>,
+    /// The largest workspace a library call has asked for (reports; the workspaces
+    /// themselves are arena temporaries).
+    workspace_peak: std::cell::Cell<usize>,
     conv_plans: RefCell<HashMap<(ConvShape, DType), Rc<ConvPlan>>>,
     bn_plans: RefCell<HashMap<BnKey, Rc<BnPlan>>>,
     /// Whether a recording exists: from then on the workspace must not move, since the
@@ -792,6 +855,8 @@ struct Inner {
     capturing: std::cell::Cell<bool>,
     /// What computes training batch norm.
     batch_norm: std::cell::Cell<BatchNormEngine>,
+    /// How convolution algorithms are chosen.
+    search: AlgorithmSearch,
 }
 
 impl Drop for Inner {
@@ -820,16 +885,18 @@ impl std::fmt::Debug for CudaBackend {
         let arena = self.inner.arena.borrow();
         f.debug_struct("CudaBackend")
             .field("ordinal", &self.inner.ctx.ordinal())
-            .field("arena_bytes", &arena.size)
+            .field("arena_bytes", &arena.size())
             .finish()
     }
 }
 
 impl CudaBackend {
-    /// Starts on GPU `ordinal` (the local rank) with an arena of `arena_bytes` for step
-    /// temporaries (`None`: `RINGMASTER_CUDA_ARENA_MIB`, else 70 % of the free memory).
+    /// Starts on GPU `ordinal` (the local rank) with an arena of `arena_bytes` reserved for
+    /// step temporaries (`None`: `RINGMASTER_CUDA_ARENA_MIB`, else none: the first step
+    /// measures what the arena needs, and it grows to that at the second's start).
     pub fn new(ordinal: usize, arena_bytes: Option<usize>) -> Result<Self, CudaError> {
         let batch_norm = BatchNormEngine::from_env()?;
+        let search = AlgorithmSearch::from_env()?;
         // SAFETY (each): a dlopen probe; cudarc panics on a library it cannot load.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err(CudaError::Missing {
@@ -915,23 +982,26 @@ impl CudaBackend {
         };
         cublas_at_start(s, "cublasSetWorkspace_v2")?;
         let (free, _) = driver(|| "free memory".into(), ctx.mem_get_info())?;
-        let size = arena_bytes
-            .or_else(|| {
-                std::env::var("RINGMASTER_CUDA_ARENA_MIB")
-                    .ok()
-                    .and_then(|v| v.parse::<usize>().ok())
-                    .map(|mib| mib << 20)
-            })
-            .unwrap_or(free / 10 * 7);
+        let size = match arena_bytes {
+            Some(bytes) => bytes,
+            None => arena_mib_setting()? << 20,
+        };
         if size > free {
             return Err(CudaError::ArenaTooLarge { wanted: size, free });
         }
-        // SAFETY: the arena is only read after kernels or copies wrote it.
-        let memory = driver(|| format!("reserving the {size}-byte arena"), unsafe {
-            stream.alloc::<u8>(size)
-        })?;
-        let (base, _sync) = memory.device_ptr(&stream);
-        drop(_sync);
+        let arena = ArenaBook::new(ARENA_ALIGN);
+        let memory = if size > 0 {
+            // SAFETY: the arena is only read after kernels or copies wrote it.
+            let memory = driver(|| format!("reserving the {size}-byte arena"), unsafe {
+                stream.alloc::<u8>(size)
+            })?;
+            let (base, sync) = memory.device_ptr(&stream);
+            drop(sync);
+            arena.borrow_mut().set_memory(base, size);
+            Some(memory)
+        } else {
+            None
+        };
         Ok(Self {
             inner: Rc::new(Inner {
                 ctx,
@@ -942,19 +1012,15 @@ impl CudaBackend {
                 cublas: cublas_handle,
                 _cublas_workspace: cublas_workspace,
                 kernels,
-                arena: RefCell::new(Arena {
-                    _memory: memory,
-                    base,
-                    size,
-                    top: 0,
-                    peak: 0,
-                }),
-                workspace: RefCell::new(None),
+                arena,
+                arena_memory: RefCell::new(memory),
+                workspace_peak: std::cell::Cell::new(0),
                 conv_plans: RefCell::new(HashMap::new()),
                 bn_plans: RefCell::new(HashMap::new()),
                 recorded: std::cell::Cell::new(false),
                 capturing: std::cell::Cell::new(false),
                 batch_norm: std::cell::Cell::new(batch_norm),
+                search,
             }),
         })
     }
@@ -971,14 +1037,10 @@ impl CudaBackend {
         self.inner.batch_norm.get()
     }
 
-    /// Scratch for our batch-norm kernels over `(n, c, hw)`: the workspace, reused by every
-    /// call (the stream orders them), so the engine costs no arena per batch norm.
-    fn batch_norm_scratch(&self, (n, c, hw): (usize, usize, usize)) -> Operand {
-        let len = kernels::batch_norm_scratch_len(n * hw, c);
-        let (ws, _) = self.workspace(len * DType::F32.size());
-        // SAFETY: the workspace holds at least `len` f32s, 256-byte aligned, and nothing
-        // else uses it until the kernels queued with it have run (one stream).
-        unsafe { Operand::new(ws, len, DType::F32) }
+    /// Scratch for our batch-norm kernels over `(n, c, hw)`: an arena temporary, held by
+    /// the caller while it queues the kernels that use it.
+    fn batch_norm_scratch(&self, (n, c, hw): (usize, usize, usize)) -> CudaBuf {
+        self.arena_alloc(kernels::batch_norm_scratch_len(n * hw, c), DType::F32)
     }
 
     /// The batch-norm plans made so far, sorted, and which of them cuDNN's fused calls run.
@@ -1001,13 +1063,13 @@ impl CudaBackend {
 
     /// The most arena memory one step has used so far, in bytes.
     pub fn arena_peak(&self) -> usize {
-        let arena = self.inner.arena.borrow();
-        arena.peak.max(arena.top)
+        self.inner.arena.borrow().peak()
     }
 
-    /// Bytes of the cuDNN workspace (the largest any plan has needed so far).
+    /// The largest workspace a library call has asked for so far, in bytes (the
+    /// algorithm search's own aside).
     pub fn workspace_bytes(&self) -> usize {
-        self.inner.workspace.borrow().as_ref().map_or(0, |w| w.2)
+        self.inner.workspace_peak.get()
     }
 
     /// Device memory: (bytes in use on the GPU by every process, the arena's reservation).
@@ -1017,7 +1079,7 @@ impl CudaBackend {
             .ctx
             .mem_get_info()
             .expect("querying the GPU's memory");
-        (total - free, self.inner.arena.borrow().size)
+        (total - free, self.inner.arena.borrow().size())
     }
 
     fn stream(&self) -> CUstream {
@@ -1039,7 +1101,9 @@ impl CudaBackend {
             ptr,
             len,
             dtype,
-            owner: Some(Rc::new(memory)),
+            owner: Owner::Slice {
+                _memory: Rc::new(memory),
+            },
         }
     }
 
@@ -1102,47 +1166,71 @@ impl CudaBackend {
         uploading(len, staging.consumed.record(compute));
     }
 
+    /// A step temporary: in the arena, or, past its end, in memory of its own until the
+    /// arena grows at the next step's start.
     fn arena_alloc(&self, len: usize, dtype: DType) -> CudaBuf {
-        let bytes = (len * dtype.size()).div_ceil(ARENA_ALIGN) * ARENA_ALIGN;
-        let mut arena = self.inner.arena.borrow_mut();
-        assert!(
-            arena.top + bytes <= arena.size,
-            "the CUDA arena ({} MiB) is full: a step needs more temporaries (set RINGMASTER_CUDA_ARENA_MIB higher or lower the batch size)",
-            arena.size >> 20
-        );
-        let ptr = arena.base + arena.top as u64;
-        arena.top += bytes;
+        let bytes = len * dtype.size();
+        let (offset, placement) = self.inner.arena.borrow_mut().place(bytes);
+        let (ptr, spill) = match placement {
+            Placement::Arena(ptr) => (ptr, None),
+            Placement::Spill => {
+                self.not_while_capturing("a temporary past the arena's end");
+                let rounded = self.inner.arena.borrow().rounded(bytes);
+                // SAFETY: like every temporary, written before it is read.
+                let memory =
+                    unsafe { self.inner.stream.alloc::<u8>(rounded) }.unwrap_or_else(|e| {
+                        panic!("allocating a {rounded}-byte step temporary on the GPU: {e}")
+                    });
+                let (ptr, sync) = memory.device_ptr(&self.inner.stream);
+                drop(sync);
+                (ptr, Some(memory))
+            }
+        };
+        let lease = ArenaBook::lease(&self.inner.arena, offset, bytes, ptr, spill);
         CudaBuf {
             ptr,
             len,
             dtype,
-            owner: None,
+            owner: Owner::Arena { _lease: lease },
         }
     }
 
-    /// A device workspace of at least `bytes`, grown (never shrunk) as plans need it.
-    fn workspace(&self, bytes: usize) -> (CUdeviceptr, usize) {
+    /// The arena temporary that holds device address `ptr`, kept alive by the returned
+    /// lease (none for memory outside the arena: its owner keeps it).
+    fn hold(&self, ptr: CUdeviceptr) -> Option<Rc<ArenaLease>> {
+        self.inner.arena.borrow().holder_of(ptr)
+    }
+
+    /// Grows the arena to what the steps so far needed at most, unless a recorded step
+    /// holds its address. Between steps only: no temporary is alive.
+    fn fit_arena(&self) {
+        let grow_to = self.inner.arena.borrow_mut().begin_step(ARENA_GRANULE);
+        // A recorded step holds the arena's address; a capture may not allocate.
+        let fixed = self.inner.recorded.get() || self.inner.capturing.get();
+        let Some(size) = grow_to.filter(|_| !fixed) else {
+            return;
+        };
+        let mut memory = self.inner.arena_memory.borrow_mut();
+        // The old arena is freed in stream order, after the work queued on it.
+        *memory = None;
+        // SAFETY: the arena is only read after kernels or copies wrote it.
+        let grown = unsafe { self.inner.stream.alloc::<u8>(size) }
+            .unwrap_or_else(|e| panic!("growing the CUDA arena to {size} bytes: {e}"));
+        let (base, sync) = grown.device_ptr(&self.inner.stream);
+        drop(sync);
+        self.inner.arena.borrow_mut().set_memory(base, size);
+        *memory = Some(grown);
+    }
+
+    /// A workspace of `bytes` for one library call, from the arena like any temporary: it is
+    /// free again once the call is queued (the caller holds the returned buffer until then),
+    /// so it costs the arena's peak only where the step's peak is.
+    fn workspace(&self, bytes: usize) -> (CUdeviceptr, usize, CudaBuf) {
         let bytes = bytes.max(1);
-        let mut ws = self.inner.workspace.borrow_mut();
-        if ws.as_ref().is_none_or(|w| w.2 < bytes) {
-            self.not_while_capturing("a larger cuDNN workspace");
-            assert!(
-                !self.inner.recorded.get(),
-                "the cuDNN workspace would grow to {bytes} bytes after a step was recorded \
-                 at its old address: run the new shape in a warm-up step first"
-            );
-            // The old one is freed in stream order, after the calls that used it.
-            let memory = self
-                .inner
-                .stream
-                .alloc_zeros::<u8>(bytes)
-                .unwrap_or_else(|e| panic!("allocating a {bytes}-byte cuDNN workspace: {e}"));
-            let (ptr, sync) = memory.device_ptr(&self.inner.stream);
-            drop(sync);
-            *ws = Some((memory, ptr, bytes));
-        }
-        let (_, ptr, len) = ws.as_ref().expect("workspace allocated above");
-        (*ptr, *len)
+        let peak = &self.inner.workspace_peak;
+        peak.set(peak.get().max(bytes));
+        let held = self.arena_alloc(bytes.div_ceil(DType::F32.size()), DType::F32);
+        (held.ptr, bytes, held)
     }
 
     /// Refuses what a step recorded as a CUDA graph cannot hold: an allocation, an
@@ -1224,30 +1312,42 @@ impl CudaBackend {
     /// the call's own buffers, given the workspace, the count to fill and the results) and
     /// its workspace asked of `size` under the math type found. `calls` name the two for
     /// errors.
+    #[allow(clippy::too_many_arguments)]
     fn search<P: AlgoPerf>(
         &self,
         plan: &ConvPlan,
         s: &ConvShape,
         direction: &str,
-        calls: [&str; 2],
+        calls: [&str; 3],
         find: impl FnOnce(*mut c_void, usize, &mut i32, &mut [P]) -> cudnn::cudnnStatus_t,
+        heuristic: impl FnOnce(&mut i32, &mut [P]) -> cudnn::cudnnStatus_t,
         size: impl FnOnce(P::Algo, &mut usize) -> cudnn::cudnnStatus_t,
     ) -> Found<P::Algo> {
         self.not_while_capturing(&format!("a convolution's first {direction} pass"));
         plan.use_math(search_math(plan.dtype));
-        let (ws, ws_len) = self.workspace(FIND_WORKSPACE_BYTES);
         let mut count = 0;
         // SAFETY: the results are plain C structs cuDNN fills (`count` of them); all-zero
         // is a valid value of each.
         let mut perf: [P; 8] = unsafe { std::mem::zeroed() };
-        check_cudnn(
-            find(ws as *mut c_void, ws_len, &mut count, &mut perf),
-            calls[0],
-        );
+        match self.inner.search {
+            AlgorithmSearch::Find => {
+                // The search's own workspace, freed once it is done (the algorithms found
+                // need theirs, from the arena, when they run).
+                let space = self.owned(FIND_WORKSPACE_BYTES / DType::F32.size(), DType::F32);
+                let status = find(
+                    space.ptr as *mut c_void,
+                    FIND_WORKSPACE_BYTES,
+                    &mut count,
+                    &mut perf,
+                );
+                check_cudnn(status, calls[0]);
+            }
+            AlgorithmSearch::Heuristic => check_cudnn(heuristic(&mut count, &mut perf), calls[1]),
+        }
         let (algo, math) = fastest(&perf[..count as usize], direction, s, plan.dtype);
         plan.use_math(math);
         let mut workspace = 0;
-        check_cudnn(size(algo, &mut workspace), calls[1]);
+        check_cudnn(size(algo, &mut workspace), calls[2]);
         Found {
             algo,
             math,
@@ -1273,6 +1373,7 @@ impl CudaBackend {
                 "forward",
                 [
                     "cudnnFindConvolutionForwardAlgorithmEx",
+                    "cudnnGetConvolutionForwardAlgorithm_v7",
                     "cudnnGetConvolutionForwardWorkspaceSize",
                 ],
                 // SAFETY: every pointer is live device memory of its descriptor's size; the
@@ -1292,6 +1393,19 @@ impl CudaBackend {
                         perf.as_mut_ptr(),
                         ws,
                         ws_len,
+                    )
+                },
+                // SAFETY: live handle and descriptors; live out-pointers.
+                |count, perf: &mut [cudnn::cudnnConvolutionFwdAlgoPerf_t]| unsafe {
+                    cudnn::cudnnGetConvolutionForwardAlgorithm_v7(
+                        h,
+                        plan.x.0,
+                        plan.w.0,
+                        plan.conv.0,
+                        plan.y.0,
+                        perf.len() as i32,
+                        count,
+                        perf.as_mut_ptr(),
                     )
                 },
                 // SAFETY: live handle and descriptors; a live out-pointer.
@@ -1328,6 +1442,7 @@ impl CudaBackend {
                 "backward-data",
                 [
                     "cudnnFindConvolutionBackwardDataAlgorithmEx",
+                    "cudnnGetConvolutionBackwardDataAlgorithm_v7",
                     "cudnnGetConvolutionBackwardDataWorkspaceSize",
                 ],
                 // SAFETY: as for the forward search.
@@ -1346,6 +1461,19 @@ impl CudaBackend {
                         perf.as_mut_ptr(),
                         ws,
                         ws_len,
+                    )
+                },
+                // SAFETY: as for the forward search.
+                |count, perf: &mut [cudnn::cudnnConvolutionBwdDataAlgoPerf_t]| unsafe {
+                    cudnn::cudnnGetConvolutionBackwardDataAlgorithm_v7(
+                        h,
+                        plan.w.0,
+                        plan.y.0,
+                        plan.conv.0,
+                        plan.x.0,
+                        perf.len() as i32,
+                        count,
+                        perf.as_mut_ptr(),
                     )
                 },
                 // SAFETY: as for the forward search.
@@ -1382,6 +1510,7 @@ impl CudaBackend {
                 "backward-filter",
                 [
                     "cudnnFindConvolutionBackwardFilterAlgorithmEx",
+                    "cudnnGetConvolutionBackwardFilterAlgorithm_v7",
                     "cudnnGetConvolutionBackwardFilterWorkspaceSize",
                 ],
                 // SAFETY: as for the forward search.
@@ -1400,6 +1529,19 @@ impl CudaBackend {
                         perf.as_mut_ptr(),
                         ws,
                         ws_len,
+                    )
+                },
+                // SAFETY: as for the forward search.
+                |count, perf: &mut [cudnn::cudnnConvolutionBwdFilterAlgoPerf_t]| unsafe {
+                    cudnn::cudnnGetConvolutionBackwardFilterAlgorithm_v7(
+                        h,
+                        plan.x.0,
+                        plan.y.0,
+                        plan.conv.0,
+                        plan.w.0,
+                        perf.len() as i32,
+                        count,
+                        perf.as_mut_ptr(),
                     )
                 },
                 // SAFETY: as for the forward search.
@@ -1699,9 +1841,7 @@ impl Backend for CudaBackend {
     }
 
     fn begin_step(&self) {
-        let mut arena = self.inner.arena.borrow_mut();
-        arena.peak = arena.peak.max(arena.top);
-        arena.top = 0;
+        self.fit_arena();
     }
 
     fn view<'a>(&self, buf: &'a CudaBuf, range: Range<usize>) -> DevView<'a> {
@@ -1824,7 +1964,7 @@ impl Backend for CudaBackend {
         let plan = self.conv_plan(s, dtype);
         let found = self.forward_found(&plan, s, x.ptr, working.ptr, y.ptr);
         plan.use_math(found.math);
-        let (ws, ws_len) = self.workspace(found.workspace);
+        let (ws, ws_len, _held) = self.workspace(found.workspace);
         let (one, zero) = (1.0f32, 0.0f32);
         // SAFETY: buffers match the plan's descriptors; alpha/beta are host f32s.
         let status = unsafe {
@@ -1845,13 +1985,7 @@ impl Backend for CudaBackend {
             )
         };
         check_cudnn(status, "cudnnConvolutionForward");
-        CudaConvSaved {
-            weight: DevPtr {
-                ptr: working.ptr,
-                len: working.len,
-                dtype,
-            },
-        }
+        CudaConvSaved { weight: working }
     }
 
     fn conv2d_backward(
@@ -1871,7 +2005,7 @@ impl Backend for CudaBackend {
         if let Some(dx) = dx {
             let found = self.backward_data_found(&plan, s, saved.weight.ptr, dy.ptr, dx.ptr);
             plan.use_math(found.math);
-            let (ws, ws_len) = self.workspace(found.workspace);
+            let (ws, ws_len, _held) = self.workspace(found.workspace);
             // SAFETY: buffers match the plan's descriptors; alpha/beta are host f32s.
             let status = unsafe {
                 cudnn::cudnnConvolutionBackwardData(
@@ -1895,7 +2029,7 @@ impl Backend for CudaBackend {
         let dw = self.arena_alloc(dweight.len, dtype);
         let found = self.backward_filter_found(&plan, s, x.ptr, dy.ptr, dw.ptr);
         plan.use_math(found.math);
-        let (ws, ws_len) = self.workspace(found.workspace);
+        let (ws, ws_len, _held) = self.workspace(found.workspace);
         // SAFETY: as above.
         let status = unsafe {
             cudnn::cudnnConvolutionBackwardFilter(
@@ -1934,16 +2068,9 @@ impl Backend for CudaBackend {
         let inv_var = self.arena_alloc(dims.1, DType::F32);
         let saved = |reserve| CudaBnSaved {
             x: x.into(),
-            mean: DevPtr {
-                ptr: mean.ptr,
-                len: mean.len,
-                dtype: DType::F32,
-            },
-            inv_var: DevPtr {
-                ptr: inv_var.ptr,
-                len: inv_var.len,
-                dtype: DType::F32,
-            },
+            _x_held: self.hold(x.ptr),
+            mean: mean.clone(),
+            inv_var: inv_var.clone(),
             reserve,
         };
         if self.inner.batch_norm.get() == BatchNormEngine::Own {
@@ -1966,7 +2093,7 @@ impl Backend for CudaBackend {
                 y.op(),
                 mean.op(),
                 inv_var.op(),
-                scratch,
+                scratch.op(),
             );
             return saved(None);
         }
@@ -1981,7 +2108,7 @@ impl Backend for CudaBackend {
         };
         let reserve = plan.fused().and_then(|fused| {
             let reserve = self.arena_alloc(fused.reserve.div_ceil(4), DType::F32);
-            let (ws, ws_len) = self.workspace(fused.workspace[0]);
+            let (ws, ws_len, _held) = self.workspace(fused.workspace[0]);
             let (z_desc, z_ptr) = residual.map_or((std::ptr::null_mut(), 0), |z| (plan.x.0, z.ptr));
             // SAFETY: buffers match the plan's descriptors (z is x's shape and type); the
             // per-channel ones are f32 of `c` elements; the workspace and reserve space
@@ -2015,7 +2142,8 @@ impl Backend for CudaBackend {
                     fused.reserve,
                 )
             };
-            (!plan.refuses(status, BnCall::Forward)).then_some((reserve.ptr, fused.reserve))
+            let reserve_len = fused.reserve;
+            (!plan.refuses(status, BnCall::Forward)).then_some((reserve, reserve_len))
         });
         if reserve.is_none() {
             // SAFETY: as above, without the fused parts.
@@ -2125,7 +2253,7 @@ impl Backend for CudaBackend {
                 dx.op(),
                 dgamma.op(),
                 dbeta.op(),
-                scratch,
+                scratch.op(),
             );
             return;
         }
@@ -2149,8 +2277,8 @@ impl Backend for CudaBackend {
             kernels::add_assign(self, dgamma.op(), scratch(scratch_dgamma));
             kernels::add_assign(self, dbeta.op(), scratch(scratch_dbeta));
         };
-        if let (Some(fused), Some((reserve, reserve_len))) = (plan.fused(), saved.reserve) {
-            let (ws, ws_len) = self.workspace(fused.workspace[1]);
+        if let (Some(fused), Some((reserve, reserve_len))) = (plan.fused(), &saved.reserve) {
+            let (ws, ws_len, _held) = self.workspace(fused.workspace[1]);
             let null = std::ptr::null_mut();
             let (y_desc, y_ptr) = y.map_or((null, 0), |y| (plan.x.0, y.ptr));
             let (dz_desc, dz_ptr) = dz.as_ref().map_or((null, 0), |dz| (plan.x.0, dz.ptr));
@@ -2186,8 +2314,8 @@ impl Backend for CudaBackend {
                     fused.activation(),
                     ws as *mut c_void,
                     ws_len,
-                    reserve as *mut c_void,
-                    reserve_len,
+                    reserve.ptr as *mut c_void,
+                    *reserve_len,
                 )
             };
             if !plan.refuses(status, BnCall::Backward) {
@@ -2198,6 +2326,7 @@ impl Backend for CudaBackend {
         // The plain path (also after a fused forward pass: it needs only the saved mean and
         // inverse deviation): through the ReLU with our kernel (its result is also the
         // residual's gradient), then the batch norm.
+        // Held to the end: the batch norm below reads it.
         let masked = y.map(|y| {
             let masked = self.arena_alloc(dy.len, dtype);
             kernels::relu_backward(self, y.op(), dy.op(), masked.op());
@@ -2213,9 +2342,9 @@ impl Backend for CudaBackend {
                 }
                 .unwrap_or_else(|e| panic!("copying the residual's gradient: {e}"));
             }
-            masked.ptr
+            masked
         });
-        let dy_ptr = masked.unwrap_or(dy.ptr);
+        let dy_ptr = masked.as_ref().map_or(dy.ptr, |m| m.ptr);
         // SAFETY: as in the training pass; the parameter gradients go to the scratch.
         let status = unsafe {
             cudnn::cudnnBatchNormalizationBackward(
@@ -2256,13 +2385,7 @@ impl Backend for CudaBackend {
         // i32 indices: the same 4 bytes an f32 takes.
         let argmax = self.arena_alloc(y.len, DType::F32);
         kernels::max_pool_forward(self, s, x.op(), y.op(), argmax.op());
-        CudaPoolSaved {
-            argmax: DevPtr {
-                ptr: argmax.ptr,
-                len: argmax.len,
-                dtype: DType::F32,
-            },
-        }
+        CudaPoolSaved { argmax }
     }
 
     fn max_pool_backward(
@@ -2329,6 +2452,31 @@ impl Backend for CudaBackend {
             dlogits.op(),
             row_stats.op(),
             totals.op(),
+        );
+    }
+
+    fn sgd_table(&self, undecayed: &[Range<usize>]) -> Option<CudaBuf> {
+        let bounds = kernels::sgd_bounds(undecayed);
+        Some(self.upload(&bounds, &[bounds.len()], DType::F32))
+    }
+
+    fn sgd_update_all(
+        &self,
+        w: DevViewMut<'_>,
+        g: DevView<'_>,
+        v: DevViewMut<'_>,
+        lr: f32,
+        momentum: f32,
+        weight_decay: f32,
+        table: &CudaBuf,
+    ) {
+        kernels::sgd_update_all(
+            self,
+            [w.op(), g.op(), v.op()],
+            lr,
+            momentum,
+            weight_decay,
+            table.op(),
         );
     }
 

@@ -131,6 +131,7 @@ kernels! {
     fn relu_forward(x: u64, y: u64, bf: i32, n: i64) over [n];
     fn relu_backward(y: u64, dy: u64, dx: u64, bf: i32, n: i64) over [n];
     fn add_assign(a: u64, b: u64, bf: i32, n: i64) over [n];
+    fn add_assign_8(a: u64, b: u64, bf: i32, chunks: i64) over [chunks];
     fn max_pool_forward(x: u64, y: u64, argmax: u64, bf: i32, n: i32, c: i32, h: i32, w: i32,
         oh: i32, ow: i32, k: i32, stride: i32, pad: i32) over [n, oh, ow, c];
     fn max_pool_backward(argmax: u64, dy: u64, dx: u64, bf: i32, n: i32, c: i32, h: i32,
@@ -141,6 +142,8 @@ kernels! {
     fn broadcast_rows(bias: u64, y: u64, cols: i32, n: i64) over [n];
     fn sum_rows(x: u64, sums: u64, rows: i32, cols: i32) over [cols];
     fn sgd_update(w: u64, g: u64, v: u64, lr: f32, momentum: f32, wd: f32, n: i64) over [n];
+    fn sgd_update_all(w: u64, g: u64, v: u64, lr: f32, momentum: f32, wd: f32, bounds: u64,
+        nbounds: i32, n: i64) over [n];
     fn softmax_cross_entropy(logits: u64, labels: u64, dlogits: u64, row_stats: u64, n: i32,
         k: i32, smoothing: f32, scale: f32) over [n];
     fn sum_row_stats(row_stats: u64, totals: u64, n: i32) over [1];
@@ -290,6 +293,12 @@ pub fn relu_backward(l: &(impl KernelLauncher + ?Sized), y: Operand, dy: Operand
 /// `a += b`, element-wise.
 pub fn add_assign(l: &(impl KernelLauncher + ?Sized), a: Operand, b: Operand) {
     alike(&a, &b, "add_assign");
+    let bytes = a.len * a.dtype.size();
+    if (a.ptr | b.ptr | bytes as u64).is_multiple_of(8) {
+        // Eight bytes a thread where both start and the length allow.
+        raw::add_assign_8(l, a.ptr, b.ptr, a.bf(), (bytes / 8) as i64);
+        return;
+    }
     raw::add_assign(l, a.ptr, b.ptr, a.bf(), a.len as i64);
 }
 
@@ -484,6 +493,53 @@ pub fn sgd_update(
         lr,
         momentum,
         weight_decay,
+        w.len as i64,
+    );
+}
+
+/// The table [`sgd_update_all`] reads: the ranges of parameters without weight decay as
+/// their bounds (`start, end, start, end, …`, sorted), each an `i32` carried in an f32's
+/// bits (the buffers are f32; the kernel reads them as `int`). Panics past `i32::MAX`
+/// parameters.
+pub fn sgd_bounds(undecayed: &[std::ops::Range<usize>]) -> Vec<f32> {
+    let mut bounds = Vec::with_capacity(2 * undecayed.len());
+    for r in undecayed {
+        assert!(
+            bounds.last().is_none_or(|&end: &usize| end <= r.start),
+            "undecayed ranges sorted and disjoint"
+        );
+        bounds.extend([r.start, r.end]);
+    }
+    bounds
+        .into_iter()
+        .map(|b| f32::from_bits(i32::try_from(b).expect("parameters fit an int") as u32))
+        .collect()
+}
+
+/// [`sgd_update`] over every parameter at once: weight decay except on the ranges `bounds`
+/// ([`sgd_bounds`]) names.
+pub fn sgd_update_all(
+    l: &(impl KernelLauncher + ?Sized),
+    [w, g, v]: [Operand; 3],
+    lr: f32,
+    momentum: f32,
+    weight_decay: f32,
+    bounds: Operand,
+) {
+    for (x, what) in [(&w, "weights"), (&g, "gradients"), (&v, "momenta")] {
+        x.f32_only(what);
+        same_len(&w, x, "sgd_update_all");
+    }
+    raw::sgd_update_all(
+        l,
+        w.ptr,
+        g.ptr,
+        v.ptr,
+        lr,
+        momentum,
+        weight_decay,
+        bounds.ptr,
+        bounds.len as i32,
         w.len as i64,
     );
 }

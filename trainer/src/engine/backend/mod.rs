@@ -16,6 +16,7 @@
 //! What an operation saves for its backward pass is the backend's own type
 //! ([`Backend::ConvSaved`], [`Backend::BnSaved`], [`Backend::PoolSaved`]).
 
+pub mod arena;
 mod cpu;
 pub mod cuda;
 pub mod kernels;
@@ -478,6 +479,29 @@ pub trait Backend: Clone + std::fmt::Debug + 'static {
         dlogits: Self::ViewMut<'_>,
         totals: Self::ViewMut<'_>,
     );
+
+    /// The table [`Backend::sgd_update_all`] reads, made once for a model: the ranges of
+    /// parameters without weight decay (sorted, disjoint). `None` where the backend updates
+    /// tensor by tensor ([`Backend::sgd_update`]; the CPU, where a launch costs nothing).
+    fn sgd_table(&self, _undecayed: &[Range<usize>]) -> Option<Self::Buf> {
+        None
+    }
+
+    /// [`Backend::sgd_update`] over every parameter at once (one kernel on a device): weight
+    /// decay except on the ranges of `table` ([`Backend::sgd_table`]).
+    #[allow(clippy::too_many_arguments)]
+    fn sgd_update_all(
+        &self,
+        _w: Self::ViewMut<'_>,
+        _g: Self::View<'_>,
+        _v: Self::ViewMut<'_>,
+        _lr: f32,
+        _momentum: f32,
+        _weight_decay: f32,
+        _table: &Self::Buf,
+    ) {
+        unreachable!("{} makes no SGD table", self.name())
+    }
 
     /// One SGD step over one parameter in PyTorch's form: `v = momentum · v + (g + wd · w)`,
     /// `w -= lr · v`; all fp32.

@@ -137,15 +137,18 @@ impl<B: Backend> ResidualBlock<B> {
         self.convs[0].weight.start
     }
 
-    /// Back-propagates through both paths and sums their input gradients.
+    /// Back-propagates through both paths and sums their input gradients. Takes the
+    /// output's gradient to drop it as soon as it is used (on a device, its memory is free
+    /// again for the rest of the block).
     pub fn backward(
         &mut self,
         be: &B,
         params: &mut ParamStore<B>,
-        grad_output: &Tensor<B>,
+        grad_output: Tensor<B>,
     ) -> Tensor<B> {
         let last = self.convs.len() - 1;
-        let (mut gh, g_shortcut) = self.bns[last].backward_add_relu(be, params, grad_output);
+        let (mut gh, g_shortcut) = self.bns[last].backward_add_relu(be, params, &grad_output);
+        drop(grad_output);
         gh = self.convs[last].backward(be, params, &gh);
         for i in (0..last).rev() {
             gh = self.bns[i].backward(be, params, &gh);
@@ -154,6 +157,7 @@ impl<B: Backend> ResidualBlock<B> {
         match &mut self.downsample {
             Some((conv, bn)) => {
                 let s = bn.backward(be, params, &g_shortcut);
+                drop(g_shortcut);
                 let s = conv.backward(be, params, &s);
                 add(be, &mut gh, &s);
             }
