@@ -170,6 +170,12 @@ pub mod defaults {
     pub const CHECKPOINT_MINUTES: f32 = 10.0;
 }
 
+/// The learning rate for a global batch when none is given: Goyal et al.'s linear scaling
+/// rule, 0.1 per 256 images (the one rule the operator and the trainer both apply).
+pub fn scaled_learning_rate(global_batch: usize) -> f32 {
+    (0.1 * global_batch as f64 / 256.0) as f32
+}
+
 /// Settings of `ringmaster-trainer train` (they mirror a TrainingJob's `trainer:` section).
 #[derive(clap::Args, Clone, Debug, PartialEq)]
 pub struct TrainArgs {

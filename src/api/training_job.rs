@@ -285,6 +285,19 @@ pub enum Model {
     Resnet152,
 }
 
+impl From<Model> for ringmaster_contract::trainer::Model {
+    fn from(model: Model) -> Self {
+        use ringmaster_contract::trainer::Model as Trainer;
+        match model {
+            Model::Resnet18 => Trainer::Resnet18,
+            Model::Resnet34 => Trainer::Resnet34,
+            Model::Resnet50 => Trainer::Resnet50,
+            Model::Resnet101 => Trainer::Resnet101,
+            Model::Resnet152 => Trainer::Resnet152,
+        }
+    }
+}
+
 /// Where the trainer's images come from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -303,6 +316,16 @@ pub enum Precision {
     Fp32,
     /// bfloat16 activations and weights with fp32 accumulation and master weights.
     Bf16,
+}
+
+impl From<Precision> for ringmaster_contract::trainer::Precision {
+    fn from(precision: Precision) -> Self {
+        use ringmaster_contract::trainer::Precision as Trainer;
+        match precision {
+            Precision::Fp32 => Trainer::Fp32,
+            Precision::Bf16 => Trainer::Bf16,
+        }
+    }
 }
 
 /// A DataStage to read the dataset from.

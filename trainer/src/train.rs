@@ -224,7 +224,7 @@ fn train_on<B: Backend>(
     let schedule = LrSchedule {
         base_lr: args
             .learning_rate
-            .unwrap_or(0.1 * global_batch as f32 / 256.0),
+            .unwrap_or_else(|| ringmaster_contract::trainer::scaled_learning_rate(global_batch)),
         warmup_steps: warmup_steps(args, steps_per_epoch, total_steps, global_batch),
         total_steps,
         kind: match args.schedule {

@@ -8,8 +8,8 @@ use kube::ResourceExt;
 use ringmaster_contract::trainer::{self as contract, Capabilities, Setting, TrainArgs};
 
 use crate::api::{
-    DataSource, DataStageRef, GpuDriver, Model, MpiSpec, OutputSpec, PodOverrides, Precision,
-    Provisioner, RunPolicy, TrainingJob,
+    DataSource, DataStageRef, GpuDriver, MpiSpec, OutputSpec, PodOverrides, Precision, Provisioner,
+    RunPolicy, TrainingJob,
 };
 use crate::validation::{self, FieldError, FieldErrors};
 
@@ -267,25 +267,6 @@ fn overrides_that_clash(job: &ValidatedTrainingJob) -> Vec<crate::validation::Fi
     errors
 }
 
-/// The trainer's network for a spec's model.
-fn model_of(model: Model) -> contract::Model {
-    match model {
-        Model::Resnet18 => contract::Model::Resnet18,
-        Model::Resnet34 => contract::Model::Resnet34,
-        Model::Resnet50 => contract::Model::Resnet50,
-        Model::Resnet101 => contract::Model::Resnet101,
-        Model::Resnet152 => contract::Model::Resnet152,
-    }
-}
-
-/// The trainer's arithmetic for a spec's precision.
-fn precision_of(precision: Precision) -> contract::Precision {
-    match precision {
-        Precision::Fp32 => contract::Precision::Fp32,
-        Precision::Bf16 => contract::Precision::Bf16,
-    }
-}
-
 /// The defaults and derived values of an object that passed the schema.
 fn with_defaults(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors> {
     let spec = &job.spec;
@@ -305,8 +286,10 @@ fn with_defaults(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors>
         Some(command) => Program::Command(command.clone()),
         None => {
             let t = spec.trainer.clone().unwrap_or_default();
-            let batch_size = t.batch_size.map(as_u32).unwrap_or(64);
-            let global_batch = batch_size as f64 * (as_u32(spec.workers) * slots_per_worker) as f64;
+            let batch_size = t
+                .batch_size
+                .map_or(contract::defaults::BATCH_SIZE, |b| as_u32(b) as usize);
+            let global_batch = batch_size * (as_u32(spec.workers) * slots_per_worker) as usize;
             let data_dir = match (
                 t.data.unwrap_or(DataSource::Synthetic),
                 &spec.data_stage_ref,
@@ -323,23 +306,30 @@ fn with_defaults(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors>
                 (None, None) => (Some(DEFAULT_STEPS as usize), None),
             };
             let args = TrainArgs {
-                model: model_of(t.model.unwrap_or(Model::Resnet50)),
+                model: t.model.map_or(contract::defaults::MODEL, Into::into),
                 device: if gpus_per_worker > 0 {
                     contract::Device::Cuda
                 } else {
                     contract::Device::Cpu
                 },
-                precision: precision_of(t.precision.unwrap_or(if gpus_per_worker > 0 {
-                    Precision::Bf16
-                } else {
-                    Precision::Fp32
-                })),
-                batch_size: batch_size as usize,
-                image_size: t.image_size.map(as_u32).unwrap_or(224) as usize,
+                precision: t
+                    .precision
+                    .unwrap_or(if gpus_per_worker > 0 {
+                        Precision::Bf16
+                    } else {
+                        Precision::Fp32
+                    })
+                    .into(),
+                batch_size,
+                image_size: t
+                    .image_size
+                    .map_or(contract::defaults::IMAGE_SIZE, |s| as_u32(s) as usize),
                 steps,
                 epochs,
-                // Goyal et al.'s linear scaling rule: 0.1 per 256 images.
-                learning_rate: Some(t.learning_rate.unwrap_or(0.1 * global_batch / 256.0) as f32),
+                learning_rate: Some(t.learning_rate.map_or_else(
+                    || contract::scaled_learning_rate(global_batch),
+                    |lr| lr as f32,
+                )),
                 // Its gradual warm-up is the trainer's default; a flag only when set, so a
                 // trainer image older than the flag runs the same jobs as before.
                 warmup_epochs: t.warmup_epochs.map(|epochs| epochs as f32),
@@ -351,7 +341,7 @@ fn with_defaults(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors>
                 // global batch, so a world past the trainer's default of 4,096 images still
                 // has a step to take (a flag only then).
                 dataset_size: if data_dir.is_none() {
-                    (global_batch as usize).max(contract::defaults::DATASET_SIZE)
+                    global_batch.max(contract::defaults::DATASET_SIZE)
                 } else {
                     contract::defaults::DATASET_SIZE
                 },
