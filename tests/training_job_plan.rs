@@ -10,11 +10,12 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use ringmaster::api::{TrainingJobPhase as Phase, TrainingJobStatus};
+use ringmaster::controller::training_job::condition_names::{condition_types, reasons};
 use ringmaster::controller::training_job::observe::{Observed, PodRef};
-use ringmaster::controller::training_job::plan::{
-    self, DataState, Plan, PlanInputs, PoolState, condition_types, reasons,
+use ringmaster::controller::training_job::plan::{self, Plan, PlanInputs};
+use ringmaster::controller::training_job::state::{
+    self, DataState, Placement, PoolState, QueueState,
 };
-use ringmaster::controller::training_job::queue::{Placement, QueueState};
 use ringmaster::controller::training_job::status;
 use ringmaster::controller::training_job::validate::{ValidatedTrainingJob, validate_value};
 use serde_json::{Value, json};
@@ -827,7 +828,7 @@ fn a_launcher_that_lost_a_peer_waits_a_moment_for_the_worker_that_caused_it() {
 
 #[test]
 fn pods_of_an_earlier_job_of_the_same_name_are_waited_out_not_overwritten() {
-    use plan::NameHolder;
+    use state::NameHolder;
     let going = |name: &str| BTreeMap::from([(name.to_string(), NameHolder::Going)]);
     let mut p = Scenario::new(job(|_| {})).plan();
     assert_eq!(p.create_workers, vec![0, 1]);
@@ -867,7 +868,7 @@ fn pods_of_an_earlier_job_of_the_same_name_are_waited_out_not_overwritten() {
 
 #[test]
 fn a_pod_name_held_by_a_pod_that_stays_blocks_the_job_visibly() {
-    use plan::NameHolder;
+    use state::NameHolder;
     let staying = |name: &str, controller: &str| {
         (
             name.to_string(),
@@ -1128,7 +1129,7 @@ fn a_pod_stuck_being_deleted_is_said_during_the_restart_backoff_not_after_it() {
 #[test]
 fn a_pod_not_the_jobs_goes_by_itself_when_deleted_or_an_earlier_jobs() {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
-    use plan::NameHolder;
+    use state::NameHolder;
     let pod_of = |metadata: ObjectMeta| Pod {
         metadata,
         ..Pod::default()

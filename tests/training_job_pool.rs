@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use ringmaster::aks::{Accepted, AgentPool, ArmError, Operation};
 use ringmaster::api::NodePoolStatus;
-use ringmaster::controller::training_job::plan::PoolState;
 use ringmaster::controller::training_job::pool::{PoolSeen, after_create, decide};
+use ringmaster::controller::training_job::state::PoolState;
 use ringmaster::controller::training_job::validate::{ValidatedTrainingJob, validate_value};
 use serde_json::json;
 

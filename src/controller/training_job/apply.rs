@@ -12,8 +12,9 @@ use serde_json::json;
 
 use super::build::{self, BuildInputs, SshKeys};
 use super::names::{self, ChildNaming};
-use super::plan::{NameHolder, Plan};
-use super::validate::ValidatedTrainingJob;
+use super::plan::Plan;
+use super::spec::ValidatedTrainingJob;
+use super::state::NameHolder;
 use crate::controller::{is_conflict, is_not_found, server_side_apply};
 use crate::gang::GangApi;
 

@@ -11,9 +11,8 @@ use serde_json::{Value, json};
 use super::names::{
     self, ChildNaming, LAUNCHER_ROLE, RENDEZVOUS_PORT, SSH_MOUNT, SSH_SECRET_MOUNT, WORKER_ROLE,
 };
-use super::pool;
-use super::queue::{Placement, PodPlacement};
-use super::validate::{Program, TrainerSettings, ValidatedTrainingJob};
+use super::spec::{Program, TrainerSettings, ValidatedTrainingJob};
+use super::state::{Placement, PodPlacement};
 use crate::api::{MpiImplementation, OutputSpec, PodOverrides};
 use crate::gang::{GangApi, GangScheduler, POD_GROUP_LABEL, PodGroup, PodGroupSpec, volcano};
 
@@ -670,8 +669,8 @@ fn own_pool_placement(
 ) -> Option<(serde_json::Map<String, Value>, Value)> {
     let pool_name = job.node_pool.as_ref()?.pool_name.as_ref()?;
     let mut selector = serde_json::Map::new();
-    selector.insert(pool::AGENT_POOL_LABEL.into(), json!(pool_name));
-    let toleration = json!({"key": pool::POOL_KEY, "operator": "Equal", "value": pool_name, "effect": "NoSchedule"});
+    selector.insert(super::names::AGENT_POOL_LABEL.into(), json!(pool_name));
+    let toleration = json!({"key": super::names::POOL_KEY, "operator": "Equal", "value": pool_name, "effect": "NoSchedule"});
     Some((selector, toleration))
 }
 

@@ -4,12 +4,15 @@
 pub mod admission;
 pub mod apply;
 pub mod build;
+pub mod condition_names;
 pub mod names;
 pub mod observe;
 pub mod plan;
 pub mod pool;
 pub mod queue;
 pub mod recent;
+pub mod spec;
+pub mod state;
 pub mod status;
 pub mod validate;
 
@@ -31,7 +34,8 @@ use crate::api::{
 use crate::validation::FieldErrors;
 use build::BuildInputs;
 use observe::Observed;
-use plan::{DataState, NameHolder, PlanInputs};
+use plan::PlanInputs;
+use state::{DataState, NameHolder};
 
 /// The controller's name in metrics and logs.
 pub const CONTROLLER: &str = "trainingjob";
@@ -119,7 +123,7 @@ async fn report_invalid(
 }
 
 /// The referenced DataStage's state, from the cache (no read of the API server).
-fn data_state(ctx: &Context, job: &validate::ValidatedTrainingJob) -> DataState {
+fn data_state(ctx: &Context, job: &spec::ValidatedTrainingJob) -> DataState {
     let Some(reference) = &job.data else {
         return DataState::NotNeeded;
     };
@@ -186,7 +190,7 @@ async fn run(
     ctx: &Context,
     object: &DeserializeGuard<TrainingJob>,
     job: &TrainingJob,
-    validated: &validate::ValidatedTrainingJob,
+    validated: &spec::ValidatedTrainingJob,
 ) -> Result<Action, Error> {
     let uid = job.uid().unwrap_or_default();
     let clock = std::time::Instant::now();
@@ -276,8 +280,8 @@ async fn run(
         attempt: plan.restarts,
         data_claim,
         placement: match &queue {
-            queue::QueueState::Admitted { placement, .. } => placement.clone(),
-            _ => queue::Placement::default(),
+            state::QueueState::Admitted { placement, .. } => placement.clone(),
+            _ => state::Placement::default(),
         },
         gang_scheduler: ctx.config.gang_scheduler.clone(),
         naming: names::ChildNaming::of_gang(pod_refs.iter().copied(), plan.restarts),
@@ -447,7 +451,7 @@ async fn rejected(
     object: &DeserializeGuard<TrainingJob>,
     (written, planned): (&TrainingJobStatus, &TrainingJobStatus),
     phase_message: &str,
-    validated: &validate::ValidatedTrainingJob,
+    validated: &spec::ValidatedTrainingJob,
     source: apply::ApplyError,
 ) -> Error {
     if let Some(message) = source.rejection() {
@@ -526,7 +530,7 @@ async fn publish_blocked_event(
     let Some(now) = conditions::find(&new.conditions, READY) else {
         return;
     };
-    if plan::reasons::BLOCKING.contains(&now.reason.as_str())
+    if condition_names::reasons::BLOCKING.contains(&now.reason.as_str())
         && conditions::find(&old.conditions, READY).is_none_or(|before| before.reason != now.reason)
     {
         ctx.warn_about(object, &now.reason, &now.message, related)

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use super::validate::ValidatedTrainingJob;
+use super::spec::ValidatedTrainingJob;
 use crate::controller::uid_tag;
 
 /// Label with the owning job's name, on every child.
@@ -157,4 +157,63 @@ pub fn workload(job: &str, uid: &str) -> String {
 /// name never join the old job's group while that one is being deleted.
 pub fn pod_group(job: &str, uid: &str) -> String {
     format!("{job}-{}", uid_tag(uid))
+}
+
+/// Label and taint key on a job's own pool nodes (its workers tolerate it).
+pub const POOL_KEY: &str = "ringmaster.dev/pool";
+
+/// AKS's label naming a node's agent pool.
+pub const AGENT_POOL_LABEL: &str = "kubernetes.azure.com/agentpool";
+
+/// An AKS agent pool name for a job: up to 8 letters and digits of its name, then 4 of its
+/// UID, so two jobs of the same name get different pools and a restarted operator derives
+/// the same name again. AKS allows `^[a-z][a-z0-9]{0,11}$`.
+pub fn derive_pool_name(job_name: &str, uid: &str) -> String {
+    let mut name: String = job_name
+        .chars()
+        .filter(char::is_ascii_alphanumeric)
+        .map(|c| c.to_ascii_lowercase())
+        .skip_while(|c| c.is_ascii_digit())
+        .take(8)
+        .collect();
+    if name.is_empty() {
+        name.push_str("tj");
+    }
+    name.extend(
+        uid.chars()
+            .filter(char::is_ascii_hexdigit)
+            .map(|c| c.to_ascii_lowercase())
+            .take(4),
+    );
+    name
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn derived_pool_names_are_valid_for_aks() {
+        let valid = |s: &str| {
+            s.len() <= 12
+                && s.chars().next().is_some_and(|c| c.is_ascii_lowercase())
+                && s.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+        };
+        for (name, uid) in [
+            ("resnet50-ib", "3f2a9c4e-0000-4000-8000-000000000000"),
+            ("123-numbers-first", "ABCDEF12-3456"),
+            ("---", ""),
+            ("a", "0"),
+            ("a-very-long-training-job-name", "deadbeef"),
+        ] {
+            let pool = derive_pool_name(name, uid);
+            assert!(valid(&pool), "{name} → {pool}");
+        }
+        assert_eq!(derive_pool_name("resnet50-ib", "3f2a9c4e"), "resnet503f2a");
+        assert_ne!(
+            derive_pool_name("job", "aaaa1111"),
+            derive_pool_name("job", "bbbb1111")
+        );
+    }
 }

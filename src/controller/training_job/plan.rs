@@ -4,131 +4,23 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
+use super::condition_names::{condition_types, reasons};
 use super::observe::{Exit, Observed, PodLife, PodRef, PodState, StuckKind};
-use super::queue::QueueState;
-use super::validate::ValidatedTrainingJob;
+use super::spec::ValidatedTrainingJob;
+use super::state::{
+    DataState, NameHolder, PoolState, QueueState, TERMINATING_PATIENCE, past_terminating_patience,
+    seconds_between, still_being_deleted,
+};
 use crate::api::{CleanPodPolicy, TrainingJobPhase, TrainingJobStatus, TrainingResult};
 use crate::controller::conditions::DesiredCondition;
-
-/// Condition types of a TrainingJob beyond the shared ones.
-pub mod condition_types {
-    pub use crate::api::condition_types::*;
-    /// The referenced DataStage is Ready.
-    pub const DATA_READY: &str = "DataReady";
-    /// The nodes for the job are there.
-    pub const NODES_READY: &str = "NodesReady";
-    /// Every worker of the current gang is ready.
-    pub const WORKERS_READY: &str = "WorkersReady";
-    /// The gang is being replaced after a failure.
-    pub const RESTARTING: &str = "Restarting";
-    /// The job is suspended.
-    pub const SUSPENDED: &str = "Suspended";
-    /// Kueue admitted the job's Workload (queued jobs only).
-    pub const ADMITTED: &str = "Admitted";
-    /// The launcher exited 0.
-    pub const SUCCEEDED: &str = "Succeeded";
-    /// The job failed for good.
-    pub const FAILED: &str = "Failed";
-}
-
-/// Condition reasons of a TrainingJob.
-pub mod reasons {
-    /// The job's gang is running.
-    pub const RUNNING: &str = "Running";
-    /// Workers are starting.
-    pub const STARTING: &str = "Starting";
-    /// A worker (or the launcher) cannot be scheduled.
-    pub const UNSCHEDULABLE: &str = "Unschedulable";
-    /// A pod's image cannot be pulled (the kubelet keeps trying).
-    pub const IMAGE_PULL_FAILED: &str = "ImagePullFailed";
-    /// A pod's container cannot be created or run: a missing Secret or ConfigMap key in its
-    /// environment, a command the runtime refuses (the kubelet keeps trying).
-    pub const CONTAINER_CANNOT_START: &str = "ContainerCannotStart";
-    /// A pod the job would make has a name another pod, not the job's, holds.
-    pub const NAME_IN_USE: &str = "NameInUse";
-    /// A pod of the job is still being deleted well past its grace period (its node lost, or
-    /// a finalizer that stays), and the gang cannot start again without its name.
-    pub const POD_STUCK_TERMINATING: &str = "PodStuckTerminating";
-
-    /// The reasons that say the job waits on something a person must fix: each is written at
-    /// once and comes with a Warning Event.
-    pub const BLOCKING: [&str; 6] = [
-        UNSCHEDULABLE,
-        IMAGE_PULL_FAILED,
-        CONTAINER_CANNOT_START,
-        DATA_STAGE_FAILED,
-        NAME_IN_USE,
-        POD_STUCK_TERMINATING,
-    ];
-    /// Waiting for the DataStage.
-    pub const WAITING_FOR_DATA: &str = "WaitingForData";
-    /// The DataStage failed: the job waits until it is made again and copies.
-    pub const DATA_STAGE_FAILED: &str = "DataStageFailed";
-    /// The DataStage is Ready.
-    pub const DATA_READY: &str = "DataReady";
-    /// Waiting for nodes.
-    pub const PROVISIONING: &str = "ProvisioningNodes";
-    /// The job's nodes are Ready.
-    pub const NODES_READY: &str = "NodesReady";
-    /// The AKS agent pool could not be made (ARM's message says why).
-    pub const NODE_POOL_FAILED: &str = "NodePoolFailed";
-    /// The gang failed and is being replaced.
-    pub const RESTARTING: &str = "Restarting";
-    /// Suspended by runPolicy.suspend.
-    pub const SUSPENDED: &str = "Suspended";
-    /// Not suspended.
-    pub const NOT_SUSPENDED: &str = "NotSuspended";
-    /// Waiting in a Kueue queue.
-    pub const QUEUED: &str = "Queued";
-    /// Kueue admitted the job's Workload.
-    pub const ADMITTED: &str = "Admitted";
-    /// Labelled for a Kueue queue, but the operator runs without `--kueue`.
-    pub const KUEUE_INTEGRATION_OFF: &str = "KueueIntegrationOff";
-    /// The launcher exited 0.
-    pub const SUCCEEDED: &str = "Succeeded";
-    /// Restarts were used up.
-    pub const BACKOFF_LIMIT_EXCEEDED: &str = "BackoffLimitExceeded";
-    /// The launcher failed with a code that a restart would not fix.
-    pub const LAUNCHER_FAILED: &str = "LauncherFailed";
-    /// activeDeadlineSeconds passed.
-    pub const DEADLINE_EXCEEDED: &str = "DeadlineExceeded";
-    /// The job is not finished.
-    pub const NOT_FINISHED: &str = "NotFinished";
-}
 
 /// Longest wait between gang restarts.
 pub const MAX_RESTART_BACKOFF: Duration = Duration::from_secs(300);
 /// How long after a launcher exits with the lost-peer code the plan waits for a worker's
 /// failure to show before it restarts the gang naming the launcher.
 pub const PEER_LOST_CAUSE_WAIT: Duration = Duration::from_secs(5);
-
-/// The referenced DataStage, as far as the job is concerned.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum DataState {
-    /// The job reads no DataStage.
-    NotNeeded,
-    /// Ready; its claim.
-    Ready { claim: String },
-    /// Not ready (or missing); why, for the condition. `failed`: the DataStage failed, and
-    /// waits for a person (a fixed Secret and a new DataStage).
-    Waiting { message: String, failed: bool },
-}
-
-/// The job's nodes, when it brings its own (an AKS agent pool).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum PoolState {
-    /// Existing nodes (or none named): nothing to wait for.
-    NotNeeded,
-    /// Being made or not yet Ready; what is happening, for the condition.
-    Provisioning { message: String },
-    /// Enough Ready nodes with the GPUs allocatable.
-    Ready { message: String },
-    /// Azure refused or failed to make it.
-    Failed { message: String },
-}
 
 /// Everything the plan reads.
 pub struct PlanInputs<'a> {
@@ -228,93 +120,6 @@ impl Plan {
         self.conditions
             .push(DesiredCondition::new(type_, status, reason, message));
     }
-}
-
-/// Who holds the name of a pod the job would make.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum NameHolder {
-    /// A pod on its way out: one being deleted, or one of an earlier job of the same name
-    /// (deleted; the garbage collector takes its pods). Waited out quietly.
-    Going,
-    /// A pod that stays until a person acts: one without a controller (a job deleted with
-    /// `--cascade=orphan` leaves its pods so), one controlled by something else, or one
-    /// being deleted for well past its grace period (its node lost, or a finalizer that is
-    /// never removed). `why` says which, and what to do, for the job's status.
-    Staying { why: String },
-}
-
-/// How long past the end of its grace period a pod being deleted is waited for quietly. The
-/// kubelet confirms a deletion within seconds of it; a pod on a lost node is never
-/// confirmed until the node is deleted or the pod is force-deleted.
-pub const TERMINATING_PATIENCE: Duration = Duration::from_secs(60);
-
-impl NameHolder {
-    /// Whether `pod`, not the job's (named `job`), goes by itself, seen at `now`.
-    pub fn of(pod: &Pod, job: &str, now: &Time) -> Self {
-        let meta = &pod.metadata;
-        let controller = meta
-            .owner_references
-            .iter()
-            .flatten()
-            .find(|o| o.controller == Some(true));
-        let controller_words =
-            || controller.map_or("none".into(), |o| format!("{} {}", o.kind, o.name));
-        if let Some(deleted_at) = &meta.deletion_timestamp {
-            if !past_terminating_patience(deleted_at, now) {
-                return NameHolder::Going;
-            }
-            return NameHolder::Staying {
-                why: format!(
-                    "a pod of that name (its controller: {}) {}; once it is gone, the job goes on",
-                    controller_words(),
-                    still_being_deleted(
-                        meta.name.as_deref().unwrap_or_default(),
-                        meta.namespace.as_deref().unwrap_or_default(),
-                        pod.spec.as_ref().and_then(|s| s.node_name.as_deref()),
-                        deleted_at,
-                    )
-                ),
-            };
-        }
-        let earlier_job = controller.is_some_and(|o| {
-            o.kind == "TrainingJob" && o.name == job && crate::api::in_group(&o.api_version)
-        });
-        if earlier_job {
-            NameHolder::Going
-        } else {
-            NameHolder::Staying {
-                why: format!(
-                    "a pod of that name exists that this job does not control (its controller: \
-                     {}); delete or rename that pod, and the job goes on",
-                    controller_words()
-                ),
-            }
-        }
-    }
-}
-
-/// Whether a pod being deleted, whose grace period ended at `grace_over` (its deletion
-/// timestamp), is past [`TERMINATING_PATIENCE`] at `now`: no longer waited for quietly.
-fn past_terminating_patience(grace_over: &Time, now: &Time) -> bool {
-    seconds_between(grace_over, now) > TERMINATING_PATIENCE.as_secs_f64()
-}
-
-/// What to say of pod `name` still being deleted past its grace period, and what to do about
-/// it: the node it ran on may be lost (the kubelet never confirms the deletion; the pod
-/// garbage collector force-deletes only when the Node object goes), or a finalizer holds it.
-fn still_being_deleted(
-    name: &str,
-    namespace: &str,
-    node: Option<&str>,
-    grace_over: &Time,
-) -> String {
-    let node = node.map_or_else(|| "its node".to_string(), |n| format!("its node {n}"));
-    format!(
-        "is still being deleted, its grace period over since {}: {node} may be lost (kubectl \
-         delete pod {name} -n {namespace} --grace-period=0 --force), or a finalizer holds it \
-         (whoever put it there takes it off)",
-        grace_over.0
-    )
 }
 
 /// The job's own pods still being deleted past [`TERMINATING_PATIENCE`], said as
@@ -445,10 +250,6 @@ pub fn hold_back_names_in_use(
     plan.about = Some(PodRef::named(name.as_str()));
 }
 
-fn seconds_between(from: &Time, to: &Time) -> f64 {
-    to.0.duration_since(from.0).as_secs_f64()
-}
-
 /// The wait before starting gang `restarts` again: `base × 2^(restarts−1)`, at most 5 minutes.
 pub fn restart_backoff(base: Duration, restarts: i32) -> Duration {
     let exponent = u32::try_from(restarts.saturating_sub(1).clamp(0, 16)).unwrap_or(0);
@@ -567,8 +368,8 @@ fn every_pod(observed: &Observed) -> Vec<String> {
 /// Sets the kstatus conditions (Ready, Reconciling, Stalled) and the finish conditions for a
 /// phase. `detail` is the phase's message.
 fn phase_conditions(plan: &mut Plan, detail: &str) {
+    use super::condition_names::condition_types::*;
     use TrainingJobPhase as P;
-    use condition_types::*;
     let phase = plan.phase;
     let reason: &'static str = match phase {
         P::Pending => "Pending",

@@ -15,23 +15,20 @@ use k8s_openapi::api::core::v1::Node;
 use kube::api::ListParams;
 use kube::{Api, Client, ResourceExt};
 
-use super::plan::PoolState;
-use super::validate::{NodePoolPlan, ValidatedTrainingJob};
+use super::names::{AGENT_POOL_LABEL, POOL_KEY};
+use super::spec::{NodePoolPlan, ValidatedTrainingJob};
+use super::state::PoolState;
 use crate::aks::{Accepted, AgentPool, AgentPoolRequest, ArmClient, ArmError, Operation};
 use crate::api::{GpuDriver, NodePoolStatus, Provisioner, TrainingJob, TrainingJobPhase};
 use crate::controller::set_finalizer;
 
 /// The finalizer that deletes a job's agent pool.
 pub const FINALIZER: &str = "ringmaster.dev/agent-pool";
-/// Label and taint key on a job's pool nodes (workers tolerate it).
-pub const POOL_KEY: &str = "ringmaster.dev/pool";
 /// `status.nodePool.provisioningState` once the pool is gone.
 const DELETED: &str = "Deleted";
 /// `status.nodePool.provisioningState` of a finished job whose pool name was another's:
 /// nothing of it to give back.
 const NOT_THIS_JOBS: &str = "NotThisJobs";
-/// AKS's label naming a node's agent pool.
-pub const AGENT_POOL_LABEL: &str = "kubernetes.azure.com/agentpool";
 /// Tag on a pool Ringmaster made: `<namespace>.<name>` of the job.
 pub const JOB_TAG: &str = "ringmaster.dev-job";
 /// Tag on a pool Ringmaster made: the job's UID (names come back; UIDs do not).
@@ -608,7 +605,7 @@ pub async fn finalize(
         .filter(|p| p.provisioner == Provisioner::Aks)
         .map(|p| {
             p.pool_name.clone().unwrap_or_else(|| {
-                super::validate::derive_pool_name(
+                super::names::derive_pool_name(
                     &object.name_any(),
                     &object.uid().unwrap_or_default(),
                 )

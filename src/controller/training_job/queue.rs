@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Pod, PodTemplateSpec, Toleration};
+use k8s_openapi::api::core::v1::{Pod, PodTemplateSpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 use kube::ResourceExt;
@@ -15,7 +15,8 @@ use serde_json::{Value, json};
 
 use super::build::{self, BuildInputs};
 use super::names;
-use super::validate::ValidatedTrainingJob;
+use super::spec::ValidatedTrainingJob;
+use super::state::{Placement, PodPlacement, QueueState};
 use crate::api::TrainingJob;
 use crate::controller::conditions::{self, DesiredCondition};
 use crate::kueue::{
@@ -49,62 +50,6 @@ pub struct Priority {
     pub value: i32,
     /// A WorkloadPriorityClass (`true`) or a PriorityClass of the pods.
     pub workload_class: bool,
-}
-
-/// Where a job stands with Kueue.
-#[derive(Clone, Debug, PartialEq)]
-pub enum QueueState {
-    /// Not queued (no queue-name label): the job runs as soon as it is ready.
-    NotQueued,
-    /// Queued, but this operator runs without its Kueue integration.
-    IntegrationOff { queue: String },
-    /// Waiting for admission; what Kueue says (or why there is no Workload yet).
-    Waiting { message: String },
-    /// Admitted: the gang may run, placed as the admission says.
-    Admitted {
-        placement: Placement,
-        message: String,
-    },
-    /// Evicted (preempted, deactivated, its queue stopped, ...): the pods go; Kueue's
-    /// reason and message.
-    Evicted {
-        reason: &'static str,
-        message: String,
-    },
-}
-
-/// What an admission adds to the pods: its flavors' node labels and tolerations, and the
-/// admission checks' additions.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Placement {
-    /// For the workers.
-    pub workers: PodPlacement,
-    /// For the launcher.
-    pub launcher: PodPlacement,
-}
-
-/// A node selector, tolerations, labels and annotations for one pod set.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct PodPlacement {
-    /// Labels the pods' nodes must have.
-    pub node_selector: BTreeMap<String, String>,
-    /// Tolerations the pods get.
-    pub tolerations: Vec<Toleration>,
-    /// Labels the pods get (from admission checks).
-    pub labels: BTreeMap<String, String>,
-    /// Annotations the pods get (from admission checks: a ProvisioningRequest's, say).
-    pub annotations: BTreeMap<String, String>,
-}
-
-impl PodPlacement {
-    fn add(&mut self, node_selector: &BTreeMap<String, String>, tolerations: &[Toleration]) {
-        self.node_selector.extend(node_selector.clone());
-        for toleration in tolerations {
-            if !self.tolerations.contains(toleration) {
-                self.tolerations.push(toleration.clone());
-            }
-        }
-    }
 }
 
 /// The Workload of a queued job: the workers and the launcher as Kueue will count them

@@ -119,8 +119,8 @@ pub fn is_progress_only(old: &TrainingJobStatus, new: &TrainingJobStatus) -> boo
             .conditions
             .iter()
             .filter(|c| {
-                c.type_ != super::plan::condition_types::WORKERS_READY
-                    || super::plan::reasons::BLOCKING.contains(&c.reason.as_str())
+                c.type_ != super::condition_names::condition_types::WORKERS_READY
+                    || super::condition_names::reasons::BLOCKING.contains(&c.reason.as_str())
             })
             .map(|c| (c.type_.clone(), c.status.clone(), c.reason.clone()))
             .collect();

@@ -1,180 +1,13 @@
 //! Validate step of the TrainingJob controller: the raw object in, a [`ValidatedTrainingJob`]
 //! out — schema and CEL rules checked, defaults merged, names derived. No client.
 
-use std::collections::BTreeMap;
-
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::ResourceExt;
-use ringmaster_contract::trainer::{self as contract, Capabilities, Setting, TrainArgs};
+use ringmaster_contract::trainer::{self as contract, Capabilities, TrainArgs};
 
-use crate::api::{
-    DataSource, DataStageRef, GpuDriver, MpiSpec, OutputSpec, PodOverrides, Precision, Provisioner,
-    RunPolicy, TrainingJob,
-};
-use crate::validation::{self, FieldError, FieldErrors};
-
-/// Default size of an InfiniBand worker's in-memory /dev/shm.
-pub const DEFAULT_SHM_SIZE: &str = "64Gi";
-/// Steps trained when neither steps nor epochs is set.
-pub const DEFAULT_STEPS: i64 = 1000;
-
-/// A TrainingJob whose spec passed every rule, with every default filled in.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ValidatedTrainingJob {
-    /// The job's name.
-    pub name: String,
-    /// The job's namespace.
-    pub namespace: String,
-    /// The job's UID (owner references, derived names).
-    pub uid: String,
-    /// Worker pods.
-    pub workers: u32,
-    /// GPUs per worker; 0 for a CPU job.
-    pub gpus_per_worker: u32,
-    /// MPI ranks per worker.
-    pub slots_per_worker: u32,
-    /// Image of launcher and workers.
-    pub image: String,
-    /// What every rank runs.
-    pub program: Program,
-    /// The DataStage to wait for and mount.
-    pub data: Option<DataStageRef>,
-    /// Where results go.
-    pub output: Option<OutputSpec>,
-    /// InfiniBand settings, when enabled.
-    pub infiniband: Option<InfinibandSettings>,
-    /// The nodes to run on, when the spec names a pool.
-    pub node_pool: Option<NodePoolPlan>,
-    /// MPI settings.
-    pub mpi: MpiSpec,
-    /// Additions to the launcher.
-    pub launcher: PodOverrides,
-    /// Additions to the workers.
-    pub worker: PodOverrides,
-    /// Restarts, deadlines, clean-up, suspension.
-    pub run_policy: RunPolicy,
-}
-
-impl ValidatedTrainingJob {
-    /// Total MPI ranks.
-    pub fn world_size(&self) -> u32 {
-        self.workers * self.slots_per_worker
-    }
-}
-
-/// What `mpirun` starts on every rank.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Program {
-    /// The Ringmaster trainer with these settings (boxed: they are most of the size).
-    Trainer(Box<TrainerSettings>),
-    /// The user's own command.
-    Command(Vec<String>),
-}
-
-/// The trainer's invocation with defaults filled in: the typed command line of
-/// `ringmaster-trainer train` (the contract both programs share) and the user's extra flags.
-#[derive(Clone, Debug, PartialEq)]
-pub struct TrainerSettings {
-    /// What the operator sets from the spec.
-    pub args: TrainArgs,
-    /// `spec.trainer.extraArgs`, passed through after the operator's flags.
-    pub extra_args: Vec<String>,
-}
-
-impl TrainerSettings {
-    /// The flags after `ringmaster-trainer train`.
-    pub fn flags(&self) -> Vec<String> {
-        let mut flags = self.args.to_args();
-        flags.extend(self.extra_args.iter().cloned());
-        flags
-    }
-
-    /// Runs the trainer's own settings check on the flags the launcher will pass (extra
-    /// flags included), as a trainer with `capabilities` would; errors name the spec field
-    /// a user changes to fix them.
-    pub fn check(&self, capabilities: &Capabilities) -> Result<(), FieldErrors> {
-        let flags = self.flags();
-        let parsed = TrainArgs::parse_flags(&flags).map_err(|e| {
-            let text = e.to_string();
-            let first = text.lines().next().unwrap_or_default();
-            FieldErrors::one(
-                "spec.trainer.extraArgs",
-                format!(
-                    "ringmaster-trainer train refuses these flags: {}",
-                    first.trim_start_matches("error: ")
-                ),
-            )
-        })?;
-        parsed.check(capabilities).map_err(|errors| {
-            FieldErrors(
-                errors
-                    .into_iter()
-                    .map(|e| FieldError {
-                        field: self.field_of(e.setting).into(),
-                        message: e.to_string(),
-                    })
-                    .collect(),
-            )
-        })
-    }
-
-    /// The spec field behind a setting: the extra flags when they set it, else the field
-    /// the operator derives it from.
-    fn field_of(&self, setting: Setting) -> &'static str {
-        let in_extra = self.extra_args.iter().any(|arg| {
-            setting
-                .flags()
-                .iter()
-                .any(|flag| arg == flag || arg.starts_with(&format!("{flag}=")))
-        });
-        if in_extra {
-            return "spec.trainer.extraArgs";
-        }
-        match setting {
-            Setting::Device => "spec.gpusPerWorker",
-            Setting::Precision => "spec.trainer.precision",
-            Setting::Model => "spec.trainer.model",
-            Setting::BatchSize => "spec.trainer.batchSize",
-            Setting::ImageSize => "spec.trainer.imageSize",
-            Setting::Length => "spec.trainer.steps",
-            Setting::LearningRate => "spec.trainer.learningRate",
-            Setting::Warmup => "spec.trainer.warmupEpochs",
-            _ => "spec.trainer.extraArgs",
-        }
-    }
-}
-
-/// InfiniBand settings with defaults filled in.
-#[derive(Clone, Debug, PartialEq)]
-pub struct InfinibandSettings {
-    /// The RDMA extended resource.
-    pub rdma_resource: String,
-    /// How many per worker.
-    pub rdma_resource_count: u32,
-    /// Size of /dev/shm.
-    pub shm_size: Quantity,
-    /// Extra NCCL/UCX environment.
-    pub env: BTreeMap<String, String>,
-}
-
-/// The nodes a job runs on.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct NodePoolPlan {
-    /// Who provides the nodes.
-    pub provisioner: Provisioner,
-    /// VM size, when given.
-    pub vm_size: Option<String>,
-    /// The AKS agent pool's name (given or derived); `None` for existing nodes.
-    pub pool_name: Option<String>,
-    /// Spot VMs.
-    pub spot: bool,
-    /// Delete the pool after the job.
-    pub delete_after_completion: bool,
-    /// Labels that pick the nodes.
-    pub node_selector: BTreeMap<String, String>,
-    /// AKS GPU driver setting.
-    pub gpu_driver: GpuDriver,
-}
+pub use super::spec::*;
+use crate::api::{DataSource, GpuDriver, PodOverrides, Precision, Provisioner, TrainingJob};
+use crate::validation::{self, FieldErrors};
 
 /// Checks `job` against every rule and fills in defaults; the trainer's settings must run on
 /// the trainer of this release.
@@ -386,7 +219,7 @@ fn with_defaults(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors>
             Provisioner::Aks => Some(
                 pool.pool_name
                     .clone()
-                    .unwrap_or_else(|| derive_pool_name(&job.name_any(), &uid)),
+                    .unwrap_or_else(|| super::names::derive_pool_name(&job.name_any(), &uid)),
             ),
             Provisioner::Existing => None,
         },
@@ -416,57 +249,9 @@ fn with_defaults(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors>
     })
 }
 
-/// An AKS agent pool name for a job: up to 8 letters and digits of its name, then 4 of its
-/// UID, so two jobs of the same name get different pools and a restarted operator derives
-/// the same name again. AKS allows `^[a-z][a-z0-9]{0,11}$`.
-pub fn derive_pool_name(job_name: &str, uid: &str) -> String {
-    let mut name: String = job_name
-        .chars()
-        .filter(char::is_ascii_alphanumeric)
-        .map(|c| c.to_ascii_lowercase())
-        .skip_while(|c| c.is_ascii_digit())
-        .take(8)
-        .collect();
-    if name.is_empty() {
-        name.push_str("tj");
-    }
-    name.extend(
-        uid.chars()
-            .filter(char::is_ascii_hexdigit)
-            .map(|c| c.to_ascii_lowercase())
-            .take(4),
-    );
-    name
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn derived_pool_names_are_valid_for_aks() {
-        let valid = |s: &str| {
-            s.len() <= 12
-                && s.chars().next().is_some_and(|c| c.is_ascii_lowercase())
-                && s.chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
-        };
-        for (name, uid) in [
-            ("resnet50-ib", "3f2a9c4e-0000-4000-8000-000000000000"),
-            ("123-numbers-first", "ABCDEF12-3456"),
-            ("---", ""),
-            ("a", "0"),
-            ("a-very-long-training-job-name", "deadbeef"),
-        ] {
-            let pool = derive_pool_name(name, uid);
-            assert!(valid(&pool), "{name} → {pool}");
-        }
-        assert_eq!(derive_pool_name("resnet50-ib", "3f2a9c4e"), "resnet503f2a");
-        assert_ne!(
-            derive_pool_name("job", "aaaa1111"),
-            derive_pool_name("job", "bbbb1111")
-        );
-    }
 
     #[test]
     fn the_schema_rules_compile() {
