@@ -13,6 +13,7 @@ use ringmaster::api::{TrainingJobPhase as Phase, TrainingJobStatus};
 use ringmaster::controller::training_job::condition_names::{condition_types, reasons};
 use ringmaster::controller::training_job::observe::{Observed, PodRef};
 use ringmaster::controller::training_job::plan::{self, Plan, PlanInputs};
+use ringmaster::controller::training_job::recent::RecentJob;
 use ringmaster::controller::training_job::state::{
     self, DataState, Placement, PoolState, QueueState,
 };
@@ -99,6 +100,8 @@ struct Scenario {
     pool: PoolState,
     queue: QueueState,
     now: Time,
+    names_in_use: BTreeMap<String, state::NameHolder>,
+    recent: RecentJob,
 }
 
 impl Scenario {
@@ -111,6 +114,8 @@ impl Scenario {
             pool: PoolState::NotNeeded,
             queue: QueueState::NotQueued,
             now: at(0),
+            names_in_use: BTreeMap::new(),
+            recent: RecentJob::default(),
         }
     }
 
@@ -132,6 +137,8 @@ impl Scenario {
             queue: &self.queue,
             now: &self.now,
             restart_backoff: Duration::from_secs(10),
+            names_in_use: &self.names_in_use,
+            recent: &self.recent,
         })
     }
 

@@ -236,6 +236,20 @@ impl Context {
         }
     }
 
+    /// For tests of a whole reconcile: puts `pods` in the pod cache, as the watch would,
+    /// and counts the caches as listed.
+    #[cfg(test)]
+    pub(crate) fn cache_pods(&self, pods: impl IntoIterator<Item = Pod>) {
+        let mut writer = self.pods_writer.lock().expect("writer poisoned");
+        let writer = writer
+            .as_mut()
+            .expect("the pod cache's writer is not taken in tests");
+        for pod in pods {
+            writer.apply_watcher_event(&watcher::Event::Apply(pod));
+        }
+        self.caches_synced.store(true, Ordering::Release);
+    }
+
     /// Whether the pod and DataStage caches have their first full list.
     pub(crate) fn caches_synced(&self) -> bool {
         self.caches_synced.load(Ordering::Acquire)

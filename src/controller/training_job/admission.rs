@@ -21,6 +21,7 @@ use super::apply::{ApplyError, kube_error};
 use super::build::BuildInputs;
 use super::names;
 use super::queue::{self, Priority};
+use super::snapshot::Snapshot;
 use super::spec::ValidatedTrainingJob;
 use super::state::DataState;
 use super::state::QueueState;
@@ -40,7 +41,7 @@ fn patch_params() -> PatchParams {
 }
 
 /// What the Kueue step found, and what it could not do.
-pub struct Looked {
+pub struct KueueLook {
     /// Where the job stands, from the cached Workload.
     pub state: QueueState,
     /// The job's Workload as cached.
@@ -52,84 +53,252 @@ pub struct Looked {
     pub error: Option<ApplyError>,
 }
 
-/// Where the job stands with Kueue, after making or mending its Workload when needed.
-pub async fn look(
+/// What the Kueue step reads: the job's queue, and its Workload from the cache.
+pub struct KueueSeen {
+    /// The queue the job's label names, if any.
+    pub queue: Option<String>,
+    /// Whether the operator runs with its Kueue integration.
+    pub integration: bool,
+    /// The Workload of the job's name, as cached (maybe an earlier job's).
+    pub workload: Option<Arc<Workload>>,
+}
+
+/// What the Kueue step decides to write (at most one write a reconcile).
+#[derive(Clone, Debug, PartialEq)]
+pub enum WorkloadWrite {
+    /// Delete the Workload: the job left its queue, or its pods' shape changed before they
+    /// ran (a new one is made on the next look).
+    Delete,
+    /// Make the job's Workload in this queue (its priority class read first).
+    Make {
+        /// The queue.
+        queue: String,
+    },
+    /// Merge-patch the Workload: `runPolicy.suspend` on `spec.active`, the queue while it
+    /// waits.
+    Patch(serde_json::Value),
+}
+
+/// What the Kueue step decided: the write, or the state it settles on without one.
+#[derive(Clone, Debug, PartialEq)]
+pub enum KueueDecision {
+    /// Not queued; `write` is a Workload left behind to delete.
+    NotQueued { write: Option<WorkloadWrite> },
+    /// Queued while this operator runs without the integration.
+    IntegrationOff { queue: String },
+    /// The Workload of this name is an earlier job's: wait for it to go.
+    EarlierJobs { workload: String },
+    /// Queued: the write (if any), then the state from the cached Workload.
+    Queued {
+        queue: String,
+        write: Option<WorkloadWrite>,
+    },
+}
+
+/// Where the job stands with Kueue, after making or mending its Workload when needed:
+/// read → decide → write.
+pub async fn reconcile(
     ctx: &Context,
     job: &TrainingJob,
     validated: &ValidatedTrainingJob,
-    data: &DataState,
-    inputs: &BuildInputs,
-    finished: bool,
-    gang_exists: bool,
-) -> Looked {
+    seen: &Snapshot,
+) -> KueueLook {
+    let found = read(ctx, job, validated);
+    let inputs = BuildInputs {
+        attempt: seen.old.restarts,
+        data_claim: seen.data_claim(),
+        ..BuildInputs::default()
+    };
+    let finished = matches!(
+        seen.old.phase,
+        TrainingJobPhase::Succeeded | TrainingJobPhase::Failed
+    );
+    let facts = Facts {
+        finished,
+        data_waiting: matches!(seen.data, DataState::Waiting { .. }),
+        gang_exists: !seen.pods.is_empty(),
+    };
+    let decision = decide(&found, validated, &inputs, facts);
+    write(ctx, job, validated, &inputs, found.workload, decision).await
+}
+
+/// The job's queue and its Workload, from the job's label and the cache.
+pub fn read(ctx: &Context, job: &TrainingJob, validated: &ValidatedTrainingJob) -> KueueSeen {
     let name = names::workload(&validated.name, &validated.uid);
-    let workload = ctx
-        .workloads
-        .get(&ObjectRef::new(&name).within(&validated.namespace));
-    let mut looked = Looked {
+    KueueSeen {
+        queue: queue::queue_name(job).map(str::to_string),
+        integration: ctx.config.kueue,
+        workload: ctx
+            .workloads
+            .get(&ObjectRef::new(&name).within(&validated.namespace)),
+    }
+}
+
+/// What else the Kueue step decides on.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Facts {
+    /// The job has finished.
+    pub finished: bool,
+    /// It waits for its DataStage (no Workload, so it holds no quota).
+    pub data_waiting: bool,
+    /// Pods of its gang exist (a Workload whose shape changed is not made again then).
+    pub gang_exists: bool,
+}
+
+/// The Kueue step's choice. Pure.
+pub fn decide(
+    found: &KueueSeen,
+    validated: &ValidatedTrainingJob,
+    inputs: &BuildInputs,
+    facts: Facts,
+) -> KueueDecision {
+    let workload = found.workload.as_deref();
+    let Some(queue_name) = found.queue.clone() else {
+        // The label was taken off: the job leaves Kueue, and so does its quota.
+        let left_behind = workload.is_some_and(|w| !w.is(wl::FINISHED));
+        return KueueDecision::NotQueued {
+            write: left_behind.then_some(WorkloadWrite::Delete),
+        };
+    };
+    if !found.integration {
+        return KueueDecision::IntegrationOff { queue: queue_name };
+    }
+    if let Some(other) =
+        workload.filter(|w| !w.owner_references().iter().any(|o| o.uid == validated.uid))
+    {
+        return KueueDecision::EarlierJobs {
+            workload: other.name_any(),
+        };
+    }
+    let write = match workload {
+        // Made once the data is there: a job waiting for its data holds no quota.
+        None if !facts.finished && !facts.data_waiting => Some(WorkloadWrite::Make {
+            queue: queue_name.clone(),
+        }),
+        Some(workload) if !facts.finished => {
+            mend(validated, &queue_name, inputs, workload, facts.gang_exists)
+        }
+        _ => None,
+    };
+    KueueDecision::Queued {
+        queue: queue_name,
+        write,
+    }
+}
+
+/// Keeps a Workload true to its job: a new Workload when the pods' shape changed before any
+/// of them ran, else `runPolicy.suspend` on `spec.active` and the queue while it waits.
+fn mend(
+    validated: &ValidatedTrainingJob,
+    queue_name: &str,
+    inputs: &BuildInputs,
+    workload: &Workload,
+    gang_exists: bool,
+) -> Option<WorkloadWrite> {
+    if !gang_exists {
+        // The priority is not compared: a class's value may change on its own.
+        let desired = queue::workload(validated, queue_name, inputs, None);
+        if queue::outdated(workload, &desired) {
+            tracing::info!(job = %validated.name, workload = %workload.name_any(), "the pods' shape changed: the Workload is made again");
+            return Some(WorkloadWrite::Delete);
+        }
+    }
+    let mut patch = queue::activation_patch(workload, validated.run_policy.suspend);
+    if workload.spec.queue_name.as_deref() != Some(queue_name) && !workload.has_quota_reservation()
+    {
+        let patch = patch.get_or_insert_with(|| serde_json::json!({}));
+        patch["spec"]["queueName"] = queue_name.into();
+        patch["metadata"]["labels"][crate::kueue::QUEUE_NAME_LABEL] = queue_name.into();
+    }
+    patch.map(WorkloadWrite::Patch)
+}
+
+/// Carries the decision out and says where the job stands.
+async fn write(
+    ctx: &Context,
+    job: &TrainingJob,
+    validated: &ValidatedTrainingJob,
+    inputs: &BuildInputs,
+    workload: Option<Arc<Workload>>,
+    decision: KueueDecision,
+) -> KueueLook {
+    let mut look = KueueLook {
         state: QueueState::NotQueued,
         workload: None,
         requeue: None,
         error: None,
     };
-    let Some(queue_name) = queue::queue_name(job) else {
-        // The label was taken off: the job leaves Kueue, and so does its quota.
-        if let Some(workload) = workload.filter(|w| !w.is(wl::FINISHED)) {
-            looked.error = delete_workload(ctx, &workload).await.err();
+    let (queue_name, write) = match decision {
+        KueueDecision::NotQueued { write } => {
+            if let (Some(WorkloadWrite::Delete), Some(workload)) = (write, &workload) {
+                look.error = delete_workload(ctx, workload).await.err();
+            }
+            return look;
         }
-        return looked;
+        KueueDecision::IntegrationOff { queue } => {
+            look.state = QueueState::IntegrationOff { queue };
+            return look;
+        }
+        KueueDecision::EarlierJobs { workload } => {
+            look.state = QueueState::Waiting {
+                message: format!(
+                    "Workload {workload} belongs to an earlier job of this name: waiting for it to go"
+                ),
+            };
+            look.requeue = Some(PRIORITY_CLASS_RETRY);
+            return look;
+        }
+        KueueDecision::Queued { queue, write } => (queue, write),
     };
-    if !ctx.config.kueue {
-        looked.state = QueueState::IntegrationOff {
-            queue: queue_name.to_string(),
-        };
-        return looked;
-    }
-    if let Some(other) = workload
-        .as_ref()
-        .filter(|w| !w.owner_references().iter().any(|o| o.uid == validated.uid))
-    {
-        looked.state = QueueState::Waiting {
-            message: format!(
-                "Workload {} belongs to an earlier job of this name: waiting for it to go",
-                other.name_any()
-            ),
-        };
-        looked.requeue = Some(PRIORITY_CLASS_RETRY);
-        return looked;
-    }
-    let written = match &workload {
-        // Made once the data is there: a job waiting for its data holds no quota.
-        None if !finished && !matches!(data, DataState::Waiting { .. }) => {
-            make_workload(ctx, job, validated, queue_name, inputs).await
+    let written = match (write, &workload) {
+        (Some(WorkloadWrite::Make { queue }), _) => {
+            make_workload(ctx, job, validated, &queue, inputs).await
         }
-        Some(workload) if !finished => {
-            mend_workload(ctx, validated, queue_name, inputs, workload, gang_exists)
-                .await
-                .map(|()| None)
+        (Some(WorkloadWrite::Delete), Some(workload)) => {
+            delete_workload(ctx, workload).await.map(|()| None)
+        }
+        (Some(WorkloadWrite::Patch(patch)), Some(workload)) => {
+            patch_workload(ctx, workload, &patch).await.map(|()| None)
         }
         _ => Ok(None),
     };
     match written {
         Ok(Some(missing_class)) => {
-            looked.state = QueueState::Waiting {
+            look.state = QueueState::Waiting {
                 message: format!(
                     "{missing_class} does not exist: the job is not queued until it does"
                 ),
             };
-            looked.requeue = Some(PRIORITY_CLASS_RETRY);
+            look.requeue = Some(PRIORITY_CLASS_RETRY);
         }
         written => {
-            looked.error = written.err();
-            looked.state = queue::state(queue_name, workload.as_deref(), |name| {
+            look.error = written.err();
+            look.state = queue::state(&queue_name, workload.as_deref(), |name| {
                 ctx.flavors
                     .get(&ObjectRef::<ResourceFlavor>::new(name))
                     .map(|f| f.spec.clone())
             });
         }
     }
-    looked.workload = workload;
-    looked
+    look.workload = workload;
+    look
+}
+
+/// Merge-patches the job's Workload.
+async fn patch_workload(
+    ctx: &Context,
+    workload: &Workload,
+    patch: &serde_json::Value,
+) -> Result<(), ApplyError> {
+    let api: Api<Workload> = Api::namespaced(
+        ctx.client.clone(),
+        &workload.namespace().unwrap_or_default(),
+    );
+    let name = workload.name_any();
+    api.patch(&name, &patch_params(), &Patch::Merge(patch))
+        .await
+        .map_err(kube_error("patching", "Workload", &name))?;
+    Ok(())
 }
 
 /// Makes the job's Workload; `Ok(Some(class))` names its priority class when that does not
@@ -153,41 +322,6 @@ async fn make_workload(
         Err(e) if is_conflict(&e) => Ok(None),
         Err(e) => Err(kube_error("creating", "Workload", &object.name_any())(e)),
     }
-}
-
-/// Keeps a Workload true to its job: `runPolicy.suspend` on `spec.active`, the queue while
-/// it waits, and a new Workload when the pods' shape changed before any of them ran.
-async fn mend_workload(
-    ctx: &Context,
-    validated: &ValidatedTrainingJob,
-    queue_name: &str,
-    inputs: &BuildInputs,
-    workload: &Workload,
-    gang_exists: bool,
-) -> Result<(), ApplyError> {
-    let api: Api<Workload> = Api::namespaced(ctx.client.clone(), &validated.namespace);
-    let name = workload.name_any();
-    if !gang_exists {
-        // The priority is not compared: a class's value may change on its own.
-        let desired = queue::workload(validated, queue_name, inputs, None);
-        if queue::outdated(workload, &desired) {
-            tracing::info!(job = %validated.name, workload = %name, "the pods' shape changed: the Workload is made again");
-            return delete_workload(ctx, workload).await;
-        }
-    }
-    let mut patch = queue::activation_patch(workload, validated.run_policy.suspend);
-    if workload.spec.queue_name.as_deref() != Some(queue_name) && !workload.has_quota_reservation()
-    {
-        let patch = patch.get_or_insert_with(|| serde_json::json!({}));
-        patch["spec"]["queueName"] = queue_name.into();
-        patch["metadata"]["labels"][crate::kueue::QUEUE_NAME_LABEL] = queue_name.into();
-    }
-    if let Some(patch) = patch {
-        api.patch(&name, &patch_params(), &Patch::Merge(&patch))
-            .await
-            .map_err(kube_error("patching", "Workload", &name))?;
-    }
-    Ok(())
 }
 
 async fn delete_workload(ctx: &Context, workload: &Workload) -> Result<(), ApplyError> {

@@ -12,7 +12,7 @@ use serde_json::json;
 
 use super::build::{self, BuildInputs, SshKeys};
 use super::names::{self, ChildNaming};
-use super::plan::Plan;
+use super::plan::{Children, Plan};
 use super::spec::ValidatedTrainingJob;
 use super::state::NameHolder;
 use crate::controller::{is_conflict, is_not_found, server_side_apply};
@@ -77,20 +77,6 @@ impl ApplyError {
             ApplyError::Random(_) => None,
         }
     }
-}
-
-/// Whether a refusal said on the job (its `ChildRejected` message, from
-/// [`ApplyError::rejection`]) was of the Secret, Service or PodGroup: written again on the
-/// next look, since a change of spec they were to follow would be lost otherwise.
-pub fn refused_children(message: &str) -> bool {
-    [
-        "creating Secret ",
-        "applying Service ",
-        "creating PodGroup ",
-        "updating PodGroup ",
-    ]
-    .iter()
-    .any(|prefix| message.starts_with(prefix))
 }
 
 /// Wraps a refused write with what was written, for the job's status.
@@ -319,28 +305,16 @@ async fn create_pod(
     })
 }
 
-/// Which of the job's Secret and Service to write before its pods.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Children {
-    /// Neither: they were written moments ago, or no worker is being made.
-    Keep,
-    /// Make them if they do not exist (a gang's workers are being made).
-    Ensure,
-    /// The spec changed since they were made: make them, and apply the Service over the old
-    /// one (its ports follow the spec).
-    Update,
-}
-
-/// Carries out `plan`, writing the Secret and Service first as `children` says. `written`
-/// collects what succeeded.
+/// Carries out `plan`, writing the Secret, Service and PodGroup first as `plan.children`
+/// says. `written` collects what succeeded.
 pub async fn execute(
     client: &Client,
     job: &ValidatedTrainingJob,
     plan: &Plan,
     inputs: &BuildInputs,
-    children: Children,
     written: &mut Written,
 ) -> Result<(), ApplyError> {
+    let children = plan.children;
     delete_pods(client, &job.namespace, &plan.delete_pods).await?;
     if children != Children::Keep {
         ensure_ssh_secret(client, job, inputs.naming).await?;
@@ -422,9 +396,14 @@ mod tests {
             ("creating", "PodGroup"),
             ("updating", "PodGroup"),
         ] {
-            assert!(refused_children(&refusal(action, kind)), "{action} {kind}");
+            assert!(
+                super::super::plan::refused_children(&refusal(action, kind)),
+                "{action} {kind}"
+            );
         }
-        assert!(!refused_children(&refusal("creating", "Pod")));
+        assert!(!super::super::plan::refused_children(&refusal(
+            "creating", "Pod"
+        )));
         let missing_api = ApplyError::NoPodGroupApi {
             name: "x".into(),
             api: GangApi::Volcano,
@@ -434,7 +413,9 @@ mod tests {
                     .boxed(),
             ),
         };
-        assert!(refused_children(&missing_api.rejection().unwrap()));
+        assert!(super::super::plan::refused_children(
+            &missing_api.rejection().unwrap()
+        ));
     }
 
     #[test]

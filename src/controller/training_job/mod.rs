@@ -11,31 +11,28 @@ pub mod plan;
 pub mod pool;
 pub mod queue;
 pub mod recent;
+pub mod snapshot;
 pub mod spec;
 pub mod state;
 pub mod status;
 pub mod validate;
 
-use std::collections::BTreeMap;
+#[cfg(test)]
+mod reconcile_tests;
+
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::Pod;
 use kube::api::DeleteParams;
 use kube::core::error_boundary::DeserializeGuard;
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
-use kube::runtime::reflector::ObjectRef;
 use kube::{Api, Resource, ResourceExt};
 
 use super::{Context, Error, StatusWrite, conditions, is_warning, now, object_key};
-use crate::api::{
-    DataStage, DataStagePhase, TrainingJob, TrainingJobPhase, TrainingJobStatus, condition_reasons,
-};
+use crate::api::{TrainingJob, TrainingJobPhase, TrainingJobStatus, condition_reasons};
 use crate::validation::FieldErrors;
 use build::BuildInputs;
-use observe::Observed;
-use plan::PlanInputs;
-use state::{DataState, NameHolder};
+use snapshot::Snapshot;
 
 /// The controller's name in metrics and logs.
 pub const CONTROLLER: &str = "trainingjob";
@@ -122,239 +119,65 @@ async fn report_invalid(
     Ok(Action::await_change())
 }
 
-/// The referenced DataStage's state, from the cache (no read of the API server).
-fn data_state(ctx: &Context, job: &spec::ValidatedTrainingJob) -> DataState {
-    let Some(reference) = &job.data else {
-        return DataState::NotNeeded;
-    };
-    let key = ObjectRef::<DataStage>::new(&reference.name).within(&job.namespace);
-    match ctx.data_stages.get(&key).and_then(|s| s.status.clone()) {
-        Some(status) if status.phase == DataStagePhase::Ready && status.claim_name.is_some() => {
-            DataState::Ready {
-                claim: status.claim_name.unwrap_or_default(),
-            }
-        }
-        Some(status) if status.phase == DataStagePhase::Failed => DataState::Waiting {
-            message: format!(
-                "DataStage {} failed ({}): fix it and make it again; the job starts once it is Ready",
-                reference.name,
-                conditions::find(&status.conditions, crate::api::condition_types::READY)
-                    .map(|c| c.message.as_str())
-                    .unwrap_or("no reason given")
-            ),
-            failed: true,
-        },
-        Some(status) => DataState::Waiting {
-            message: format!("DataStage {} is {:?}", reference.name, status.phase),
-            failed: false,
-        },
-        None => DataState::Waiting {
-            message: format!(
-                "DataStage {} does not exist yet (or has no status)",
-                reference.name
-            ),
-            failed: false,
-        },
-    }
-}
-
-/// The pods from the shared cache that carry the job's name label (same namespace), in one
-/// pass: those owned by this UID, and who holds the names of the others (an earlier job of
-/// the same name whose pods are still terminating, or pods left without a controller).
-fn pods_of(ctx: &Context, job: &TrainingJob) -> (Vec<Arc<Pod>>, BTreeMap<String, NameHolder>) {
-    let namespace = job.namespace();
-    let name = job.name_any();
-    let uid = job.uid();
-    let now = now();
-    let (ours, others): (Vec<Arc<Pod>>, Vec<Arc<Pod>>) = ctx
-        .pods
-        .state()
-        .into_iter()
-        .filter(|pod| {
-            pod.metadata.namespace == namespace
-                && pod.labels().get(names::JOB_NAME_LABEL) == Some(&name)
-        })
-        .partition(|pod| {
-            pod.owner_references()
-                .iter()
-                .any(|o| o.controller == Some(true) && Some(&o.uid) == uid.as_ref())
-        });
-    let holders = others
-        .iter()
-        .map(|pod| (pod.name_any(), NameHolder::of(pod, &name, &now)))
-        .collect();
-    (ours, holders)
-}
-
+/// One reconcile of a valid, live job: observe → (the Kueue and node-pool sub-reconcilers)
+/// → plan → apply → status → settle.
 async fn run(
     ctx: &Context,
     object: &DeserializeGuard<TrainingJob>,
     job: &TrainingJob,
     validated: &spec::ValidatedTrainingJob,
 ) -> Result<Action, Error> {
-    let uid = job.uid().unwrap_or_default();
-    let clock = std::time::Instant::now();
-    // The status written moments ago, when the cache does not show it yet.
-    let old = ctx
-        .recent
-        .latest_status(&uid, &job.status.clone().unwrap_or_default(), clock);
-    let generation = job.meta().generation;
-    let key = object_key(object);
-    let now = now();
-    let data = data_state(ctx, validated);
-    let data_claim = match &data {
-        DataState::Ready { claim } => Some(claim.clone()),
-        _ => None,
-    };
-    let finished = matches!(
-        old.phase,
-        TrainingJobPhase::Succeeded | TrainingJobPhase::Failed
-    );
-    let (pods, names_in_use) = pods_of(ctx, job);
-    let looked = admission::look(
-        ctx,
-        job,
-        validated,
-        &data,
-        &BuildInputs {
-            attempt: old.restarts,
-            data_claim: data_claim.clone(),
-            ..BuildInputs::default()
-        },
-        finished,
-        !pods.is_empty(),
-    )
-    .await;
-    let (queue, workload) = (looked.state, looked.workload);
-    let pod_refs: Vec<&Pod> = pods.iter().map(AsRef::as_ref).collect();
-    let observed = Observed::sort(&pod_refs, validated.workers, old.restarts);
-    let pool = pool::look(
-        &ctx.client,
-        ctx.config.arm.as_ref(),
-        job,
-        validated,
-        observed.gang_exists(),
-    )
-    .await
-    .map_err(|source| Error::Pool {
-        name: format!("{}/{}", validated.namespace, validated.name),
-        source,
-    })?;
-    let mut plan = plan::plan(&PlanInputs {
-        job: validated,
-        generation,
-        status: &old,
-        observed: &observed,
-        data: &data,
-        pool: &pool.state,
-        queue: &queue,
-        now: &now,
-        restart_backoff: ctx.config.restart_backoff,
-    });
-    plan::hold_back_names_in_use(
-        &mut plan,
-        &validated.name,
-        &names_in_use,
-        old.start_time.as_ref(),
-    );
-    // Pods made moments ago that the cache does not show yet are not made again.
-    let unseen = ctx
-        .recent
-        .pods_not_yet_seen(&uid, plan.restarts, &pod_refs, clock);
-    let worker_held_back = |i: &u32| unseen.contains(&names::worker_pod(&validated.name, *i));
-    let launcher_held_back =
-        plan.create_launcher && unseen.contains(&names::launcher_pod(&validated.name));
-    if launcher_held_back || plan.create_workers.iter().any(worker_held_back) {
-        // Looked at again when the memory fades, should the cache never show them.
-        plan.requeue(recent::FRESH_FOR);
-    }
-    plan.create_workers.retain(|i| !worker_held_back(i));
-    if launcher_held_back {
-        plan.create_launcher = false;
-    }
-    let mut new = status::from_plan(&old, generation, &plan, &observed, &now);
-    if pool.status.is_some() {
-        new.node_pool = pool.status.clone();
-    }
-    let inputs = BuildInputs {
-        attempt: plan.restarts,
-        data_claim,
-        placement: match &queue {
-            state::QueueState::Admitted { placement, .. } => placement.clone(),
-            _ => state::Placement::default(),
-        },
-        gang_scheduler: ctx.config.gang_scheduler.clone(),
-        naming: names::ChildNaming::of_gang(pod_refs.iter().copied(), plan.restarts),
-        launcher_priority_class: ctx.config.launcher_priority_class.clone(),
-    };
-    // A restart is recorded before its pods are deleted, so a crash in between cannot lose
-    // it; everything else is carried out before the status that reports it.
-    let restarting = plan.restarts != old.restarts;
+    let seen = Snapshot::take(ctx, job, validated);
+    // Kueue first (the plan reads where the job stands), then the job's own node pool.
+    let kueue = admission::reconcile(ctx, job, validated, &seen).await;
+    let pool = pool::reconcile(ctx, job, validated, seen.observed.gang_exists())
+        .await
+        .map_err(|source| Error::Pool {
+            name: format!("{}/{}", validated.namespace, validated.name),
+            source,
+        })?;
+    let found = (&kueue.state, &pool.state);
+    let backoff = ctx.config.restart_backoff;
+    let plan = plan::plan(&seen.plan_inputs(validated, found, &seen.names_in_use, backoff));
+    let restarting = plan.restarts != seen.old.restarts;
     if restarting {
-        write_status(ctx, object, &old, &new, &plan.message, plan.about.as_ref()).await?;
-        ctx.status_written(&key);
+        // Recorded before its pods are deleted, so a crash in between cannot lose it.
+        let new = status_after(&seen, &plan, &pool);
+        write_status(
+            ctx,
+            object,
+            &seen.old,
+            &new,
+            &plan.message,
+            plan.about.as_ref(),
+        )
+        .await?;
+        ctx.status_written(&object_key(object));
         ctx.metrics.training_job_restarted();
     }
-    // The Secret and Service go out with a gang's workers (the launcher comes later, into a
-    // gang that has them) and with a new spec, once.
-    // Also after a refused write of the Secret, Service or PodGroup: they may not have
-    // followed this spec.
-    let spec_changed = (old.observed_generation.is_some() && old.observed_generation != generation)
-        || conditions::rejected_child(&old.conditions).is_some_and(apply::refused_children);
-    let children =
-        if ctx
-            .recent
-            .children_fresh(&uid, generation, plan.restarts, inputs.naming, clock)
-        {
-            apply::Children::Keep
-        } else if spec_changed {
-            apply::Children::Update
-        } else if !plan.create_workers.is_empty() {
-            apply::Children::Ensure
-        } else {
-            apply::Children::Keep
-        };
-    let mut written = apply::Written::default();
-    let applied = apply::execute(
-        &ctx.client,
-        validated,
-        &plan,
-        &inputs,
-        children,
-        &mut written,
-    )
-    .await;
-    // Remembered also when something failed after: a retry does not write it again.
-    if written.children {
-        ctx.recent
-            .children_applied(&uid, generation, plan.restarts, inputs.naming, clock);
-    }
-    let made_pods = !written.pods.is_empty();
+    let (applied, written) = carry_out(ctx, validated, &seen, &plan, &kueue.state).await;
+    // Names only a create's 409 showed taken (pods the cache does not hold): planned again
+    // with them, so the status says them as it says those the cache shows.
+    let plan = if written.held.is_empty() {
+        plan
+    } else {
+        let mut held = seen.names_in_use.clone();
+        held.extend(written.held.clone());
+        plan::plan(&seen.plan_inputs(validated, found, &held, backoff))
+    };
+    let mut new = status_after(&seen, &plan, &pool);
     let launcher_made = written.pods.contains(&names::launcher_pod(&validated.name));
-    let workers_made = written.pods.len() - usize::from(launcher_made);
-    ctx.recent
-        .pods_made(&uid, plan.restarts, written.pods, clock);
-    if !written.held.is_empty() {
-        // Names only the create's 409 showed taken (by pods the cache does not hold): said
-        // as those the cache shows are.
-        plan::hold_back_names_in_use(
-            &mut plan,
-            &validated.name,
-            &written.held,
-            old.start_time.as_ref(),
-        );
-        new = status::from_plan(&old, generation, &plan, &observed, &now);
-        if pool.status.is_some() {
-            new.node_pool = pool.status.clone();
-        }
-    }
-    status::count_made(&mut new, workers_made, launcher_made);
+    status::count_made(
+        &mut new,
+        written.pods.len() - usize::from(launcher_made),
+        launcher_made,
+    );
     if let Err(source) = applied {
         if plan.create_launcher && !launcher_made {
             // The job did not start: its deadline does not run yet.
-            new.start_time = old.start_time.clone();
+            new.start_time = seen.old.start_time.clone();
         }
-        let written = if restarting { &new } else { &old };
+        let written = if restarting { &new } else { &seen.old };
         return Err(rejected(
             ctx,
             object,
@@ -365,81 +188,161 @@ async fn run(
         )
         .await);
     }
-    // Progress alone (worker counts, messages) is held back a little and goes out with the
-    // next write: one write per pod event would cost the API server most of a job's requests.
-    let progress_wait = if !restarting && status::is_progress_only(&old, &new) {
-        ctx.progress_wait(&key)
-    } else {
-        None
+    let progress_wait = report(ctx, object, &seen.old, &new, &plan, restarting).await?;
+    let kueue_requeue = kueue.requeue;
+    let pods_exist = !seen.pods.is_empty() || plan.unseen_pods || !written.pods.is_empty();
+    settle(ctx, object, validated, (&plan, &new), kueue, pods_exist).await?;
+    record_time_to_running(ctx, job, &seen.old, &new);
+    if plan.delete_job {
+        return delete_finished(ctx, validated).await;
+    }
+    let next = [
+        plan.requeue_after,
+        pool.requeue,
+        progress_wait,
+        kueue_requeue,
+    ]
+    .into_iter()
+    .flatten()
+    .min();
+    Ok(next.map_or_else(Action::await_change, Action::requeue))
+}
+
+/// The status after `plan`, from what was seen before it was carried out.
+fn status_after(seen: &Snapshot, plan: &plan::Plan, pool: &pool::PoolLook) -> TrainingJobStatus {
+    let mut new = status::from_plan(&seen.old, seen.generation, plan, &seen.observed, &seen.now);
+    if pool.status.is_some() {
+        new.node_pool = pool.status.clone();
+    }
+    new
+}
+
+/// Carries `plan` out and remembers what it wrote (also when something failed after), so
+/// the reconciles that follow before the caches show it do not write it again.
+async fn carry_out(
+    ctx: &Context,
+    validated: &spec::ValidatedTrainingJob,
+    seen: &Snapshot,
+    plan: &plan::Plan,
+    queue: &state::QueueState,
+) -> (Result<(), apply::ApplyError>, apply::Written) {
+    let inputs = BuildInputs {
+        attempt: plan.restarts,
+        data_claim: seen.data_claim(),
+        placement: match queue {
+            state::QueueState::Admitted { placement, .. } => placement.clone(),
+            _ => state::Placement::default(),
+        },
+        gang_scheduler: ctx.config.gang_scheduler.clone(),
+        naming: plan.naming,
+        launcher_priority_class: ctx.config.launcher_priority_class.clone(),
     };
-    if !restarting && progress_wait.is_none() {
-        write_status(ctx, object, &old, &new, &plan.message, plan.about.as_ref()).await?;
+    let mut written = apply::Written::default();
+    let applied = apply::execute(&ctx.client, validated, plan, &inputs, &mut written).await;
+    let (uid, clock) = (&validated.uid, std::time::Instant::now());
+    if written.children {
+        let recent = &ctx.recent;
+        recent.children_applied(uid, seen.generation, plan.restarts, plan.naming, clock);
+    }
+    ctx.recent
+        .pods_made(uid, plan.restarts, written.pods.clone(), clock);
+    (applied, written)
+}
+
+/// Writes the status (unless the restart wrote it already), or holds back a change that is
+/// only progress (worker counts, messages): one write per pod event would cost the API
+/// server most of a job's requests. Returns how long it is held back.
+async fn report(
+    ctx: &Context,
+    object: &DeserializeGuard<TrainingJob>,
+    old: &TrainingJobStatus,
+    new: &TrainingJobStatus,
+    plan: &plan::Plan,
+    restarting: bool,
+) -> Result<Option<std::time::Duration>, Error> {
+    if restarting {
+        return Ok(None);
+    }
+    let key = object_key(object);
+    let wait = status::is_progress_only(old, new)
+        .then(|| ctx.progress_wait(&key))
+        .flatten();
+    if wait.is_none() {
+        write_status(ctx, object, old, new, &plan.message, plan.about.as_ref()).await?;
         ctx.status_written(&key);
     }
-    // Kueue is told what it waits for: PodsReady, the quota of an evicted job whose pods are
-    // all gone (also those terminating, or made moments ago and not in the cache yet), and
-    // the end of a finished job. A Kueue write that failed before the plan is reported now.
-    let pods_exist = !pods.is_empty() || !unseen.is_empty() || made_pods;
-    if let Some(source) = looked.error {
-        return Err(rejected(ctx, object, (&new, &new), &plan.message, validated, source).await);
+    Ok(wait)
+}
+
+/// Tells Kueue what it waits for: PodsReady, the quota of an evicted job whose pods are all
+/// gone (`pods_exist` counts those terminating, and those made moments ago and not in the
+/// cache yet), and the end of a finished job. A Kueue write that failed before the plan is
+/// reported now.
+async fn settle(
+    ctx: &Context,
+    object: &DeserializeGuard<TrainingJob>,
+    validated: &spec::ValidatedTrainingJob,
+    (plan, new): (&plan::Plan, &TrainingJobStatus),
+    kueue: admission::KueueLook,
+    pods_exist: bool,
+) -> Result<(), Error> {
+    let outcome = match kueue.error {
+        Some(error) => Err(error),
+        None => {
+            let workload = kueue.workload.as_deref();
+            let (phase, message, now) = (plan.phase, &plan.message, &crate::controller::now());
+            admission::settle(ctx, validated, workload, phase, message, pods_exist, now).await
+        }
+    };
+    match outcome {
+        Ok(()) => Ok(()),
+        Err(source) => {
+            let both = (new, new);
+            Err(rejected(ctx, object, both, &plan.message, validated, source).await)
+        }
     }
-    if let Err(source) = admission::settle(
-        ctx,
-        validated,
-        workload.as_deref(),
-        plan.phase,
-        &plan.message,
-        pods_exist,
-        &now,
-    )
-    .await
-    {
-        return Err(rejected(ctx, object, (&new, &new), &plan.message, validated, source).await);
-    }
-    // Time to Running, for first runs only (not restarts or resumes).
+}
+
+/// Time to Running, for first runs only (not restarts or resumes).
+fn record_time_to_running(
+    ctx: &Context,
+    job: &TrainingJob,
+    old: &TrainingJobStatus,
+    new: &TrainingJobStatus,
+) {
     if new.phase == TrainingJobPhase::Running
         && old.phase == TrainingJobPhase::Starting
         && new.restarts == 0
         && let Some(created) = job.meta().creation_timestamp.as_ref()
     {
-        ctx.metrics
-            .training_job_running_after(now.0.duration_since(created.0).as_secs_f64());
+        let seconds = now().0.duration_since(created.0).as_secs_f64();
+        ctx.metrics.training_job_running_after(seconds);
     }
-    if plan.delete_job {
-        let api: Api<TrainingJob> = Api::namespaced(ctx.client.clone(), &validated.namespace);
-        match api
-            .delete(&validated.name, &DeleteParams::background())
-            .await
-        {
-            Ok(_) => {
-                tracing::info!(job = %validated.name, "deleted after runPolicy.ttlSecondsAfterFinished")
-            }
-            Err(kube::Error::Api(s)) if s.code == 404 => {}
-            Err(source) => {
-                return Err(Error::Delete {
-                    kind: "TrainingJob",
-                    name: format!("{}/{}", validated.namespace, validated.name),
-                    source,
-                });
-            }
+}
+
+/// Deletes a job whose `runPolicy.ttlSecondsAfterFinished` passed.
+async fn delete_finished(
+    ctx: &Context,
+    validated: &spec::ValidatedTrainingJob,
+) -> Result<Action, Error> {
+    let api: Api<TrainingJob> = Api::namespaced(ctx.client.clone(), &validated.namespace);
+    match api
+        .delete(&validated.name, &DeleteParams::background())
+        .await
+    {
+        Ok(_) => {
+            tracing::info!(job = %validated.name, "deleted after runPolicy.ttlSecondsAfterFinished")
         }
-        return Ok(Action::await_change());
+        Err(kube::Error::Api(s)) if s.code == 404 => {}
+        Err(source) => {
+            return Err(Error::Delete {
+                kind: "TrainingJob",
+                name: format!("{}/{}", validated.namespace, validated.name),
+                source,
+            });
+        }
     }
-    Ok(
-        match [
-            plan.requeue_after,
-            pool.requeue,
-            progress_wait,
-            looked.requeue,
-        ]
-        .into_iter()
-        .flatten()
-        .min()
-        {
-            Some(after) => Action::requeue(after),
-            None => Action::await_change(),
-        },
-    )
+    Ok(Action::await_change())
 }
 
 /// The error of a write the job needed; when the API server refused it (a missing

@@ -3,7 +3,9 @@
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 
-use super::names::{ATTEMPT_LABEL, LAUNCHER_ROLE, ROLE_LABEL, WORKER_INDEX_LABEL, WORKER_ROLE};
+use super::names::{
+    ATTEMPT_LABEL, ChildNaming, LAUNCHER_ROLE, ROLE_LABEL, WORKER_INDEX_LABEL, WORKER_ROLE,
+};
 
 /// How a pod's main container ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -381,6 +383,8 @@ pub struct Observed {
     pub launcher: Option<PodState>,
     /// Pods of other attempts or indices no longer wanted; they are deleted.
     pub stale: Vec<PodState>,
+    /// How the current gang's pods name the job's Secret and Service.
+    pub naming: ChildNaming,
 }
 
 impl Observed {
@@ -393,6 +397,7 @@ impl Observed {
     pub fn sort(pods: &[&Pod], workers: u32, attempt: i32) -> Self {
         let mut observed = Self {
             workers: vec![None; workers as usize],
+            naming: ChildNaming::of_gang(pods.iter().copied(), attempt),
             ..Self::default()
         };
         for pod in pods {

@@ -4,9 +4,9 @@
 //! Each reconcile reads the pool from ARM and takes at most one step: create it when it is
 //! missing, follow it while it is being made, report Azure's reason when it failed, count
 //! its Ready nodes when it has Succeeded, delete it when the job is done. Throttling and
-//! "another operation in progress" only delay the next look. A live job's look is three
-//! steps: [`observe`] reads, [`decide`] (pure, unit-tested) chooses, and the one write it
-//! may choose (the PUT) is carried out and reported by [`after_create`] (pure too).
+//! "another operation in progress" only delay the next look. A live job's [`reconcile`] is
+//! three steps: [`observe`] reads, [`decide`] (pure, unit-tested) chooses, and the one write
+//! it may choose (the PUT) is carried out and reported by [`after_create`] (pure too).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -114,10 +114,11 @@ pub fn request(job: &ValidatedTrainingJob, pool: &NodePoolPlan, name: &str) -> A
     }
 }
 
-/// Looks at (and steps) the pool of a live job.
-pub async fn look(
-    client: &Client,
-    arm: Option<&ArmClient>,
+/// The job's own node pool, as a sub-reconciler: for a live job, the finalizer first, then
+/// read ARM ([`observe`]) → decide ([`decide`], pure) → write (the one PUT it may choose);
+/// for a finished job, the pool given back unless it is kept.
+pub async fn reconcile(
+    ctx: &crate::controller::Context,
     object: &TrainingJob,
     job: &ValidatedTrainingJob,
     gang_exists: bool,
@@ -130,16 +131,15 @@ pub async fn look(
         .as_ref()
         .and_then(|s| s.node_pool.clone())
         .unwrap_or_default();
-    let mut status = NodePoolStatus {
-        name: name.to_string(),
-        ..old.clone()
-    };
-    let Some(arm) = arm else {
+    let Some(arm) = ctx.config.arm.as_ref() else {
         return Ok(PoolLook {
             state: PoolState::Failed {
                 message: "nodePool.provisioner is aks, but this operator has no AKS settings: start it with --aks-subscription, --aks-resource-group and --aks-cluster (Helm: aks.*)".into(),
             },
-            status: Some(status),
+            status: Some(NodePoolStatus {
+                name: name.to_string(),
+                ..old
+            }),
             requeue: None,
         });
     };
@@ -148,45 +148,11 @@ pub async fn look(
         phase,
         TrainingJobPhase::Succeeded | TrainingJobPhase::Failed
     ) {
-        // Done: give the machines back unless asked to keep them. Once given back (and the
-        // finalizer released) there is nothing left to ask Azure.
-        let released = matches!(
-            old.provisioning_state.as_deref(),
-            Some(DELETED | NOT_THIS_JOBS)
-        ) && !object.finalizers().iter().any(|f| f == FINALIZER);
-        if !pool.delete_after_completion || released {
-            return Ok(PoolLook {
-                state: PoolState::NotNeeded,
-                status: Some(old),
-                requeue: None,
-            });
-        }
-        let requeue = match release(client, arm, object, name).await? {
-            Release::Pending { state, .. } => {
-                status.provisioning_state = Some(state);
-                Some(Duration::from_secs(10))
-            }
-            Release::Gone => {
-                status.provisioning_state = Some(DELETED.into());
-                status.ready_nodes = 0;
-                None
-            }
-            Release::NotOurs => {
-                status.provisioning_state = Some(NOT_THIS_JOBS.into());
-                status.ready_nodes = 0;
-                None
-            }
-        };
-        return Ok(PoolLook {
-            state: PoolState::NotNeeded,
-            status: Some(status),
-            requeue,
-        });
+        return give_back(&ctx.client, arm, object, pool, name, old).await;
     }
-
     // The finalizer goes on before the pool exists, so a deleted job cannot leak it.
-    set_pool_finalizer(client, object, true).await?;
-    let seen = observe(client, arm, job, name, &old, gang_exists).await?;
+    set_pool_finalizer(&ctx.client, object, true).await?;
+    let seen = observe(&ctx.client, arm, job, name, &old, gang_exists).await?;
     let decision = decide(job, pool, name, &old, seen);
     Ok(match decision.create {
         None => decision.look,
@@ -197,6 +163,54 @@ pub async fn look(
             }
             after_create(job, pool, name, decision.look, result)
         }
+    })
+}
+
+/// A finished job's pool: given back unless the job keeps it; once given back (and the
+/// finalizer released) there is nothing left to ask Azure.
+async fn give_back(
+    client: &Client,
+    arm: &ArmClient,
+    object: &TrainingJob,
+    pool: &NodePoolPlan,
+    name: &str,
+    old: NodePoolStatus,
+) -> Result<PoolLook, PoolError> {
+    let released = matches!(
+        old.provisioning_state.as_deref(),
+        Some(DELETED | NOT_THIS_JOBS)
+    ) && !object.finalizers().iter().any(|f| f == FINALIZER);
+    if !pool.delete_after_completion || released {
+        return Ok(PoolLook {
+            state: PoolState::NotNeeded,
+            status: Some(old),
+            requeue: None,
+        });
+    }
+    let mut status = NodePoolStatus {
+        name: name.to_string(),
+        ..old
+    };
+    let requeue = match release(client, arm, object, name).await? {
+        Release::Pending { state, .. } => {
+            status.provisioning_state = Some(state);
+            Some(Duration::from_secs(10))
+        }
+        Release::Gone => {
+            status.provisioning_state = Some(DELETED.into());
+            status.ready_nodes = 0;
+            None
+        }
+        Release::NotOurs => {
+            status.provisioning_state = Some(NOT_THIS_JOBS.into());
+            status.ready_nodes = 0;
+            None
+        }
+    };
+    Ok(PoolLook {
+        state: PoolState::NotNeeded,
+        status: Some(status),
+        requeue,
     })
 }
 

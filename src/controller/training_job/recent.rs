@@ -19,7 +19,7 @@ use super::names::{ATTEMPT_LABEL, ChildNaming};
 use crate::api::TrainingJobStatus;
 
 /// The (generation, gang attempt, naming) a job's Secret and Service were applied for.
-type ChildrenFor = (Option<i64>, i32, ChildNaming);
+pub type ChildrenFor = (Option<i64>, i32, ChildNaming);
 
 /// How long a write is trusted to be on its way to the cache.
 pub const FRESH_FOR: Duration = Duration::from_secs(60);
@@ -46,6 +46,38 @@ impl JobWrites {
     }
 }
 
+/// What was written for one job moments ago and is not in the caches yet, as the plan reads
+/// it ([`RecentWrites::recall`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecentJob {
+    /// Pods made and not yet in the cache: name → gang attempt.
+    pub unseen_pods: std::collections::BTreeMap<String, i32>,
+    /// What the Secret and Service were last applied for, while that is fresh.
+    pub children_for: Option<ChildrenFor>,
+}
+
+impl RecentJob {
+    /// The pods of gang `attempt` made and not yet seen.
+    pub fn unseen(&self, attempt: i32) -> Vec<String> {
+        self.unseen_pods
+            .iter()
+            .filter(|(_, made_for)| **made_for == attempt)
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+
+    /// Whether the Secret and Service were applied for this generation, gang attempt and
+    /// naming moments ago.
+    pub fn children_fresh(
+        &self,
+        generation: Option<i64>,
+        attempt: i32,
+        naming: ChildNaming,
+    ) -> bool {
+        self.children_for == Some((generation, attempt, naming))
+    }
+}
+
 /// Recent writes per job (keyed by the job's UID).
 #[derive(Debug, Default)]
 pub struct RecentWrites {
@@ -61,6 +93,26 @@ impl RecentWrites {
         f(jobs.entry(uid.to_string()).or_default())
     }
 
+    /// What was written for job `uid` in the last [`FRESH_FOR`] that `cached` (the job's pods
+    /// in the cache) does not show yet; pods it shows are forgotten.
+    pub fn recall(&self, uid: &str, cached: &[&Pod], now: Instant) -> RecentJob {
+        self.with(uid, now, |job| {
+            forget_seen_pods(job, cached, now);
+            RecentJob {
+                unseen_pods: job
+                    .pods
+                    .iter()
+                    .map(|(name, (attempt, _))| (name.clone(), *attempt))
+                    .collect(),
+                children_for: job
+                    .children
+                    .as_ref()
+                    .filter(|(_, at)| now.duration_since(*at) < FRESH_FOR)
+                    .map(|(for_, _)| *for_),
+            }
+        })
+    }
+
     /// The pods of gang `attempt` of job `uid` made in the last [`FRESH_FOR`] that `cached`
     /// (the job's pods in the cache) does not show yet; those it shows are forgotten.
     pub fn pods_not_yet_seen(
@@ -71,13 +123,7 @@ impl RecentWrites {
         now: Instant,
     ) -> Vec<String> {
         self.with(uid, now, |job| {
-            job.pods.retain(|name, (attempt, at)| {
-                let seen = cached.iter().any(|pod| {
-                    pod.name_any() == *name
-                        && pod.labels().get(ATTEMPT_LABEL) == Some(&attempt.to_string())
-                });
-                !seen && now.duration_since(*at) < FRESH_FOR
-            });
+            forget_seen_pods(job, cached, now);
             job.pods
                 .iter()
                 .filter(|(_, (made_for, _))| *made_for == attempt)
@@ -158,6 +204,17 @@ impl RecentWrites {
     }
 }
 
+/// Forgets the pods `cached` shows (the same name and gang attempt) and those whose memory
+/// faded.
+fn forget_seen_pods(job: &mut JobWrites, cached: &[&Pod], now: Instant) {
+    job.pods.retain(|name, (attempt, at)| {
+        let seen = cached.iter().any(|pod| {
+            pod.name_any() == *name && pod.labels().get(ATTEMPT_LABEL) == Some(&attempt.to_string())
+        });
+        !seen && now.duration_since(*at) < FRESH_FOR
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,6 +274,24 @@ mod tests {
             "other names"
         );
         assert!(!recent.children_fresh("uid", Some(1), 0, tagged, t0 + FRESH_FOR));
+    }
+
+    #[test]
+    fn recalled_writes_are_those_the_cache_does_not_show_yet() {
+        let recent = RecentWrites::default();
+        let t0 = Instant::now();
+        recent.pods_made("uid", 1, vec!["w-0".into(), "w-1".into()], t0);
+        recent.children_applied("uid", Some(2), 1, ChildNaming::UidTagged, t0);
+        let w0 = pod("w-0", 1);
+        let recalled = recent.recall("uid", &[&w0], t0);
+        assert_eq!(recalled.unseen(1), ["w-1"]);
+        assert!(recalled.unseen(0).is_empty());
+        assert!(recalled.children_fresh(Some(2), 1, ChildNaming::UidTagged));
+        assert!(!recalled.children_fresh(Some(3), 1, ChildNaming::UidTagged));
+        assert_eq!(
+            recent.recall("uid", &[], t0 + FRESH_FOR),
+            RecentJob::default()
+        );
     }
 
     #[test]

@@ -1,0 +1,168 @@
+//! What holds a job back or ended its gang, in words for its conditions and Events: pods
+//! stuck being deleted, pods that cannot be scheduled or started, a pod's exit; and which
+//! pods go when the job finishes.
+
+use std::time::Duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+use crate::api::CleanPodPolicy;
+use crate::controller::training_job::condition_names::reasons;
+use crate::controller::training_job::observe::{
+    Exit, Observed, PodLife, PodRef, PodState, StuckKind,
+};
+use crate::controller::training_job::state::{
+    TERMINATING_PATIENCE, past_terminating_patience, seconds_between, still_being_deleted,
+};
+
+/// The job's own pods still being deleted past [`TERMINATING_PATIENCE`], said as
+/// [`reasons::POD_STUCK_TERMINATING`] with what to do, since nothing else ends the wait.
+pub struct StuckPods {
+    /// One holding back the workers: of an earlier gang (the new gang's pods reuse their
+    /// names, and none is made until every one is gone), or a worker of this gang.
+    pub workers: Option<Block>,
+    /// This gang's launcher.
+    pub launcher: Option<Block>,
+    /// When the next pod being deleted passes the patience: its deletion wakes nothing
+    /// before then (a pod on a lost node sends no further event).
+    pub next_look: Option<Duration>,
+}
+
+pub fn stuck_terminating(observed: &Observed, namespace: &str, now: &Time) -> StuckPods {
+    // The earliest stuck, then by name: the same one on every look, whatever the cache's
+    // order, so the words do not change between reconciles.
+    let first = |pods: &mut dyn Iterator<Item = &PodState>| {
+        pods.filter_map(|pod| {
+            let grace_over = pod.deletion.as_ref()?;
+            past_terminating_patience(grace_over, now).then_some((grace_over, pod))
+        })
+        .min_by(|(a, p), (b, q)| a.0.cmp(&b.0).then_with(|| p.name.cmp(&q.name)))
+        .map(|(grace_over, pod)| {
+            let gang = pod
+                .attempt
+                .map_or_else(String::new, |a| format!(" of gang attempt {a}"));
+            Block {
+                reason: reasons::POD_STUCK_TERMINATING,
+                message: format!(
+                    "pod {}{gang} {}; the job's next pods reuse its name and are made once it \
+                     is gone",
+                    pod.name,
+                    still_being_deleted(&pod.name, namespace, pod.node.as_deref(), grace_over)
+                ),
+                pod: pod.about(),
+            }
+        })
+    };
+    let patience = TERMINATING_PATIENCE.as_secs_f64();
+    StuckPods {
+        workers: first(
+            &mut observed
+                .stale
+                .iter()
+                .chain(observed.workers.iter().flatten()),
+        ),
+        launcher: first(&mut observed.launcher.iter()),
+        next_look: observed
+            .all()
+            .filter_map(|pod| pod.deletion.as_ref())
+            .map(|grace_over| patience - seconds_between(grace_over, now))
+            .filter(|left| *left >= 0.0)
+            .min_by(f64::total_cmp)
+            .map(|left| Duration::from_secs_f64(left) + Duration::from_secs(1)),
+    }
+}
+
+/// What holds the job's start back, for its conditions and Warning Event.
+#[derive(Clone, Debug)]
+pub struct Block {
+    /// The condition reason.
+    pub reason: &'static str,
+    /// What to say.
+    pub message: String,
+    /// The pod it is about.
+    pub pod: PodRef,
+}
+
+/// A pod's exit in words: the failing rank's own error (its first 500 bytes) when the
+/// termination message holds the trainer's failure line (`ringmaster-trainer launch`
+/// leaves it), else the message's last 300 characters (the log's tail, `mpirun`'s report as
+/// often as not).
+pub fn describe(pod: &PodState, exit: &Exit) -> String {
+    let mut text = format!(
+        "{} exited with code {} ({})",
+        pod.name, exit.code, exit.reason
+    );
+    let tail = exit.message.trim();
+    if let Some(failure) = ringmaster_contract::trainer::Failure::find_in(tail) {
+        // Short enough that the Event's note (1 kB) keeps what follows it.
+        let failure = ringmaster_contract::shorten(&failure.to_string(), 500);
+        text.push_str(&format!(": {failure}"));
+    } else if !tail.is_empty() {
+        let tail: String = tail
+            .chars()
+            .rev()
+            .take(300)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect();
+        text.push_str(&format!(": {tail}"));
+    }
+    text
+}
+
+/// What keeps a pod that is not running from starting, as a condition reason and words: the
+/// scheduler's reason it fits no node, or the kubelet's reason its container cannot start.
+/// `None` for a pod on its normal way (or running, or gone).
+pub fn blocked(role: &str, pod: &PodState) -> Option<Block> {
+    if pod.is_deleting() {
+        return None;
+    }
+    if let PodLife::Pending {
+        unschedulable: Some(why),
+    } = &pod.life
+    {
+        return Some(Block {
+            reason: reasons::UNSCHEDULABLE,
+            message: format!("{role} {} cannot be scheduled: {why}", pod.name),
+            pod: pod.about(),
+        });
+    }
+    let stuck = pod.stuck.as_ref()?;
+    let reason = match stuck.kind {
+        StuckKind::ImagePull => reasons::IMAGE_PULL_FAILED,
+        StuckKind::Container => reasons::CONTAINER_CANNOT_START,
+    };
+    let mut message = format!("{role} {} cannot start ({})", pod.name, stuck.reason);
+    if !stuck.message.is_empty() {
+        message.push_str(": ");
+        message.push_str(&ringmaster_contract::shorten(&stuck.message, 500));
+    }
+    Some(Block {
+        reason,
+        message,
+        pod: pod.about(),
+    })
+}
+
+/// Pods to delete when the job finishes, by cleanPodPolicy.
+pub fn cleanup(observed: &Observed, policy: CleanPodPolicy) -> Vec<String> {
+    observed
+        .all()
+        .filter(|p| !p.is_deleting())
+        .filter(|p| match policy {
+            CleanPodPolicy::All => true,
+            CleanPodPolicy::Running => !p.is_finished(),
+            CleanPodPolicy::None => false,
+        })
+        .map(|p| p.name.clone())
+        .collect()
+}
+
+pub fn every_pod(observed: &Observed) -> Vec<String> {
+    observed
+        .all()
+        .filter(|p| !p.is_deleting())
+        .map(|p| p.name.clone())
+        .collect()
+}

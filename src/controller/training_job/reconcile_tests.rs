@@ -1,0 +1,316 @@
+//! The reconcile tier: whole reconciles of a TrainingJob, kube's own client talking to an
+//! API server mocked in memory (`tower-test`, as kube-rs's controller examples test theirs),
+//! in milliseconds. What the end-to-end tests see only with a cluster under load is set up
+//! here directly: pods made but not in the cache yet, a name held by an earlier job's pod,
+//! a create refused with 409 by a pod the cache does not hold.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::Client;
+use kube::client::Body;
+use kube::core::error_boundary::DeserializeGuard;
+use serde_json::{Value, json};
+
+use super::reconcile;
+use crate::api::TrainingJob;
+use crate::controller::{Context, OperatorConfig};
+use crate::metrics::Metrics;
+
+const PODS: &str = "/api/v1/namespaces/ml/pods";
+const JOB: &str = "resnet18-cpu";
+const UID: &str = "uid-1";
+
+/// One request the fake API server answered: its verb, what it was about (the path's last
+/// resource kind, or `status`), and its body.
+#[derive(Clone, Debug)]
+struct Request_ {
+    method: Method,
+    path: String,
+    body: Value,
+}
+
+impl Request_ {
+    /// `POST pods`, `PATCH status`, `POST events`, …
+    fn gist(&self) -> String {
+        let segments: Vec<&str> = self.path.split('/').collect();
+        let kind = match segments.as_slice() {
+            [.., "status"] => "status",
+            [.., kind, _name] if matches!(self.method, Method::GET | Method::DELETE) => kind,
+            [.., kind] => kind,
+            [] => "",
+        };
+        format!("{} {kind}", self.method)
+    }
+}
+
+/// An API server that keeps the pods it is told of, makes what it is asked to make, and
+/// logs every request.
+#[derive(Default)]
+struct FakeApi {
+    job: Value,
+    pods: BTreeMap<String, Value>,
+    log: Vec<Request_>,
+}
+
+fn status(code: u16, reason: &str, message: &str) -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code,
+           "reason": reason, "message": message})
+}
+
+impl FakeApi {
+    fn answer(&mut self, method: &Method, path: &str, body: Value) -> (StatusCode, Value) {
+        self.log.push(Request_ {
+            method: method.clone(),
+            path: path.to_string(),
+            body: body.clone(),
+        });
+        let name = path.rsplit('/').next().unwrap_or_default().to_string();
+        match (method.as_str(), path) {
+            ("POST", PODS) => {
+                let name = body["metadata"]["name"].as_str().unwrap_or_default();
+                if self.pods.contains_key(name) {
+                    let words = format!("pods \"{name}\" already exists");
+                    return (StatusCode::CONFLICT, status(409, "AlreadyExists", &words));
+                }
+                self.pods.insert(name.to_string(), body.clone());
+                (StatusCode::CREATED, body)
+            }
+            ("GET", p) if p.starts_with(PODS) => match self.pods.get(&name) {
+                Some(pod) => (StatusCode::OK, pod.clone()),
+                None => (StatusCode::NOT_FOUND, status(404, "NotFound", "not found")),
+            },
+            ("DELETE", p) if p.starts_with(PODS) => {
+                self.pods.remove(&name);
+                let gone = json!({"kind": "Status", "apiVersion": "v1", "status": "Success"});
+                (StatusCode::OK, gone)
+            }
+            ("PATCH", p) if p.ends_with("/status") => (StatusCode::OK, self.job.clone()),
+            // Secrets, Services, Events: made as asked.
+            ("POST", _) => (StatusCode::CREATED, body),
+            _ => (StatusCode::NOT_FOUND, status(404, "NotFound", "not served")),
+        }
+    }
+}
+
+/// A client whose requests `api` answers.
+fn client(api: Arc<Mutex<FakeApi>>) -> Client {
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    tokio::spawn(async move {
+        while let Some((request, respond)) = handle.next_request().await {
+            let (parts, body) = request.into_parts();
+            let bytes = body.collect().await.expect("a body").to_bytes();
+            let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+            let (code, answer) = api
+                .lock()
+                .unwrap()
+                .answer(&parts.method, parts.uri.path(), body);
+            let bytes = serde_json::to_vec(&answer).expect("JSON");
+            respond.send_response(
+                Response::builder()
+                    .status(code)
+                    .body(Body::from(bytes))
+                    .unwrap(),
+            );
+        }
+    });
+    Client::new(service, "ml")
+}
+
+/// The small CPU sample (two workers), in namespace `ml`.
+fn job() -> Value {
+    let yaml = include_str!("../../../config/samples/trainingjob-cpu-small.yaml");
+    let mut job: Value = serde_saphyr::from_str(yaml).expect("the sample parses");
+    job["metadata"]["namespace"] = json!("ml");
+    job["metadata"]["uid"] = json!(UID);
+    job["metadata"]["generation"] = json!(1);
+    job["metadata"]["creationTimestamp"] = json!("2026-11-26T00:00:00Z");
+    job
+}
+
+/// A fake API server, a context on it whose pod cache holds `cached`, and the job.
+fn harness(
+    cached: Vec<Pod>,
+) -> (
+    Arc<Mutex<FakeApi>>,
+    Arc<Context>,
+    Arc<DeserializeGuard<TrainingJob>>,
+) {
+    let api = Arc::new(Mutex::new(FakeApi {
+        job: job(),
+        ..FakeApi::default()
+    }));
+    let ctx = Context::new(
+        client(api.clone()),
+        Metrics::default(),
+        None,
+        OperatorConfig::default(),
+    );
+    ctx.cache_pods(cached);
+    let object = serde_json::from_value(job()).expect("a TrainingJob");
+    (api, Arc::new(ctx), Arc::new(object))
+}
+
+/// What the reconciles asked for, without Events (a courtesy, checked where they matter).
+fn asked(api: &Mutex<FakeApi>) -> Vec<String> {
+    let api = api.lock().unwrap();
+    let mut gists: Vec<String> = api
+        .log
+        .iter()
+        .map(Request_::gist)
+        .filter(|g| !g.ends_with(" events"))
+        .collect();
+    // Workers are made concurrently: their order is the pods'.
+    gists.sort_by_key(|g| match g.as_str() {
+        "POST secrets" => 0,
+        "POST services" => 1,
+        "POST pods" | "GET pods" => 2,
+        _ => 3,
+    });
+    gists
+}
+
+/// The status the last status write carried.
+fn written_status(api: &Mutex<FakeApi>) -> Value {
+    let api = api.lock().unwrap();
+    let patch = api
+        .log
+        .iter()
+        .rev()
+        .find(|r| r.gist() == "PATCH status")
+        .expect("a status write");
+    patch.body[0]["value"].clone()
+}
+
+/// A pod of this job's name and worker index `index`, controlled by `controller` (kind,
+/// UID), being deleted when `deleting`.
+fn worker(index: u32, controller: Option<(&str, &str)>, deleting: bool) -> Value {
+    let mut pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": format!("{JOB}-worker-{index}"), "namespace": "ml", "uid": format!("pod-{index}"),
+        "labels": {"ringmaster.dev/job-name": JOB, "ringmaster.dev/role": "worker",
+                   "ringmaster.dev/worker-index": index.to_string(), "ringmaster.dev/attempt": "0"}}});
+    if let Some((kind, uid)) = controller {
+        pod["metadata"]["ownerReferences"] = json!([{"apiVersion": "ringmaster.dev/v1alpha1",
+            "kind": kind, "name": JOB, "uid": uid, "controller": true}]);
+    }
+    if deleting {
+        pod["metadata"]["deletionTimestamp"] = json!(crate::controller::now().0.to_string());
+    }
+    pod
+}
+
+#[tokio::test]
+async fn a_new_job_makes_its_secret_service_and_workers_then_says_it_is_starting() {
+    let (api, ctx, object) = harness(Vec::new());
+    let action = reconcile(object, ctx).await.expect("it reconciles");
+    assert_eq!(
+        asked(&api),
+        [
+            "POST secrets",
+            "POST services",
+            "POST pods",
+            "POST pods",
+            "PATCH status"
+        ]
+    );
+    let status = written_status(&api);
+    assert_eq!(status["phase"], "Starting");
+    assert_eq!(status["workers"]["active"], 2, "the pods made are counted");
+    assert!(
+        api.lock()
+            .unwrap()
+            .pods
+            .contains_key("resnet18-cpu-worker-1")
+    );
+    // Nothing to wait for but the pods' events.
+    assert_eq!(action, kube::runtime::controller::Action::await_change());
+}
+
+#[tokio::test]
+async fn pods_made_but_not_yet_in_the_cache_are_not_made_again() {
+    let (api, ctx, object) = harness(Vec::new());
+    reconcile(object.clone(), ctx.clone())
+        .await
+        .expect("the first reconcile");
+    let first = asked(&api).len();
+    // The watch has not brought the pods (nor the status) yet: the cache is as before.
+    reconcile(object, ctx).await.expect("the second reconcile");
+    let again = asked(&api)[first..].to_vec();
+    assert!(again.is_empty(), "nothing is written again: {again:?}");
+}
+
+#[tokio::test]
+async fn a_name_held_by_an_earlier_jobs_pod_on_its_way_out_is_waited_for_quietly() {
+    let earlier: Pod =
+        serde_json::from_value(worker(0, Some(("TrainingJob", "uid-0")), true)).expect("a pod");
+    let (api, ctx, object) = harness(vec![earlier]);
+    let action = reconcile(object, ctx).await.expect("it reconciles");
+    let made: Vec<String> = api
+        .lock()
+        .unwrap()
+        .log
+        .iter()
+        .filter(|r| r.gist() == "POST pods")
+        .map(|r| r.body["metadata"]["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        made,
+        ["resnet18-cpu-worker-1"],
+        "worker 0 waits for its name"
+    );
+    assert_eq!(
+        action,
+        kube::runtime::controller::Action::requeue(Duration::from_secs(1)),
+        "and looks again soon: the earlier pod's deletion is not this job's event"
+    );
+    assert_ne!(written_status(&api)["conditions"], Value::Null);
+}
+
+#[tokio::test]
+async fn a_409_from_a_pod_the_cache_does_not_hold_is_said_on_the_job_with_a_warning() {
+    let (api, ctx, object) = harness(Vec::new());
+    // A pod of that name without a controller (left by `kubectl delete --cascade=orphan`),
+    // without the job's labels: not in the job's cache, only the create's 409 tells.
+    let mut orphan = worker(1, None, false);
+    orphan["metadata"]["labels"] = json!({});
+    api.lock()
+        .unwrap()
+        .pods
+        .insert(format!("{JOB}-worker-1"), orphan);
+    reconcile(object, ctx).await.expect("it reconciles");
+    assert_eq!(
+        asked(&api),
+        [
+            "POST secrets",
+            "POST services",
+            "POST pods",
+            "POST pods",
+            "GET pods",
+            "PATCH status"
+        ]
+    );
+    let status = written_status(&api);
+    let ready = status["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "Ready")
+        .expect("a Ready condition")
+        .clone();
+    assert_eq!(ready["reason"], "NameInUse");
+    assert!(
+        ready["message"]
+            .as_str()
+            .unwrap()
+            .contains("worker resnet18-cpu-worker-1 cannot be made"),
+        "{ready}"
+    );
+    let warned = api.lock().unwrap().log.iter().any(|r| {
+        r.gist() == "POST events" && r.body["reason"] == "NameInUse" && r.body["type"] == "Warning"
+    });
+    assert!(warned, "a Warning Event says it too");
+}
