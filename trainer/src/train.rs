@@ -101,23 +101,6 @@ impl Source {
     }
 }
 
-fn arch(args: &TrainArgs) -> Arch {
-    arch_of(args.model, args.width)
-}
-
-/// The engine's network for a model name (`width`: the CIFAR ResNets' first stage).
-pub fn arch_of(model: ModelName, width: usize) -> Arch {
-    match model {
-        ModelName::Resnet18 => Arch::ResNet18,
-        ModelName::Resnet34 => Arch::ResNet34,
-        ModelName::Resnet50 => Arch::ResNet50,
-        ModelName::Resnet101 => Arch::ResNet101,
-        ModelName::Resnet152 => Arch::ResNet152,
-        ModelName::Cifar8 => Arch::CifarResNet { depth: 8, width },
-        ModelName::Cifar20 => Arch::CifarResNet { depth: 20, width },
-    }
-}
-
 /// Trains on `collective`'s ranks, on GPU `gpu_ordinal` (the local rank) when the device
 /// is CUDA; returns rank 0's summary.
 pub fn run(
@@ -237,8 +220,13 @@ fn train_on<B: Backend>(
         },
     };
 
-    let mut model =
-        Model::with_backend(arch(args), classes, args.seed, be.clone()).with_activations(dtype);
+    let mut model = Model::with_backend(
+        Arch::of(args.model, args.width),
+        classes,
+        args.seed,
+        be.clone(),
+    )
+    .with_activations(dtype);
     let mut sgd = Sgd::on(&be, model.params(), args.momentum, args.weight_decay);
     // A run that started before goes on from its checkpoint.
     let identity = Identity::of(args, classes, global_batch, total_steps);
