@@ -331,7 +331,7 @@ impl CudaBackend {
         (held.ptr, bytes, held)
     }
 
-    /// [`Backend::upload_into`](Backend::upload_into): images through the
+    /// [`Backend::upload_into`]: images through the
     /// [`Staging`] beside the compute stream, anything else copied and waited for.
     pub(super) fn copy_to_device(&self, host: &[f32], shape: &[usize], buf: &mut CudaBuf) {
         assert_eq!(
@@ -366,7 +366,7 @@ impl CudaBackend {
         }
     }
 
-    /// [`Backend::download`](Backend::download): `buf` as f32 on the host, 4-D
+    /// [`Backend::download`]: `buf` as f32 on the host, 4-D
     /// tensors back in NCHW.
     pub(super) fn copy_to_host(&self, buf: &CudaBuf, shape: &[usize]) -> Vec<f32> {
         let len = shape.iter().product::<usize>();
@@ -392,7 +392,7 @@ impl CudaBackend {
         host
     }
 
-    /// [`Backend::with_host`](Backend::with_host): `f` on a host copy of the
+    /// [`Backend::with_host`]: `f` on a host copy of the
     /// f32 buffer `buf`, copied back after.
     pub(super) fn on_host_copy<R>(&self, buf: &mut CudaBuf, f: impl FnOnce(&mut [f32]) -> R) -> R {
         assert_eq!(buf.dtype, DType::F32, "with_host needs an f32 buffer");
