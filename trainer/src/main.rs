@@ -413,7 +413,7 @@ fn bench_engine(args: &EngineArgs) -> Result<(), String> {
         train::Precision::Fp32 => DType::F32,
         train::Precision::Bf16 => DType::Bf16,
     };
-    let arch = train::arch_of(args.model, 16);
+    let arch = ringmaster_trainer::engine::Arch::of(args.model, 16);
     if let Some(dir) = &args.dump_step {
         return dump_step(args, arch, dtype, dir);
     }

@@ -4,11 +4,13 @@
 //! JSON-lines progress and a final summary, and writes the checkpoint.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{Receiver, SyncSender};
 use std::time::Instant;
 
 use ringmaster_contract::trainer::{
-    Capabilities, DeviceChoice, Fabric, Line, MODEL_FILE, Progress, SettingsError, Summary, exit,
+    AllReduceTiming, Capabilities, DeviceChoice, Fabric, Line, MODEL_FILE, Progress, SettingsError,
+    Summary, exit,
 };
 pub use ringmaster_contract::trainer::{
     Device, Model as ModelName, Precision, Schedule, TrainArgs,
@@ -23,7 +25,8 @@ use crate::engine::image_folder::{ImageFolder, ImageFolderError};
 use crate::engine::step::{self, RecordedStep};
 use crate::engine::tensor::DType;
 use crate::engine::{
-    Arch, Backend, CpuBackend, LrKind, LrSchedule, Model, ParamStore, Sgd, Tensor,
+    Arch, Backend, CpuBackend, LrKind, LrSchedule, Model, ParamStore, QueuedStats, Sgd, StepStats,
+    Tensor,
 };
 use crate::resume::{self, Checkpointer, Identity, ResumeError};
 
@@ -81,19 +84,56 @@ impl TrainError {
     }
 }
 
+/// The images a run trains on, and what it knows of them.
+struct Dataset {
+    images: Source,
+    classes: usize,
+    len: usize,
+}
+
 enum Source {
     Synthetic(SyntheticData),
     Learnable(LearnableData),
     Folder(ImageFolder),
 }
 
-impl Source {
-    fn batch(
-        &self,
-        indices: &[usize],
-        epoch: usize,
-    ) -> Result<(Tensor, Vec<usize>), ImageFolderError> {
-        match self {
+impl Dataset {
+    /// The images `args` name: a folder (`--data-dir`), learnable synthetic classes
+    /// (`--learnable-classes`), or random images.
+    fn open(args: &TrainArgs) -> Result<Self, TrainError> {
+        Ok(match (&args.data_dir, args.learnable_classes) {
+            (Some(dir), _) => {
+                let folder = ImageFolder::open(dir, args.image_size, args.seed)?;
+                let (classes, len) = (folder.classes.len(), folder.len());
+                Self {
+                    images: Source::Folder(folder),
+                    classes,
+                    len,
+                }
+            }
+            (None, Some(classes)) => Self {
+                images: Source::Learnable(
+                    LearnableData::new(classes, args.image_size, args.seed)
+                        .with_len(args.dataset_size),
+                ),
+                classes,
+                len: args.dataset_size,
+            },
+            (None, None) => Self {
+                images: Source::Synthetic(SyntheticData::new(
+                    args.classes,
+                    args.image_size,
+                    args.dataset_size,
+                    args.seed,
+                )),
+                classes: args.classes,
+                len: args.dataset_size,
+            },
+        })
+    }
+
+    fn batch(&self, indices: &[usize], epoch: usize) -> HostBatch {
+        match &self.images {
             Source::Synthetic(d) => Ok(d.batch(indices)),
             Source::Learnable(d) => Ok(d.batch(indices)),
             Source::Folder(d) => d.batch(indices, epoch),
@@ -101,22 +141,9 @@ impl Source {
     }
 }
 
-fn arch(args: &TrainArgs) -> Arch {
-    arch_of(args.model, args.width)
-}
-
-/// The engine's network for a model name (`width`: the CIFAR ResNets' first stage).
-pub fn arch_of(model: ModelName, width: usize) -> Arch {
-    match model {
-        ModelName::Resnet18 => Arch::ResNet18,
-        ModelName::Resnet34 => Arch::ResNet34,
-        ModelName::Resnet50 => Arch::ResNet50,
-        ModelName::Resnet101 => Arch::ResNet101,
-        ModelName::Resnet152 => Arch::ResNet152,
-        ModelName::Cifar8 => Arch::CifarResNet { depth: 8, width },
-        ModelName::Cifar20 => Arch::CifarResNet { depth: 20, width },
-    }
-}
+/// A batch as the reader thread makes it: NCHW images on the host and their labels, or
+/// why the source could not make it.
+type HostBatch = Result<(Tensor, Vec<usize>), ImageFolderError>;
 
 /// Trains on `collective`'s ranks, on GPU `gpu_ordinal` (the local rank) when the device
 /// is CUDA; returns rank 0's summary.
@@ -141,10 +168,7 @@ pub fn run(
             device,
             reason: reason.clone(),
         });
-        println!(
-            "{}",
-            serde_json::to_string(&line).expect("a line serializes")
-        );
+        print_line(&line);
     }
     match device {
         Device::Cuda => {
@@ -178,54 +202,89 @@ fn train_on<B: Backend>(
             args.precision
         )));
     }
-    let (rank, world) = (collective.rank(), collective.world_size());
-    let (source, classes, dataset_size) = match (&args.data_dir, args.learnable_classes) {
-        (Some(dir), _) => {
-            let folder = ImageFolder::open(dir, args.image_size, args.seed)?;
-            let (classes, len) = (folder.classes.len(), folder.len());
-            (Source::Folder(folder), classes, len)
-        }
-        (None, Some(classes)) => (
-            Source::Learnable(
-                LearnableData::new(classes, args.image_size, args.seed).with_len(args.dataset_size),
-            ),
-            classes,
-            args.dataset_size,
-        ),
-        (None, None) => (
-            Source::Synthetic(SyntheticData::new(
-                args.classes,
-                args.image_size,
-                args.dataset_size,
-                args.seed,
-            )),
-            args.classes,
-            args.dataset_size,
-        ),
-    };
-    // Every rank emulates `micro_batches` ranks: micro-batch m of rank r is what rank
-    // r·k+m of a k-times larger world would take, so k micro-batches on one rank and k
-    // ranks of one micro-batch each see the same images.
-    let shards = world * args.micro_batches;
-    let micro = args.batch_size / args.micro_batches;
-    let steps_per_epoch = (dataset_size / shards) / micro;
-    if steps_per_epoch == 0 {
-        return Err(TrainError::Settings(format!(
-            "the dataset ({dataset_size} images) is smaller than one global batch ({world} ranks × {})",
-            args.batch_size
-        )));
+    let dataset = Dataset::open(args)?;
+    let mut trainer = Trainer::new(args, collective, be, dtype, &dataset)?;
+    let trained = trainer.train(&dataset);
+    // A checkpoint being written is finished, also when training failed: the run that
+    // starts again goes on from it.
+    if let Some(checkpointer) = &mut trainer.checkpointer {
+        checkpointer.finish_writing();
     }
-    let total_steps = match (args.steps, args.epochs) {
-        (Some(steps), _) => steps,
-        (None, Some(epochs)) => epochs * steps_per_epoch,
-        (None, None) => ringmaster_contract::trainer::defaults::STEPS,
-    };
-    let global_batch = args.batch_size * world;
-    let schedule = LrSchedule {
-        base_lr: args
-            .learning_rate
-            .unwrap_or_else(|| ringmaster_contract::trainer::scaled_learning_rate(global_batch)),
-        warmup_steps: warmup_steps(args, steps_per_epoch, total_steps, global_batch),
+    trained?;
+    trainer.finish()
+}
+
+/// How a run divides its dataset: among the ranks, each rank's micro-batches, and steps.
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    rank: usize,
+    world: usize,
+    micro_batches: usize,
+    /// Images in one micro-batch.
+    micro: usize,
+    /// What the dataset is sharded into each epoch: a shard per micro-batch of every rank.
+    shards: usize,
+    dataset_size: usize,
+    steps_per_epoch: usize,
+    total_steps: usize,
+    /// Images in one step over every rank.
+    global_batch: usize,
+}
+
+impl Layout {
+    /// The layout of a run of `args` as rank `rank` of `world` over `dataset_size` images;
+    /// an error when one global batch is more than the dataset.
+    fn new(
+        args: &TrainArgs,
+        rank: usize,
+        world: usize,
+        dataset_size: usize,
+    ) -> Result<Self, TrainError> {
+        // Every rank emulates `micro_batches` ranks: micro-batch m of rank r is what rank
+        // r·k+m of a k-times larger world would take, so k micro-batches on one rank and k
+        // ranks of one micro-batch each see the same images.
+        let shards = world * args.micro_batches;
+        let micro = args.batch_size / args.micro_batches;
+        let steps_per_epoch = (dataset_size / shards) / micro;
+        if steps_per_epoch == 0 {
+            return Err(TrainError::Settings(format!(
+                "the dataset ({dataset_size} images) is smaller than one global batch ({world} ranks × {})",
+                args.batch_size
+            )));
+        }
+        let total_steps = match (args.steps, args.epochs) {
+            (Some(steps), _) => steps,
+            (None, Some(epochs)) => epochs * steps_per_epoch,
+            (None, None) => ringmaster_contract::trainer::defaults::STEPS,
+        };
+        Ok(Self {
+            rank,
+            world,
+            micro_batches: args.micro_batches,
+            micro,
+            shards,
+            dataset_size,
+            steps_per_epoch,
+            total_steps,
+            global_batch: args.batch_size * world,
+        })
+    }
+}
+
+/// The learning rate over the run: `--learning-rate`, else the linear scaling rule's for
+/// the global batch; warmed up ([`warmup_steps`]), then decayed as `--schedule` says.
+fn schedule(args: &TrainArgs, layout: &Layout) -> LrSchedule {
+    let total_steps = layout.total_steps;
+    LrSchedule {
+        base_lr: args.learning_rate.unwrap_or_else(|| {
+            ringmaster_contract::trainer::scaled_learning_rate(layout.global_batch)
+        }),
+        warmup_steps: warmup_steps(
+            args,
+            layout.steps_per_epoch,
+            total_steps,
+            layout.global_batch,
+        ),
         total_steps,
         kind: match args.schedule {
             Schedule::Cosine => LrKind::Cosine,
@@ -235,265 +294,530 @@ fn train_on<B: Backend>(
             },
             Schedule::Constant => LrKind::Constant,
         },
-    };
+    }
+}
 
+/// The reader thread: this rank's micro-batches of every step from `start_step` on, in
+/// order, into `batches`. Stops after the first batch the source fails to make (its error
+/// sent), or when the trainer has dropped the receiving end.
+fn read_batches(
+    dataset: &Dataset,
+    args: &TrainArgs,
+    layout: Layout,
+    start_step: usize,
+    batches: SyncSender<HostBatch>,
+) {
+    for step in start_step..layout.total_steps {
+        let epoch = step / layout.steps_per_epoch;
+        let in_epoch = step % layout.steps_per_epoch;
+        for m in 0..layout.micro_batches {
+            let indices = shard(
+                layout.dataset_size,
+                layout.rank * layout.micro_batches + m,
+                layout.shards,
+                epoch,
+                args.seed,
+            );
+            let micro = layout.micro;
+            let batch = dataset.batch(&indices[in_epoch * micro..(in_epoch + 1) * micro], epoch);
+            let failed = batch.is_err();
+            if batches.send(batch).is_err() || failed {
+                return;
+            }
+        }
+    }
+}
+
+/// The batches on their way to the steps. Each goes onto the device while the one before
+/// it still computes, before the host waits for that one's loss: on CUDA its copy runs
+/// beside the step, and the conversion queues behind it. The first is received before the
+/// first step. A batch the source failed to make is an error when its turn comes, after
+/// the step before finished (its all-reduces joined, its update made, its line logged).
+struct Feed<B: Backend> {
+    /// From the reader thread. Dropped with the feed, on any return or panic, so a reader
+    /// blocked on a full channel stops and the thread scope can end.
+    prefetched: Receiver<HostBatch>,
+    /// Received, not yet on the device: the first batch, or a failure waiting for its turn.
+    upcoming: Option<HostBatch>,
+    /// On the device, for the next micro-batch.
+    on_device: Option<(Tensor<B>, Vec<usize>)>,
+}
+
+impl<B: Backend> Feed<B> {
+    /// The feed from `prefetched`, with its first batch received.
+    fn new(prefetched: Receiver<HostBatch>) -> Self {
+        let mut feed = Self {
+            prefetched,
+            upcoming: None,
+            on_device: None,
+        };
+        feed.upcoming = Some(feed.receive());
+        feed
+    }
+
+    fn receive(&self) -> HostBatch {
+        self.prefetched
+            .recv()
+            .expect("the reader thread sends every batch or an error")
+    }
+
+    /// The next batch the source made; a failure is kept for its turn (`None`).
+    fn next_received(&mut self) -> Option<(Tensor, Vec<usize>)> {
+        match self.receive() {
+            Ok(batch) => Some(batch),
+            failed => {
+                self.upcoming = Some(failed);
+                None
+            }
+        }
+    }
+
+    /// The micro-batch whose turn it is, on the device: uploaded ahead, or now.
+    fn next_on_device(
+        &mut self,
+        be: &B,
+        dtype: DType,
+    ) -> Result<(Tensor<B>, Vec<usize>), TrainError> {
+        Ok(match (self.on_device.take(), self.upcoming.take()) {
+            (Some(uploaded), _) => uploaded,
+            (None, Some(batch)) => {
+                let (images, labels) = batch?;
+                (Tensor::upload(be, &images, dtype), labels)
+            }
+            (None, None) => unreachable!("every micro-batch is received ahead"),
+        })
+    }
+
+    /// Receives the next micro-batch and queues its upload.
+    fn upload_next(&mut self, be: &B, dtype: DType) {
+        if let Some((images, labels)) = self.next_received() {
+            self.on_device = Some((Tensor::upload(be, &images, dtype), labels));
+        }
+    }
+}
+
+/// A training run on one rank: the model, its optimizer and everything a step needs.
+struct Trainer<'a, B: Backend> {
+    args: &'a TrainArgs,
+    collective: &'a mut dyn Collective,
+    be: B,
+    dtype: DType,
+    layout: Layout,
+    schedule: LrSchedule,
+    model: Model<B>,
+    sgd: Sgd<B>,
+    /// The step training starts from (after a resume: the checkpoint's).
+    start_step: usize,
+    /// Micro-batch m's own batch-norm statistics, for m ≥ 1 (see [`Trainer::new`]).
+    micro_batch_statistics: Vec<B::Buf>,
+    checkpointer: Option<Checkpointer>,
+    /// Whether gradients are all-reduced in buckets while backward still runs.
+    overlap: bool,
+    /// The step recorded (as a CUDA graph) and replayed, when it is.
+    recorded: Option<RecordedStep<B>>,
+    started: Instant,
+    /// When the first step ended, and the steps done then: throughput counts from there.
+    timed_from: Option<(Instant, usize)>,
+    /// The last step's loss and accuracy over every rank.
+    loss: f32,
+    accuracy: f32,
+}
+
+impl<'a, B: Backend> Trainer<'a, B> {
+    /// The run of `args` over `dataset` on `collective`'s ranks: its model and optimizer
+    /// from the checkpoint of a run that started before, else from the seed, with rank 0's
+    /// weights on every rank.
+    fn new(
+        args: &'a TrainArgs,
+        collective: &'a mut dyn Collective,
+        be: B,
+        dtype: DType,
+        dataset: &Dataset,
+    ) -> Result<Self, TrainError> {
+        let (rank, world) = (collective.rank(), collective.world_size());
+        let layout = Layout::new(args, rank, world, dataset.len)?;
+        let schedule = schedule(args, &layout);
+        // A run that started before goes on from its checkpoint.
+        let identity = Identity::of(
+            args,
+            dataset.classes,
+            layout.global_batch,
+            layout.total_steps,
+        );
+        let (model, sgd, start_step) = starting_model(
+            args,
+            &identity,
+            &mut *collective,
+            &be,
+            dtype,
+            dataset.classes,
+        )?;
+        // Micro-batch m of this rank stands for a rank of a world `micro_batches` times
+        // larger (see the shards of [`Layout`]), and each rank keeps batch-norm statistics
+        // of its own: so does each micro-batch. The model's own, which are saved, are
+        // micro-batch 0's, as a world saves rank 0's; the others are copies taken here
+        // (after a resume: of rank 0's checkpoint, as every rank takes).
+        let micro_batch_statistics = (1..args.micro_batches)
+            .map(|_| statistics_copy(&be, model.params()))
+            .collect();
+        let checkpointer = Checkpointer::new(args, &identity, rank);
+        // On GPUs with NCCL, gradients are all-reduced in buckets while backward still runs;
+        // otherwise all at once after it, through the host. One rank reduces nothing.
+        let overlap = world > 1 && be.reduces_on_device(collective);
+        // With RINGMASTER_CUDA_GRAPH=1, a step of one micro-batch whose gradients are not
+        // all-reduced during backward is recorded once warm and replayed.
+        let recorded = (step::recording_requested() && args.micro_batches == 1 && !overlap)
+            .then(|| RecordedStep::new(&model, layout.micro, args.image_size, true));
+        Ok(Self {
+            args,
+            collective,
+            be,
+            dtype,
+            layout,
+            schedule,
+            model,
+            sgd,
+            start_step,
+            micro_batch_statistics,
+            checkpointer,
+            overlap,
+            recorded,
+            started: Instant::now(),
+            timed_from: None,
+            loss: f32::NAN,
+            accuracy: 0.0,
+        })
+    }
+
+    /// Every step from the start step on, a thread reading and decoding the next batches
+    /// of `dataset` while this one computes.
+    fn train(&mut self, dataset: &Dataset) -> Result<(), TrainError> {
+        let (batches, prefetched) = std::sync::mpsc::sync_channel(2 * self.args.micro_batches);
+        let (args, layout, start_step) = (self.args, self.layout, self.start_step);
+        std::thread::scope(|scope| {
+            scope.spawn(move || read_batches(dataset, args, layout, start_step, batches));
+            let mut feed = Feed::new(prefetched);
+            for step in start_step..layout.total_steps {
+                self.step(&mut feed, step)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// One step: forward and backward over this rank's micro-batches (or the recorded
+    /// step's replay), the gradients' all-reduce, the update, the loss and accuracy over
+    /// every rank, rank 0's line, and the checkpoint when one is due.
+    fn step(&mut self, feed: &mut Feed<B>, step: usize) -> Result<(), TrainError> {
+        let (loss_sum, correct) = if self.recorded.is_some() {
+            self.replayed_step(feed, step)?
+        } else {
+            self.micro_batches_step(feed, step)?
+        };
+        let all_reduce_timing = self.reduce_gradients(step)?;
+        let lr = self.schedule.lr(step);
+        self.sgd.step(self.model.params_mut(), lr);
+        self.gather_progress(loss_sum, correct)?;
+        if step == self.start_step {
+            self.after_first_step(step)?;
+        }
+        let last_step = step + 1 == self.layout.total_steps;
+        if self.layout.rank == 0 && (step.is_multiple_of(self.args.log_every.max(1)) || last_step) {
+            self.log(step, lr, all_reduce_timing);
+        }
+        if let Some(checkpointer) = &mut self.checkpointer
+            && checkpointer.due(step + 1, self.layout.total_steps)
+        {
+            checkpointer.write(step + 1, &self.be, &self.model, &self.sgd);
+        }
+        Ok(())
+    }
+
+    /// Whether `step` all-reduces its gradients in buckets during backward. The first step
+    /// searches cuDNN's algorithms as its layers first run (the backward halves during
+    /// backward): its gradients are reduced after it, so the searches time the GPU without
+    /// all-reduces beside them.
+    fn reduces_during_backward(&self, step: usize) -> bool {
+        self.overlap && step > self.start_step
+    }
+
+    /// The recorded step: the batch loaded into its inputs, the step run (recorded once
+    /// warm, replayed after), the next batch loaded behind it. Its loss and correct
+    /// answers.
+    fn replayed_step(
+        &mut self,
+        feed: &mut Feed<B>,
+        step: usize,
+    ) -> Result<(f32, usize), TrainError> {
+        let recorded = self.recorded.as_mut().expect("a recorded step");
+        let model = &mut self.model;
+        if let Some(batch) = feed.upcoming.take() {
+            let (images, labels) = batch?;
+            recorded.load(model, &images, &labels);
+        }
+        let replayed_before = recorded.recorded();
+        recorded.run(model, self.args.label_smoothing);
+        if self.layout.rank == 0 && !replayed_before && recorded.recorded() {
+            eprintln!(
+                "ringmaster-trainer: step {} recorded as a CUDA graph; replayed from here on",
+                step + 1
+            );
+        }
+        if step + 1 != self.layout.total_steps {
+            // Into the step's own inputs: the device reads them in order.
+            if let Some((images, labels)) = feed.next_received() {
+                recorded.load(model, &images, &labels);
+            }
+        }
+        let stats = recorded.stats(model);
+        Ok((stats.loss, stats.correct))
+    }
+
+    /// The step over this rank's micro-batches, their gradients accumulated: the sum of
+    /// their losses and their correct answers.
+    fn micro_batches_step(
+        &mut self,
+        feed: &mut Feed<B>,
+        step: usize,
+    ) -> Result<(f32, usize), TrainError> {
+        self.model.zero_grads();
+        let (mut loss_sum, mut correct) = (0.0f32, 0usize);
+        for m in 0..self.args.micro_batches {
+            let stats = self.micro_batch(feed, step, m)?;
+            loss_sum += stats.loss;
+            correct += stats.correct;
+        }
+        Ok((loss_sum, correct))
+    }
+
+    /// Micro-batch `m` of `step`: queued, the next one's upload queued behind it, then its
+    /// loss waited for.
+    fn micro_batch(
+        &mut self,
+        feed: &mut Feed<B>,
+        step: usize,
+        m: usize,
+    ) -> Result<StepStats, TrainError> {
+        let (images, labels) = feed.next_on_device(&self.be, self.dtype)?;
+        let queued = self.queue_micro_batch(&images, &labels, step, m)?;
+        let last_of_run = step + 1 == self.layout.total_steps && m + 1 == self.args.micro_batches;
+        if !last_of_run {
+            feed.upload_next(&self.be, self.dtype);
+        }
+        Ok(self.model.stats_of(queued))
+    }
+
+    /// Queues micro-batch `m`'s forward and backward passes with its own batch-norm
+    /// statistics, and, during the last one's backward, the all-reduce of each bucket of
+    /// gradients as it is final (when this step reduces during backward).
+    fn queue_micro_batch(
+        &mut self,
+        images: &Tensor<B>,
+        labels: &[usize],
+        step: usize,
+        m: usize,
+    ) -> Result<QueuedStats<B>, TrainError> {
+        let micro_batches = self.args.micro_batches;
+        // Micro-batches accumulate: only the last one's backward finishes gradients.
+        let mut buckets = (self.reduces_during_backward(step) && m + 1 == micro_batches)
+            .then(|| GradientBuckets::new(self.model.num_parameters(), BUCKET_ELEMENTS));
+        let mut failed = Ok(());
+        self.swap_statistics(m);
+        let collective = &mut *self.collective;
+        let queued = self.model.queue_step(
+            images,
+            labels,
+            self.args.label_smoothing,
+            1.0 / micro_batches as f32,
+            &mut |be, grads, final_from| {
+                if let Some(range) = buckets.as_mut().and_then(|b| b.ready(final_from))
+                    && failed.is_ok()
+                {
+                    failed = be.queue_all_reduce(grads, range, &mut *collective, ReduceOp::Average);
+                }
+            },
+        );
+        // The step's statistics updates are queued: micro-batch 0's go back.
+        self.swap_statistics(m);
+        failed?;
+        debug_assert!(buckets.is_none_or(|b| b.done()));
+        Ok(queued)
+    }
+
+    /// Swaps micro-batch `m`'s own batch-norm statistics with the model's (micro-batch
+    /// 0's); again to swap them back. Nothing for micro-batch 0.
+    fn swap_statistics(&mut self, m: usize) {
+        if let Some(own) = m
+            .checked_sub(1)
+            .map(|i| &mut self.micro_batch_statistics[i])
+        {
+            std::mem::swap(&mut self.model.params_mut().buffers, own);
+        }
+    }
+
+    /// The rest of the step's all-reduce of the gradients: with NCCL, all of them where
+    /// backward reduced none, then every bucket joined (and their timing, for the log);
+    /// otherwise all of them through the host.
+    fn reduce_gradients(&mut self, step: usize) -> Result<Option<AllReduceTiming>, TrainError> {
+        if self.overlap {
+            if !self.reduces_during_backward(step) {
+                self.queue_all_reduce_of_gradients()?;
+            }
+            self.be.join_all_reduces(self.collective)?;
+            Ok(self
+                .collective
+                .on_device()
+                .and_then(|d| overlap::timing((step + 1) as u64, &d.last_buckets())))
+        } else {
+            if self.layout.world > 1 {
+                self.queue_all_reduce_of_gradients()?;
+            }
+            Ok(None)
+        }
+    }
+
+    /// Queues the all-reduce (average) of every gradient at once.
+    fn queue_all_reduce_of_gradients(&mut self) -> Result<(), CollectiveError> {
+        let everything = 0..self.model.num_parameters();
+        let grads = &mut self.model.params_mut().grads;
+        self.be
+            .queue_all_reduce(grads, everything, self.collective, ReduceOp::Average)
+    }
+
+    /// The step's loss (`loss_sum` over this rank's micro-batches) and accuracy (`correct`
+    /// answers) over every rank, for the log.
+    fn gather_progress(&mut self, loss_sum: f32, correct: usize) -> Result<(), TrainError> {
+        let mut totals = [loss_sum / self.args.micro_batches as f32, correct as f32];
+        self.collective.all_reduce(&mut totals, ReduceOp::Sum)?;
+        self.loss = totals[0] / self.layout.world as f32;
+        self.accuracy = totals[1] / self.layout.global_batch as f32;
+        Ok(())
+    }
+
+    /// After the first step, which pays for allocation and warm-up: throughput counts from
+    /// here. Its all-reduce connected NCCL's channels: rank 0 says which fabric they took.
+    fn after_first_step(&mut self, step: usize) -> Result<(), TrainError> {
+        self.timed_from = Some((Instant::now(), step + 1));
+        if self.layout.world > 1 {
+            report_fabric(self.collective, self.layout.rank, self.layout.world)?;
+        }
+        Ok(())
+    }
+
+    /// Rank 0's line for `step`, and how its all-reduce overlapped backward when measured.
+    fn log(&self, step: usize, lr: f32, all_reduce_timing: Option<AllReduceTiming>) {
+        let global_batch = self.layout.global_batch;
+        let throughput = self
+            .timed_from
+            .filter(|(_, from)| step + 1 > *from)
+            .map(|(t, from)| ((step + 1 - from) * global_batch) as f64 / t.elapsed().as_secs_f64());
+        print_line(&Line::Step(Progress {
+            step: (step + 1) as u64,
+            loss: finite(self.loss),
+            accuracy: finite(self.accuracy),
+            learning_rate: f64::from(lr),
+            images_per_second: throughput,
+        }));
+        if let Some(timing) = all_reduce_timing {
+            print_line(&Line::AllReduce(timing));
+        }
+    }
+
+    /// Rank 0's summary of the finished run, after rank 0 saved the model where
+    /// `--output-dir` says.
+    fn finish(self) -> Result<Summary, TrainError> {
+        let images_per_second = self.images_per_second();
+        if self.layout.rank == 0
+            && let Some(dir) = &self.args.output_dir
+        {
+            self.save_model(dir)?;
+        }
+        let Layout {
+            total_steps,
+            world,
+            global_batch,
+            ..
+        } = self.layout;
+        Ok(Summary {
+            images_per_second,
+            steps: total_steps as u64,
+            final_loss: finite(self.loss),
+            final_accuracy: finite(self.accuracy),
+            world_size: world as u64,
+            global_batch: global_batch as u64,
+            parameters: self.model.num_parameters() as u64,
+            seconds: self.started.elapsed().as_secs_f64(),
+            resumed_from_step: (self.start_step > 0).then_some(self.start_step as u64),
+        })
+    }
+
+    /// Images per second over every rank, from the end of the first step (the whole run
+    /// when it had one step).
+    fn images_per_second(&self) -> f64 {
+        let Layout {
+            total_steps,
+            global_batch,
+            ..
+        } = self.layout;
+        let images_per_second = match self.timed_from {
+            Some((t, from)) if total_steps > from => {
+                ((total_steps - from) * global_batch) as f64 / t.elapsed().as_secs_f64()
+            }
+            _ => {
+                ((total_steps - self.start_step) * global_batch) as f64
+                    / self.started.elapsed().as_secs_f64()
+            }
+        };
+        // To a tenth: the job's status and `kubectl get` show it as it is, and the digits past
+        // that are noise.
+        (images_per_second * 10.0).round() / 10.0
+    }
+
+    /// Writes the trained model to `dir` ([`MODEL_FILE`]).
+    fn save_model(&self, dir: &Path) -> Result<(), TrainError> {
+        std::fs::create_dir_all(dir).map_err(|source| TrainError::OutputDir {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        let metadata = BTreeMap::from([
+            ("model".to_string(), format!("{:?}", self.args.model)),
+            ("steps".to_string(), self.layout.total_steps.to_string()),
+            ("worldSize".to_string(), self.layout.world.to_string()),
+        ]);
+        let params = self.model.params().weights_to_host(&self.be);
+        checkpoint::save(&dir.join(MODEL_FILE), &params, &metadata)?;
+        Ok(())
+    }
+}
+
+/// The model and optimizer a run starts with, and the step it starts from: the checkpoint's
+/// (`identity` says which run it must be of) when a run started before, else fresh from
+/// the seed; rank 0's weights on every rank.
+fn starting_model<B: Backend>(
+    args: &TrainArgs,
+    identity: &Identity,
+    collective: &mut dyn Collective,
+    be: &B,
+    dtype: DType,
+    classes: usize,
+) -> Result<(Model<B>, Sgd<B>, usize), TrainError> {
+    let arch = Arch::of(args.model, args.width);
     let mut model =
-        Model::with_backend(arch(args), classes, args.seed, be.clone()).with_activations(dtype);
-    let mut sgd = Sgd::on(&be, model.params(), args.momentum, args.weight_decay);
-    // A run that started before goes on from its checkpoint.
-    let identity = Identity::of(args, classes, global_batch, total_steps);
-    let start_step = resume::restore(args, &identity, &be, &mut model, &mut sgd, collective)?;
+        Model::with_backend(arch, classes, args.seed, be.clone()).with_activations(dtype);
+    let mut sgd = Sgd::on(be, model.params(), args.momentum, args.weight_decay);
+    let start_step = resume::restore(args, identity, be, &mut model, &mut sgd, collective)?;
     // The collectives work on host memory (a device backend stages through it).
     be.with_host(&mut model.params_mut().values, |values| {
         collective.broadcast(values, 0)
     })?;
-    // Micro-batch m of this rank stands for a rank of a world `micro_batches` times larger
-    // (see the shards above), and each rank keeps batch-norm statistics of its own: so
-    // does each micro-batch. The model's own, which are saved, are micro-batch 0's, as a
-    // world saves rank 0's; the others are copies taken here (after a resume: of rank 0's
-    // checkpoint, as every rank takes).
-    let mut micro_batch_statistics: Vec<B::Buf> = (1..args.micro_batches)
-        .map(|_| statistics_copy(&be, model.params()))
-        .collect();
-    let mut checkpointer = Checkpointer::new(args, &identity, rank);
-    let started = Instant::now();
-    let mut timed_from = None;
-    let (mut loss, mut accuracy) = (f32::NAN, 0.0f32);
-    // A thread reads and decodes the next batches while this one computes.
-    let (batches, prefetched) = std::sync::mpsc::sync_channel(2 * args.micro_batches);
-    let trained = std::thread::scope(|scope| -> Result<(), TrainError> {
-        let source = &source;
-        scope.spawn(move || {
-            for step in start_step..total_steps {
-                let epoch = step / steps_per_epoch;
-                let in_epoch = step % steps_per_epoch;
-                for m in 0..args.micro_batches {
-                    let indices = shard(
-                        dataset_size,
-                        rank * args.micro_batches + m,
-                        shards,
-                        epoch,
-                        args.seed,
-                    );
-                    let batch =
-                        source.batch(&indices[in_epoch * micro..(in_epoch + 1) * micro], epoch);
-                    let failed = batch.is_err();
-                    if batches.send(batch).is_err() || failed {
-                        return;
-                    }
-                }
-            }
-        });
-        // On GPUs with NCCL, gradients are all-reduced in buckets while backward still runs;
-        // otherwise all at once after it, through the host. One rank reduces nothing.
-        let overlap = world > 1 && be.reduces_on_device(collective);
-        let num_parameters = model.num_parameters();
-        // With RINGMASTER_CUDA_GRAPH=1, a step of one micro-batch whose gradients are not
-        // all-reduced during backward is recorded once warm and replayed.
-        let mut recorded = (step::recording_requested() && args.micro_batches == 1 && !overlap)
-            .then(|| RecordedStep::new(&model, micro, args.image_size, true));
-        // Dropped with this closure, on any return or panic, so a reader blocked on a full
-        // channel stops and the scope can end.
-        let prefetched = prefetched;
-        let receive = || {
-            prefetched
-                .recv()
-                .expect("the reader thread sends every batch or an error")
-        };
-        // Each batch goes onto the device while the one before it still computes, before the
-        // host waits for that one's loss: on CUDA its copy runs beside the step, and the
-        // conversion queues behind it. The first is received before the loop. A batch the
-        // source failed to make is an error when its turn comes, after the step before
-        // finished (its all-reduces joined, its update made, its line logged).
-        let mut upcoming = Some(receive());
-        let mut on_device: Option<(Tensor<B>, Vec<usize>)> = None;
-        for step in start_step..total_steps {
-            let last_step = step + 1 == total_steps;
-            // The first step searches cuDNN's algorithms as its layers first run (the
-            // backward halves during backward): its gradients are reduced after it, so the
-            // searches time the GPU without all-reduces beside them.
-            let overlap_now = overlap && step > start_step;
-            let (mut loss_sum, mut correct) = (0.0f32, 0usize);
-            if let Some(recorded) = &mut recorded {
-                if let Some(batch) = upcoming.take() {
-                    let (images, labels) = batch?;
-                    recorded.load(&model, &images, &labels);
-                }
-                let replayed_before = recorded.recorded();
-                recorded.run(&mut model, args.label_smoothing);
-                if rank == 0 && !replayed_before && recorded.recorded() {
-                    eprintln!(
-                        "ringmaster-trainer: step {} recorded as a CUDA graph; replayed from here on",
-                        step + 1
-                    );
-                }
-                if !last_step {
-                    // Into the step's own inputs: the device reads them in order.
-                    match receive() {
-                        Ok((images, labels)) => recorded.load(&model, &images, &labels),
-                        failed => upcoming = Some(failed),
-                    }
-                }
-                let stats = recorded.stats(&model);
-                (loss_sum, correct) = (stats.loss, stats.correct);
-            } else {
-                model.zero_grads();
-                for m in 0..args.micro_batches {
-                    let (images, labels) = match (on_device.take(), upcoming.take()) {
-                        (Some(uploaded), _) => uploaded,
-                        (None, Some(batch)) => {
-                            let (images, labels) = batch?;
-                            (Tensor::upload(&be, &images, dtype), labels)
-                        }
-                        (None, None) => unreachable!("every micro-batch is received ahead"),
-                    };
-                    // Micro-batches accumulate: only the last one's backward finishes gradients.
-                    let mut buckets = (overlap_now && m + 1 == args.micro_batches)
-                        .then(|| GradientBuckets::new(num_parameters, BUCKET_ELEMENTS));
-                    let mut failed = Ok(());
-                    if let Some(own) = m.checked_sub(1).map(|i| &mut micro_batch_statistics[i]) {
-                        std::mem::swap(&mut model.params_mut().buffers, own);
-                    }
-                    let queued = model.queue_step(
-                        &images,
-                        &labels,
-                        args.label_smoothing,
-                        1.0 / args.micro_batches as f32,
-                        &mut |be, grads, final_from| {
-                            if let Some(range) = buckets.as_mut().and_then(|b| b.ready(final_from))
-                                && failed.is_ok()
-                            {
-                                failed = be.queue_all_reduce(
-                                    grads,
-                                    range,
-                                    &mut *collective,
-                                    ReduceOp::Average,
-                                );
-                            }
-                        },
-                    );
-                    // The step's statistics updates are queued: micro-batch 0's go back.
-                    if let Some(own) = m.checked_sub(1).map(|i| &mut micro_batch_statistics[i]) {
-                        std::mem::swap(&mut model.params_mut().buffers, own);
-                    }
-                    failed?;
-                    if !(last_step && m + 1 == args.micro_batches) {
-                        match receive() {
-                            Ok((images, labels)) => {
-                                on_device = Some((Tensor::upload(&be, &images, dtype), labels));
-                            }
-                            failed => upcoming = Some(failed),
-                        }
-                    }
-                    let stats = model.stats_of(queued);
-                    debug_assert!(buckets.is_none_or(|b| b.done()));
-                    loss_sum += stats.loss;
-                    correct += stats.correct;
-                }
-            }
-            let mut all_reduce_timing = None;
-            if overlap {
-                if !overlap_now {
-                    let grads = &mut model.params_mut().grads;
-                    be.queue_all_reduce(grads, 0..num_parameters, collective, ReduceOp::Average)?;
-                }
-                be.join_all_reduces(collective)?;
-                all_reduce_timing = collective
-                    .on_device()
-                    .and_then(|d| overlap::timing((step + 1) as u64, &d.last_buckets()));
-            } else if world > 1 {
-                let grads = &mut model.params_mut().grads;
-                be.queue_all_reduce(grads, 0..num_parameters, collective, ReduceOp::Average)?;
-            }
-            let lr = schedule.lr(step);
-            sgd.step(model.params_mut(), lr);
-            // Loss and accuracy over every rank, for the log.
-            let mut totals = [loss_sum / args.micro_batches as f32, correct as f32];
-            collective.all_reduce(&mut totals, ReduceOp::Sum)?;
-            loss = totals[0] / world as f32;
-            accuracy = totals[1] / global_batch as f32;
-            if step == start_step {
-                // The first step pays for allocation and warm-up: throughput counts from here.
-                timed_from = Some((Instant::now(), step + 1));
-                // Its all-reduce connected NCCL's channels: say which fabric they took.
-                if world > 1 {
-                    report_fabric(collective, rank, world)?;
-                }
-            }
-            let throughput = timed_from
-                .filter(|(_, from)| step + 1 > *from)
-                .map(|(t, from)| {
-                    ((step + 1 - from) * global_batch) as f64 / t.elapsed().as_secs_f64()
-                });
-            if rank == 0 && (step % args.log_every.max(1) == 0 || step + 1 == total_steps) {
-                let line = Line::Step(Progress {
-                    step: (step + 1) as u64,
-                    loss: finite(loss),
-                    accuracy: finite(accuracy),
-                    learning_rate: f64::from(lr),
-                    images_per_second: throughput,
-                });
-                println!(
-                    "{}",
-                    serde_json::to_string(&line).expect("a line serializes")
-                );
-                if let Some(timing) = all_reduce_timing {
-                    let line = Line::AllReduce(timing);
-                    println!(
-                        "{}",
-                        serde_json::to_string(&line).expect("a line serializes")
-                    );
-                }
-            }
-            if let Some(checkpointer) = &mut checkpointer
-                && checkpointer.due(step + 1, total_steps)
-            {
-                checkpointer.write(step + 1, &be, &model, &sgd);
-            }
-        }
-        Ok(())
-    });
-    // A checkpoint being written is finished, also when training failed: the run that
-    // starts again goes on from it.
-    if let Some(checkpointer) = &mut checkpointer {
-        checkpointer.finish_writing();
-    }
-    trained?;
-    let images_per_second = match timed_from {
-        Some((t, from)) if total_steps > from => {
-            ((total_steps - from) * global_batch) as f64 / t.elapsed().as_secs_f64()
-        }
-        _ => ((total_steps - start_step) * global_batch) as f64 / started.elapsed().as_secs_f64(),
-    };
-    // To a tenth: the job's status and `kubectl get` show it as it is, and the digits past
-    // that are noise.
-    let images_per_second = (images_per_second * 10.0).round() / 10.0;
-    if rank == 0
-        && let Some(dir) = &args.output_dir
-    {
-        std::fs::create_dir_all(dir).map_err(|source| TrainError::OutputDir {
-            path: dir.clone(),
-            source,
-        })?;
-        let metadata = BTreeMap::from([
-            ("model".to_string(), format!("{:?}", args.model)),
-            ("steps".to_string(), total_steps.to_string()),
-            ("worldSize".to_string(), world.to_string()),
-        ]);
-        let params = model.params().weights_to_host(&be);
-        checkpoint::save(&dir.join(MODEL_FILE), &params, &metadata)?;
-    }
-    Ok(Summary {
-        images_per_second,
-        steps: total_steps as u64,
-        final_loss: finite(loss),
-        final_accuracy: finite(accuracy),
-        world_size: world as u64,
-        global_batch: global_batch as u64,
-        parameters: model.num_parameters() as u64,
-        seconds: started.elapsed().as_secs_f64(),
-        resumed_from_step: (start_step > 0).then_some(start_step as u64),
-    })
+    Ok((model, sgd, start_step))
+}
+
+/// Prints one JSON line of the trainer's output.
+fn print_line(line: &Line) {
+    println!(
+        "{}",
+        serde_json::to_string(line).expect("a line serializes")
+    );
 }
 
 /// Rank 0 says which fabric carries the gradients ([`Line::Fabric`]): its NCCL's network
@@ -518,10 +842,7 @@ fn report_fabric(
             ranks_on_infiniband: on_infiniband[0] as u64,
             world_size: world as u64,
         });
-        println!(
-            "{}",
-            serde_json::to_string(&line).expect("a line serializes")
-        );
+        print_line(&line);
     }
     Ok(())
 }

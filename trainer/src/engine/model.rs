@@ -2,6 +2,7 @@
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use ringmaster_contract::trainer::Model as ModelName;
 
 use super::backend::{Backend, CpuBackend};
 use super::layers::{
@@ -31,6 +32,21 @@ pub enum Arch {
         /// Channels of the first stage (16 in the paper).
         width: usize,
     },
+}
+
+impl Arch {
+    /// The network a model name stands for (`width`: the CIFAR ResNets' first stage).
+    pub fn of(model: ModelName, width: usize) -> Self {
+        match model {
+            ModelName::Resnet18 => Arch::ResNet18,
+            ModelName::Resnet34 => Arch::ResNet34,
+            ModelName::Resnet50 => Arch::ResNet50,
+            ModelName::Resnet101 => Arch::ResNet101,
+            ModelName::Resnet152 => Arch::ResNet152,
+            ModelName::Cifar8 => Arch::CifarResNet { depth: 8, width },
+            ModelName::Cifar20 => Arch::CifarResNet { depth: 20, width },
+        }
+    }
 }
 
 /// Loss and accuracy of one batch.
