@@ -1616,3 +1616,81 @@ fn a_pod_wakes_its_job_when_its_state_changes_and_its_words_alone_seldom() {
     assert!(filter.wakes_at(&Event::Init, at(100_006)));
     assert!(filter.wakes_at(&Event::InitApply(cached("ready", "", "306")), at(100_007)));
 }
+
+#[test]
+fn names_held_reach_the_plan_as_an_input_and_hold_back_those_pods() {
+    use state::NameHolder;
+    let mut s = Scenario::new(job(|_| {}));
+    s.names_in_use = BTreeMap::from([(
+        "resnet18-cpu-worker-0".to_string(),
+        NameHolder::Staying {
+            why: "a pod of that name exists that this job does not control".into(),
+        },
+    )]);
+    let p = s.step();
+    assert_eq!(p.create_workers, vec![1]);
+    let ready = s.condition(condition_types::READY);
+    assert_eq!(ready.1, reasons::NAME_IN_USE);
+    assert!(
+        ready
+            .2
+            .contains("worker resnet18-cpu-worker-0 cannot be made")
+    );
+}
+
+#[test]
+fn pods_made_moments_ago_and_not_cached_are_not_made_again_until_the_memory_fades() {
+    let mut s = Scenario::new(job(|_| {}));
+    s.recent.unseen_pods = BTreeMap::from([("resnet18-cpu-worker-0".to_string(), 0)]);
+    let p = s.plan();
+    assert_eq!(
+        p.create_workers,
+        vec![1],
+        "worker 0 is on its way to the cache"
+    );
+    assert!(p.unseen_pods);
+    assert_eq!(
+        p.requeue_after,
+        Some(ringmaster::controller::training_job::recent::FRESH_FOR)
+    );
+    // Made for another gang: not this one's.
+    s.recent.unseen_pods = BTreeMap::from([("resnet18-cpu-worker-0".to_string(), 3)]);
+    let p = s.plan();
+    assert_eq!(p.create_workers, vec![0, 1]);
+    assert!(!p.unseen_pods);
+}
+
+#[test]
+fn the_secret_and_service_go_out_with_a_gangs_workers_and_a_new_spec_once() {
+    use plan::Children;
+    use ringmaster::controller::training_job::names::ChildNaming;
+    let mut s = Scenario::new(job(|_| {}));
+    let p = s.plan();
+    assert_eq!(
+        (p.children, p.naming),
+        (Children::Ensure, ChildNaming::UidTagged)
+    );
+    // Written moments ago for this spec and gang: not again.
+    s.recent.children_for = Some((Some(1), 0, ChildNaming::UidTagged));
+    assert_eq!(s.plan().children, Children::Keep);
+    s.recent.children_for = None;
+    // No worker to make: nothing to write.
+    s.pods = vec![pod("worker", 0, 0, "ready"), pod("worker", 1, 0, "running")];
+    assert_eq!(s.plan().children, Children::Keep);
+    // A new spec since they were made: the Service is applied over the old one.
+    s.status.observed_generation = Some(0);
+    assert_eq!(s.plan().children, Children::Update);
+    // A refusal of the Service on the job: written again too.
+    s.status.observed_generation = Some(1);
+    s.status
+        .conditions
+        .push(k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+            type_: condition_types::STALLED.into(),
+            status: "True".into(),
+            reason: "ChildRejected".into(),
+            message: "applying Service resnet18-cpu-workers-uid-1: denied".into(),
+            last_transition_time: at(0),
+            observed_generation: Some(1),
+        });
+    assert_eq!(s.plan().children, Children::Update);
+}
