@@ -551,6 +551,8 @@ fn default_ssh_port() -> i32 {
 }
 
 /// An MPI implementation.
+// Another one: a variant here, and its arms in `controller/training_job/build/mpi.rs` (all
+// that differs between implementations is there).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub enum MpiImplementation {
     /// Open MPI: `mpirun`, hostfile lines `host slots=N`.

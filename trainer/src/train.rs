@@ -397,7 +397,12 @@ impl<B: Backend> Feed<B> {
 }
 
 /// A training run on one rank: the model, its optimizer and everything a step needs.
+///
+/// Fields drop in their order: the recorded step (a CUDA graph and its buffers) goes before
+/// the model, the optimizer and the backend whose kernels and memory it uses.
 struct Trainer<'a, B: Backend> {
+    /// The step recorded (as a CUDA graph) and replayed, when it is.
+    recorded: Option<RecordedStep<B>>,
     args: &'a TrainArgs,
     collective: &'a mut dyn Collective,
     be: B,
@@ -413,8 +418,6 @@ struct Trainer<'a, B: Backend> {
     checkpointer: Option<Checkpointer>,
     /// Whether gradients are all-reduced in buckets while backward still runs.
     overlap: bool,
-    /// The step recorded (as a CUDA graph) and replayed, when it is.
-    recorded: Option<RecordedStep<B>>,
     started: Instant,
     /// When the first step ended, and the steps done then: throughput counts from there.
     timed_from: Option<(Instant, usize)>,

@@ -4,11 +4,17 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, ServiceAccount};
-use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use serde_json::{Value, json};
+use k8s_openapi::api::batch::v1::{Job, JobSpec};
+use k8s_openapi::api::core::v1::{
+    CSIPersistentVolumeSource, Capabilities, Container, EnvVar, EnvVarSource, NFSVolumeSource,
+    ObjectReference, PersistentVolume, PersistentVolumeClaim, PersistentVolumeClaimSpec,
+    PersistentVolumeClaimVolumeSource, PersistentVolumeSpec, PodSecurityContext, PodSpec,
+    PodTemplateSpec, ResourceRequirements, SeccompProfile, SecretKeySelector, SecurityContext,
+    ServiceAccount, Volume, VolumeMount, VolumeResourceRequirements,
+};
+use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 
 use super::validate::{BlobCredentials, StagingTarget, ValidatedDataStage};
 use crate::api::Verification;
@@ -91,29 +97,40 @@ fn labels(stage: &ValidatedDataStage) -> BTreeMap<String, String> {
     ])
 }
 
-fn owner(stage: &ValidatedDataStage) -> Value {
-    serde_json::to_value(OwnerReference {
+fn owner(stage: &ValidatedDataStage) -> OwnerReference {
+    OwnerReference {
         api_version: format!("{}/{}", crate::api::GROUP, crate::api::VERSION),
         kind: "DataStage".into(),
         name: stage.name.clone(),
         uid: stage.uid.clone(),
         controller: Some(true),
         block_owner_deletion: Some(true),
-    })
-    .expect("owner reference serializes")
+    }
 }
 
-fn metadata(stage: &ValidatedDataStage, name: &str) -> Value {
-    json!({
-        "name": name,
-        "namespace": stage.namespace,
-        "labels": labels(stage),
-        "ownerReferences": [owner(stage)],
-    })
+fn metadata(stage: &ValidatedDataStage, name: &str) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name.into()),
+        namespace: Some(stage.namespace.clone()),
+        labels: Some(labels(stage)),
+        owner_references: Some(vec![owner(stage)]),
+        ..ObjectMeta::default()
+    }
 }
 
-fn typed<T: serde::de::DeserializeOwned>(value: Value) -> T {
-    serde_json::from_value(value).expect("built objects match their Kubernetes types")
+/// `items` as owned strings, for an optional list field.
+fn strings<const N: usize>(items: [&str; N]) -> Option<Vec<String>> {
+    Some(items.map(String::from).to_vec())
+}
+
+/// Quantities by resource name.
+fn quantities<const N: usize>(items: [(&str, &str); N]) -> Option<BTreeMap<String, Quantity>> {
+    Some(
+        items
+            .into_iter()
+            .map(|(name, q)| (name.to_string(), Quantity(q.to_string())))
+            .collect(),
+    )
 }
 
 /// The PersistentVolume for an NFS or Azure Files destination (none for an existing
@@ -124,90 +141,102 @@ pub fn volume(stage: &ValidatedDataStage) -> Option<PersistentVolume> {
     let names = Names::of(stage);
     let capacity = stage
         .capacity
-        .as_ref()
-        .map_or(FALLBACK_CAPACITY.to_string(), |q| q.0.clone());
-    let (source, mount_options) = match &stage.destination {
-        StagingTarget::ExistingClaim { .. } => return None,
+        .clone()
+        .unwrap_or_else(|| Quantity(FALLBACK_CAPACITY.to_string()));
+    let spec = PersistentVolumeSpec {
+        capacity: Some(BTreeMap::from([("storage".to_string(), capacity)])),
+        access_modes: strings(["ReadWriteMany"]),
+        persistent_volume_reclaim_policy: Some("Retain".into()),
+        storage_class_name: Some(String::new()),
+        // Pre-bound to our claim so no other claim can take it.
+        claim_ref: Some(ObjectReference {
+            namespace: Some(stage.namespace.clone()),
+            name: Some(names.claim),
+            ..ObjectReference::default()
+        }),
+        ..volume_source(stage)?
+    };
+    Some(PersistentVolume {
+        metadata: ObjectMeta {
+            name: Some(names.volume),
+            labels: Some(labels(stage)),
+            ..ObjectMeta::default()
+        },
+        spec: Some(spec),
+        status: None,
+    })
+}
+
+/// Where [`volume`] is, with its mount options: the NFS export or the Azure Files share (none
+/// for an existing claim).
+fn volume_source(stage: &ValidatedDataStage) -> Option<PersistentVolumeSpec> {
+    match &stage.destination {
+        StagingTarget::ExistingClaim { .. } => None,
         StagingTarget::Nfs {
             server,
             path,
             mount_options,
-        } => (
-            json!({"nfs": {"server": server, "path": path}}),
-            mount_options,
-        ),
+        } => Some(PersistentVolumeSpec {
+            nfs: Some(NFSVolumeSource {
+                server: server.clone(),
+                path: path.clone(),
+                read_only: None,
+            }),
+            mount_options: Some(mount_options.clone()),
+            ..PersistentVolumeSpec::default()
+        }),
         StagingTarget::AzureFileNfs {
             storage_account,
             share_name,
             resource_group,
             mount_options,
         } => {
-            let mut attributes = json!({
-                "storageAccount": storage_account,
-                "shareName": share_name,
-                "protocol": "nfs",
-            });
+            let mut attributes = BTreeMap::from([
+                ("storageAccount".to_string(), storage_account.clone()),
+                ("shareName".to_string(), share_name.clone()),
+                ("protocol".to_string(), "nfs".to_string()),
+            ]);
             if let Some(rg) = resource_group {
-                attributes["resourceGroup"] = json!(rg);
+                attributes.insert("resourceGroup".into(), rg.clone());
             }
-            (
-                json!({"csi": {
-                    "driver": "file.csi.azure.com",
+            Some(PersistentVolumeSpec {
+                csi: Some(CSIPersistentVolumeSource {
+                    driver: "file.csi.azure.com".into(),
                     // Unique per volume: `{resource group}#{account}#{share}#{uid}`.
-                    "volumeHandle": format!(
+                    volume_handle: format!(
                         "{}#{storage_account}#{share_name}#{}",
                         resource_group.as_deref().unwrap_or(""),
                         stage.uid
                     ),
-                    "volumeAttributes": attributes,
-                }}),
-                mount_options,
-            )
+                    volume_attributes: Some(attributes),
+                    ..CSIPersistentVolumeSource::default()
+                }),
+                mount_options: Some(mount_options.clone()),
+                ..PersistentVolumeSpec::default()
+            })
         }
-    };
-    let mut spec = json!({
-        "capacity": {"storage": capacity},
-        "accessModes": ["ReadWriteMany"],
-        "persistentVolumeReclaimPolicy": "Retain",
-        "storageClassName": "",
-        "mountOptions": mount_options,
-        // Pre-bound to our claim so no other claim can take it.
-        "claimRef": {"namespace": stage.namespace, "name": names.claim},
-    });
-    spec.as_object_mut()
-        .expect("object")
-        .extend(source.as_object().expect("object").clone());
-    Some(typed(json!({
-        "apiVersion": "v1",
-        "kind": "PersistentVolume",
-        "metadata": {"name": names.volume, "labels": labels(stage)},
-        "spec": spec,
-    })))
+    }
 }
 
 /// The claim bound to [`volume`] (none for an existing claim).
 pub fn claim(stage: &ValidatedDataStage) -> Option<PersistentVolumeClaim> {
     let volume = volume(stage)?;
     let names = Names::of(stage);
-    let capacity = volume
-        .spec
-        .as_ref()?
-        .capacity
-        .as_ref()?
-        .get("storage")?
-        .0
-        .clone();
-    Some(typed(json!({
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": metadata(stage, &names.claim),
-        "spec": {
-            "accessModes": ["ReadWriteMany"],
-            "storageClassName": "",
-            "volumeName": names.volume,
-            "resources": {"requests": {"storage": capacity}},
-        },
-    })))
+    let capacity = volume.spec?.capacity?.remove("storage")?;
+    Some(PersistentVolumeClaim {
+        metadata: metadata(stage, &names.claim),
+        spec: Some(PersistentVolumeClaimSpec {
+            access_modes: strings(["ReadWriteMany"]),
+            storage_class_name: Some(String::new()),
+            volume_name: Some(names.volume),
+            resources: Some(VolumeResourceRequirements {
+                requests: Some(BTreeMap::from([("storage".to_string(), capacity)])),
+                limits: None,
+            }),
+            ..PersistentVolumeClaimSpec::default()
+        }),
+        status: None,
+    })
 }
 
 /// The ServiceAccount the stager runs as, unless workload identity names the user's own.
@@ -215,12 +244,11 @@ pub fn service_account(stage: &ValidatedDataStage) -> Option<ServiceAccount> {
     if matches!(stage.credentials, BlobCredentials::WorkloadIdentity { .. }) {
         return None;
     }
-    Some(typed(json!({
-        "apiVersion": "v1",
-        "kind": "ServiceAccount",
-        "metadata": metadata(stage, &Names::of(stage).stager),
-        "automountServiceAccountToken": true,
-    })))
+    Some(ServiceAccount {
+        metadata: metadata(stage, &Names::of(stage).stager),
+        automount_service_account_token: Some(true),
+        ..ServiceAccount::default()
+    })
 }
 
 /// The ServiceAccount the Job uses.
@@ -235,68 +263,112 @@ pub fn job_service_account(stage: &ValidatedDataStage) -> String {
 
 /// The stager may read its DataStage and patch its status: nothing else, this one name only.
 pub fn role(stage: &ValidatedDataStage) -> Role {
-    typed(json!({
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": metadata(stage, &Names::of(stage).stager),
-        "rules": [{
-            "apiGroups": [crate::api::GROUP],
-            "resources": ["datastages/status"],
-            "resourceNames": [stage.name],
-            "verbs": ["get", "patch"],
-        }],
-    }))
+    Role {
+        metadata: metadata(stage, &Names::of(stage).stager),
+        rules: Some(vec![PolicyRule {
+            api_groups: strings([crate::api::GROUP]),
+            resources: strings(["datastages/status"]),
+            resource_names: Some(vec![stage.name.clone()]),
+            verbs: vec!["get".into(), "patch".into()],
+            non_resource_urls: None,
+        }]),
+    }
 }
 
 /// Binds [`role`] to the Job's ServiceAccount.
 pub fn role_binding(stage: &ValidatedDataStage) -> RoleBinding {
     let name = Names::of(stage).stager;
-    typed(json!({
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": metadata(stage, &name),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{
-            "kind": "ServiceAccount",
-            "name": job_service_account(stage),
-            "namespace": stage.namespace,
-        }],
-    }))
+    RoleBinding {
+        metadata: metadata(stage, &name),
+        role_ref: RoleRef {
+            api_group: Some("rbac.authorization.k8s.io".into()),
+            kind: "Role".into(),
+            name,
+        },
+        subjects: Some(vec![Subject {
+            kind: "ServiceAccount".into(),
+            name: job_service_account(stage),
+            namespace: Some(stage.namespace.clone()),
+            api_group: None,
+        }]),
+    }
 }
 
 /// The copy Job: `ringmaster stage` with the claim mounted read-write at `/data` and the
 /// credential from the referenced Secret in its environment (never in arguments).
 pub fn job(stage: &ValidatedDataStage, inputs: &BuildInputs) -> Job {
     let names = Names::of(stage);
-    let destination = match &stage.sub_path {
-        Some(sub) => format!("{DATA_MOUNT}/{sub}"),
-        None => DATA_MOUNT.to_string(),
-    };
-    let secret_env = |name: &str, r: &crate::api::SecretKeyRef| json!({"name": name, "valueFrom": {"secretKeyRef": {"name": r.name, "key": r.key}}});
-    let (auth, secret, pod_labels) = match &stage.credentials {
+    let mut labels = labels(stage);
+    let (auth, secret) = match &stage.credentials {
         BlobCredentials::SasToken(r) => (
             AuthMethod::SasToken,
             Some(secret_env(crate::stage::SAS_TOKEN_ENV, r)),
-            json!({}),
         ),
         BlobCredentials::AccountKey(r) => (
             AuthMethod::AccountKey,
             Some(secret_env(crate::stage::ACCOUNT_KEY_ENV, r)),
-            json!({}),
         ),
-        // AKS's webhook injects the client id, tenant and token file into labelled pods.
-        BlobCredentials::WorkloadIdentity { .. } => (
-            AuthMethod::WorkloadIdentity,
-            None,
-            json!({"azure.workload.identity/use": "true"}),
-        ),
+        BlobCredentials::WorkloadIdentity { .. } => {
+            // AKS's webhook injects the client id, tenant and token file into labelled pods.
+            labels.insert("azure.workload.identity/use".into(), "true".into());
+            (AuthMethod::WorkloadIdentity, None)
+        }
     };
-    let settings = StageSettings {
+    let mut env: Vec<EnvVar> = stage_settings(stage, auth)
+        .to_env()
+        .into_iter()
+        .map(|(name, value)| EnvVar {
+            name: name.into(),
+            value: Some(value),
+            value_from: None,
+        })
+        .collect();
+    env.extend(secret);
+    Job {
+        metadata: metadata(stage, &names.job),
+        spec: Some(JobSpec {
+            // The schema bounds it far below i32::MAX.
+            backoff_limit: Some(i32::try_from(stage.backoff_limit).unwrap_or(i32::MAX)),
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels),
+                    ..ObjectMeta::default()
+                }),
+                spec: Some(stager_pod(stage, env, &names.claim, inputs)),
+            },
+            ..JobSpec::default()
+        }),
+        status: None,
+    }
+}
+
+/// The variable `name` with the value of the Secret key `r`.
+fn secret_env(name: &str, r: &crate::api::SecretKeyRef) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value: None,
+        value_from: Some(EnvVarSource {
+            secret_key_ref: Some(SecretKeySelector {
+                name: r.name.clone(),
+                key: r.key.clone(),
+                optional: None,
+            }),
+            ..EnvVarSource::default()
+        }),
+    }
+}
+
+/// What `ringmaster stage` is told to do for `stage`, signing in with `auth`.
+fn stage_settings(stage: &ValidatedDataStage, auth: AuthMethod) -> StageSettings {
+    StageSettings {
         account: stage.account.clone(),
         container: stage.container.clone(),
         prefix: stage.prefix.clone(),
         endpoint: stage.endpoint.clone(),
-        destination,
+        destination: match &stage.sub_path {
+            Some(sub) => format!("{DATA_MOUNT}/{sub}"),
+            None => DATA_MOUNT.to_string(),
+        },
         parallelism: stage.parallelism,
         verify: match stage.verify {
             Verification::Size => VerifyMode::Size,
@@ -304,59 +376,80 @@ pub fn job(stage: &ValidatedDataStage, inputs: &BuildInputs) -> Job {
         },
         auth,
         report_to: format!("{}/{}", stage.namespace, stage.name),
-    };
-    let mut env: Vec<Value> = settings
-        .to_env()
-        .into_iter()
-        .map(|(name, value)| json!({"name": name, "value": value}))
-        .collect();
-    env.extend(secret);
-    let mut labels = labels(stage);
-    if let Some(extra) = pod_labels.as_object() {
-        for (k, v) in extra {
-            labels.insert(k.clone(), v.as_str().unwrap_or_default().to_string());
-        }
     }
-    typed(json!({
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": metadata(stage, &names.job),
-        "spec": {
-            "backoffLimit": stage.backoff_limit,
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    "restartPolicy": "Never",
-                    "serviceAccountName": job_service_account(stage),
-                    "nodeSelector": stage.node_selector,
-                    "tolerations": stage.tolerations,
-                    "securityContext": {
-                        "runAsNonRoot": true,
-                        "runAsUser": 65532,
-                        "runAsGroup": 65532,
-                        "fsGroup": 65532,
-                        "seccompProfile": {"type": "RuntimeDefault"},
-                    },
-                    "containers": [{
-                        "name": "stager",
-                        "image": inputs.stager_image,
-                        "args": ["stage", "--progress", "log", "--termination-message", "/dev/termination-log"],
-                        "env": env,
-                        "volumeMounts": [{"name": "data", "mountPath": DATA_MOUNT}],
-                        "terminationMessagePolicy": "FallbackToLogsOnError",
-                        "resources": {
-                            "requests": {"cpu": "500m", "memory": "256Mi"},
-                            "limits": {"memory": "1Gi"},
-                        },
-                        "securityContext": {
-                            "allowPrivilegeEscalation": false,
-                            "readOnlyRootFilesystem": true,
-                            "capabilities": {"drop": ["ALL"]},
-                        },
-                    }],
-                    "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": names.claim}}],
-                },
-            },
-        },
-    }))
+}
+
+/// The copy Job's pod: the [`stager_container`] with `env`, unprivileged, `claim` its volume,
+/// where the spec places it.
+fn stager_pod(
+    stage: &ValidatedDataStage,
+    env: Vec<EnvVar>,
+    claim: &str,
+    inputs: &BuildInputs,
+) -> PodSpec {
+    PodSpec {
+        restart_policy: Some("Never".into()),
+        service_account_name: Some(job_service_account(stage)),
+        node_selector: Some(stage.node_selector.clone()),
+        tolerations: Some(stage.tolerations.clone()),
+        security_context: Some(PodSecurityContext {
+            run_as_non_root: Some(true),
+            run_as_user: Some(65532),
+            run_as_group: Some(65532),
+            fs_group: Some(65532),
+            seccomp_profile: Some(SeccompProfile {
+                type_: "RuntimeDefault".into(),
+                localhost_profile: None,
+            }),
+            ..PodSecurityContext::default()
+        }),
+        containers: vec![stager_container(env, inputs)],
+        volumes: Some(vec![Volume {
+            name: "data".into(),
+            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                claim_name: claim.into(),
+                read_only: None,
+            }),
+            ..Volume::default()
+        }]),
+        ..PodSpec::default()
+    }
+}
+
+/// The stager: `ringmaster stage` with `env`, the claim at [`DATA_MOUNT`], a read-only root
+/// and no capabilities.
+fn stager_container(env: Vec<EnvVar>, inputs: &BuildInputs) -> Container {
+    Container {
+        name: "stager".into(),
+        image: Some(inputs.stager_image.clone()),
+        args: strings([
+            "stage",
+            "--progress",
+            "log",
+            "--termination-message",
+            "/dev/termination-log",
+        ]),
+        env: Some(env),
+        volume_mounts: Some(vec![VolumeMount {
+            name: "data".into(),
+            mount_path: DATA_MOUNT.into(),
+            ..VolumeMount::default()
+        }]),
+        termination_message_policy: Some("FallbackToLogsOnError".into()),
+        resources: Some(ResourceRequirements {
+            requests: quantities([("cpu", "500m"), ("memory", "256Mi")]),
+            limits: quantities([("memory", "1Gi")]),
+            ..ResourceRequirements::default()
+        }),
+        security_context: Some(SecurityContext {
+            allow_privilege_escalation: Some(false),
+            read_only_root_filesystem: Some(true),
+            capabilities: Some(Capabilities {
+                add: None,
+                drop: strings(["ALL"]),
+            }),
+            ..SecurityContext::default()
+        }),
+        ..Container::default()
+    }
 }

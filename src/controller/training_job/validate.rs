@@ -5,9 +5,11 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::ResourceExt;
 use ringmaster_contract::trainer::{self as contract, Capabilities, TrainArgs};
 
+use super::build::{self, PodRole};
+use super::names::ChildNaming;
 pub use super::spec::*;
-use crate::api::{DataSource, GpuDriver, PodOverrides, Precision, Provisioner, TrainingJob};
-use crate::validation::{self, FieldErrors};
+use crate::api::{DataSource, GpuDriver, Precision, Provisioner, TrainingJob};
+use crate::validation::{self, FieldError, FieldErrors};
 
 /// Checks `job` against every rule and fills in defaults; the trainer's settings must run on
 /// the trainer of this release.
@@ -40,36 +42,25 @@ fn checked(job: ValidatedTrainingJob) -> Result<ValidatedTrainingJob, FieldError
 
 /// The user's volumes and mounts that repeat a volume name or mount path Ringmaster gives the
 /// same pod (which depends on the spec: `data` only with a DataStage, `dshm` only with
-/// InfiniBand, ...). Found by building the pods, where the user's come after Ringmaster's:
-/// the API server would refuse the pod naming `spec.volumes[7]`, not the spec's field.
-fn overrides_that_clash(job: &ValidatedTrainingJob) -> Vec<crate::validation::FieldError> {
-    use super::build::{self, BuildInputs};
-    use super::names::{LAUNCHER_ROLE, WORKER_ROLE};
-    use crate::validation::FieldError;
-    let adds_none = |o: &PodOverrides| o.volumes.is_empty() && o.volume_mounts.is_empty();
-    if adds_none(&job.worker) && adds_none(&job.launcher) {
-        // Most jobs: nothing to build pods for (every reconcile validates).
-        return Vec::new();
-    }
-    let inputs = BuildInputs {
-        // Any name: what matters is that the DataStage's volume is there when it would be.
-        data_claim: job.data.as_ref().map(|_| "claim".to_string()),
-        ..BuildInputs::default()
-    };
+/// InfiniBand, ...: [`build::reserved_volumes`]). Refused here, naming the spec's field: the
+/// API server would refuse the pod naming `spec.volumes[7]`.
+fn overrides_that_clash(job: &ValidatedTrainingJob) -> Vec<FieldError> {
     let mut errors = Vec::new();
-    for (role, overrides, pod) in [
-        (WORKER_ROLE, &job.worker, build::worker_pod(job, 0, &inputs)),
-        (
-            LAUNCHER_ROLE,
-            &job.launcher,
-            build::launcher_pod(job, &inputs),
-        ),
+    for (role, overrides) in [
+        (PodRole::Worker, &job.worker),
+        (PodRole::Launcher, &job.launcher),
     ] {
-        let Some(spec) = pod.spec else { continue };
-        let volumes = spec.volumes.unwrap_or_default();
-        let ours = &volumes[..volumes.len().saturating_sub(overrides.volumes.len())];
+        if overrides.volumes.is_empty() && overrides.volume_mounts.is_empty() {
+            // Most jobs: nothing to check (every reconcile validates).
+            continue;
+        }
+        // Any claim name: what matters is that the DataStage's volume is there when it
+        // would be.
+        let claim = job.data.as_ref().map(|_| "claim");
+        let ours = build::reserved_volumes(job, role, ChildNaming::default(), claim);
+        let role = role.name();
         for (i, volume) in overrides.volumes.iter().enumerate() {
-            if ours.iter().any(|v| v.name == volume.name) {
+            if ours.iter().any(|(v, _)| v.name == volume.name) {
                 errors.push(FieldError {
                     field: format!("spec.{role}.volumes[{i}].name"),
                     message: format!(
@@ -79,14 +70,8 @@ fn overrides_that_clash(job: &ValidatedTrainingJob) -> Vec<crate::validation::Fi
                 });
             }
         }
-        let mounts = spec
-            .containers
-            .first()
-            .and_then(|c| c.volume_mounts.clone())
-            .unwrap_or_default();
-        let ours = &mounts[..mounts.len().saturating_sub(overrides.volume_mounts.len())];
         for (i, mount) in overrides.volume_mounts.iter().enumerate() {
-            if let Some(taken) = ours.iter().find(|m| m.mount_path == mount.mount_path) {
+            if let Some((_, taken)) = ours.iter().find(|(_, m)| m.mount_path == mount.mount_path) {
                 errors.push(FieldError {
                     field: format!("spec.{role}.volumeMounts[{i}].mountPath"),
                     message: format!(
