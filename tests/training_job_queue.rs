@@ -423,3 +423,123 @@ fn a_workload_is_outdated_when_the_pods_would_ask_for_something_else() {
     let desired = queue::workload(&validated(&bigger), "gpus", &BuildInputs::default(), None);
     assert!(queue::outdated(&existing, &desired));
 }
+
+mod kueue_step {
+    //! The Kueue sub-reconciler's decision (read → decide → write): what it writes, pure.
+    use super::*;
+    use ringmaster::controller::training_job::admission::{
+        Facts, KueueDecision, KueueSeen, WorkloadWrite, decide,
+    };
+    use std::sync::Arc;
+
+    fn seen(queue: Option<&str>, workload: Option<Workload>) -> KueueSeen {
+        KueueSeen {
+            queue: queue.map(str::to_string),
+            integration: true,
+            workload: workload.map(Arc::new),
+        }
+    }
+
+    fn owned(mut workload: Workload, uid: &str) -> Workload {
+        workload.metadata.owner_references = Some(vec![
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+                api_version: "ringmaster.dev/v1alpha1".into(),
+                kind: "TrainingJob".into(),
+                name: "resnet50-queued".into(),
+                uid: uid.into(),
+                controller: Some(true),
+                ..Default::default()
+            },
+        ]);
+        workload
+    }
+
+    #[test]
+    fn a_queued_job_gets_its_workload_once_its_data_is_there() {
+        let job = validated(&sample());
+        let inputs = BuildInputs::default();
+        let make = decide(&seen(Some("gpus"), None), &job, &inputs, Facts::default());
+        assert_eq!(
+            make,
+            KueueDecision::Queued {
+                queue: "gpus".into(),
+                write: Some(WorkloadWrite::Make {
+                    queue: "gpus".into()
+                }),
+            }
+        );
+        let waiting = Facts {
+            data_waiting: true,
+            ..Facts::default()
+        };
+        let held = decide(&seen(Some("gpus"), None), &job, &inputs, waiting);
+        assert_eq!(
+            held,
+            KueueDecision::Queued {
+                queue: "gpus".into(),
+                write: None
+            },
+            "no quota held while the data is not there"
+        );
+    }
+
+    #[test]
+    fn a_workload_of_an_earlier_job_or_without_the_label_or_the_integration_is_not_used() {
+        let job = validated(&sample());
+        let inputs = BuildInputs::default();
+        let earlier = owned(workload_with(ADMITTED), "an-earlier-uid");
+        assert!(matches!(
+            decide(
+                &seen(Some("gpus"), Some(earlier)),
+                &job,
+                &inputs,
+                Facts::default()
+            ),
+            KueueDecision::EarlierJobs { .. }
+        ));
+        let ours = owned(workload_with(ADMITTED), &job.uid);
+        assert_eq!(
+            decide(
+                &seen(None, Some(ours.clone())),
+                &job,
+                &inputs,
+                Facts::default()
+            ),
+            KueueDecision::NotQueued {
+                write: Some(WorkloadWrite::Delete)
+            },
+            "the label taken off: the quota goes with the Workload"
+        );
+        let mut off = seen(Some("gpus"), Some(ours));
+        off.integration = false;
+        assert_eq!(
+            decide(&off, &job, &inputs, Facts::default()),
+            KueueDecision::IntegrationOff {
+                queue: "gpus".into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_suspended_job_deactivates_its_workload_and_a_new_queue_moves_it() {
+        let mut object = sample();
+        object["spec"]["runPolicy"]["suspend"] = json!(true);
+        let job = validated(&object);
+        let ours = owned(workload_with("conditions: []"), &job.uid);
+        let decision = decide(
+            &seen(Some("other-queue"), Some(ours)),
+            &job,
+            &BuildInputs::default(),
+            Facts::default(),
+        );
+        let KueueDecision::Queued {
+            write: Some(WorkloadWrite::Patch(patch)),
+            ..
+        } = decision
+        else {
+            panic!("a patch: {decision:?}")
+        };
+        assert_eq!(patch["spec"]["active"], false);
+        assert_eq!(patch["spec"]["queueName"], "other-queue");
+    }
+}

@@ -236,20 +236,6 @@ impl Context {
         }
     }
 
-    /// For tests of a whole reconcile: puts `pods` in the pod cache, as the watch would,
-    /// and counts the caches as listed.
-    #[cfg(test)]
-    pub(crate) fn cache_pods(&self, pods: impl IntoIterator<Item = Pod>) {
-        let mut writer = self.pods_writer.lock().expect("writer poisoned");
-        let writer = writer
-            .as_mut()
-            .expect("the pod cache's writer is not taken in tests");
-        for pod in pods {
-            writer.apply_watcher_event(&watcher::Event::Apply(pod));
-        }
-        self.caches_synced.store(true, Ordering::Release);
-    }
-
     /// Whether the pod and DataStage caches have their first full list.
     pub(crate) fn caches_synced(&self) -> bool {
         self.caches_synced.load(Ordering::Acquire)
@@ -753,6 +739,22 @@ fn log_result<T: Debug, E: std::error::Error>(controller: &str, result: Result<T
     match result {
         Ok(object) => tracing::debug!(controller, ?object, "reconciled"),
         Err(error) => tracing::debug!(controller, %error, "reconcile did not complete"),
+    }
+}
+
+/// What the reconcile tier (`training_job::reconcile_tests`) needs of a context.
+#[cfg(test)]
+impl Context {
+    /// Puts `pods` in the pod cache, as the watch would, and counts the caches as listed.
+    pub(crate) fn cache_pods(&self, pods: impl IntoIterator<Item = Pod>) {
+        let mut writer = self.pods_writer.lock().expect("writer poisoned");
+        let writer = writer
+            .as_mut()
+            .expect("the pod cache's writer is not taken in tests");
+        for pod in pods {
+            writer.apply_watcher_event(&watcher::Event::Apply(pod));
+        }
+        self.caches_synced.store(true, Ordering::Release);
     }
 }
 

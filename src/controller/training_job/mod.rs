@@ -17,9 +17,6 @@ pub mod state;
 pub mod status;
 pub mod validate;
 
-#[cfg(test)]
-mod reconcile_tests;
-
 use std::sync::Arc;
 
 use kube::api::DeleteParams;
@@ -141,19 +138,7 @@ async fn run(
     let plan = plan::plan(&seen.plan_inputs(validated, found, &seen.names_in_use, backoff));
     let restarting = plan.restarts != seen.old.restarts;
     if restarting {
-        // Recorded before its pods are deleted, so a crash in between cannot lose it.
-        let new = status_after(&seen, &plan, &pool);
-        write_status(
-            ctx,
-            object,
-            &seen.old,
-            &new,
-            &plan.message,
-            plan.about.as_ref(),
-        )
-        .await?;
-        ctx.status_written(&object_key(object));
-        ctx.metrics.training_job_restarted();
+        record_restart(ctx, object, &seen, &plan, &pool).await?;
     }
     let (applied, written) = carry_out(ctx, validated, &seen, &plan, &kueue.state).await;
     // Names only a create's 409 showed taken (pods the cache does not hold): planned again
@@ -161,32 +146,26 @@ async fn run(
     let plan = if written.held.is_empty() {
         plan
     } else {
-        let mut held = seen.names_in_use.clone();
-        held.extend(written.held.clone());
+        let held = seen
+            .names_in_use
+            .clone()
+            .into_iter()
+            .chain(written.held.clone())
+            .collect();
         plan::plan(&seen.plan_inputs(validated, found, &held, backoff))
     };
-    let mut new = status_after(&seen, &plan, &pool);
-    let launcher_made = written.pods.contains(&names::launcher_pod(&validated.name));
-    status::count_made(
-        &mut new,
-        written.pods.len() - usize::from(launcher_made),
-        launcher_made,
+    let new = status_after_apply(
+        &seen,
+        &validated.name,
+        &plan,
+        &pool,
+        &written,
+        applied.is_err(),
     );
     if let Err(source) = applied {
-        if plan.create_launcher && !launcher_made {
-            // The job did not start: its deadline does not run yet.
-            new.start_time = seen.old.start_time.clone();
-        }
-        let written = if restarting { &new } else { &seen.old };
-        return Err(rejected(
-            ctx,
-            object,
-            (written, &new),
-            &plan.message,
-            validated,
-            source,
-        )
-        .await);
+        let before = if restarting { &new } else { &seen.old };
+        let message = &plan.message;
+        return Err(rejected(ctx, object, (before, &new), message, validated, source).await);
     }
     let progress_wait = report(ctx, object, &seen.old, &new, &plan, restarting).await?;
     let kueue_requeue = kueue.requeue;
@@ -196,16 +175,52 @@ async fn run(
     if plan.delete_job {
         return delete_finished(ctx, validated).await;
     }
-    let next = [
+    let waits = [
         plan.requeue_after,
         pool.requeue,
         progress_wait,
         kueue_requeue,
-    ]
-    .into_iter()
-    .flatten()
-    .min();
+    ];
+    let next = waits.into_iter().flatten().min();
     Ok(next.map_or_else(Action::await_change, Action::requeue))
+}
+
+/// A restart is written before its pods are deleted, so a crash in between cannot lose it.
+async fn record_restart(
+    ctx: &Context,
+    object: &DeserializeGuard<TrainingJob>,
+    seen: &Snapshot,
+    plan: &plan::Plan,
+    pool: &pool::PoolLook,
+) -> Result<(), Error> {
+    let new = status_after(seen, plan, pool);
+    let about = plan.about.as_ref();
+    write_status(ctx, object, &seen.old, &new, &plan.message, about).await?;
+    ctx.status_written(&object_key(object));
+    ctx.metrics.training_job_restarted();
+    Ok(())
+}
+
+/// The status after `plan` was carried out: the pods made counted (they exist now, though
+/// the pods it was planned from predate them), and, when the apply `failed` before the
+/// launcher was made, no start time (the job did not start: its deadline does not run yet).
+fn status_after_apply(
+    seen: &Snapshot,
+    job: &str,
+    plan: &plan::Plan,
+    pool: &pool::PoolLook,
+    written: &apply::Written,
+    failed: bool,
+) -> TrainingJobStatus {
+    let mut new = status_after(seen, plan, pool);
+    let launcher = names::launcher_pod(job);
+    let launcher_made = written.pods.contains(&launcher);
+    let workers_made = written.pods.len() - usize::from(launcher_made);
+    status::count_made(&mut new, workers_made, launcher_made);
+    if failed && plan.create_launcher && !launcher_made {
+        new.start_time = seen.old.start_time.clone();
+    }
+    new
 }
 
 /// The status after `plan`, from what was seen before it was carried out.
@@ -470,3 +485,6 @@ async fn publish_phase_event(
         tracing::warn!(%error, "could not publish Event");
     }
 }
+
+#[cfg(test)]
+mod reconcile_tests;
