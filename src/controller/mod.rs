@@ -542,12 +542,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let watch = watcher::Config::default().any_semantic();
-    let pods_writer = ctx
-        .pods_writer
-        .lock()
-        .expect("pods writer lock")
-        .take()
-        .expect("controller::run is called once per Context");
+    let pods_writer = take_writer(&ctx.pods_writer);
     let pod_watch = watcher::Config::default()
         .labels(training_job::names::JOB_NAME_LABEL)
         .any_semantic();
@@ -570,12 +565,7 @@ pub async fn run(
         })
         .touched_objects();
 
-    let stages_writer = ctx
-        .data_stages_writer
-        .lock()
-        .expect("data stages writer lock")
-        .take()
-        .expect("controller::run is called once per Context");
+    let stages_writer = take_writer(&ctx.data_stages_writer);
     // DataStages fill the store a job's reconcile reads, and wake the jobs that read them.
     let stage_events = watcher(scope.api::<DataStage>(&ctx.client), watch.clone())
         .default_backoff()
@@ -588,18 +578,8 @@ pub async fn run(
     );
     let job_store = jobs.store();
     let jobs_by_stage = job_store.clone();
-    let workloads_writer = ctx
-        .workloads_writer
-        .lock()
-        .expect("workloads writer lock")
-        .take()
-        .expect("controller::run is called once per Context");
-    let flavors_writer = ctx
-        .flavors_writer
-        .lock()
-        .expect("flavors writer lock")
-        .take()
-        .expect("controller::run is called once per Context");
+    let workloads_writer = take_writer(&ctx.workloads_writer);
+    let flavors_writer = take_writer(&ctx.flavors_writer);
     let jobs = if ctx.config.kueue {
         // A Workload's change (admitted, evicted, readmitted) wakes the job that owns it.
         let workload_events = watcher(
@@ -652,11 +632,44 @@ pub async fn run(
                 .concurrency(ctx.config.max_concurrent_reconciles),
         )
         .graceful_shutdown_on(shutdown.clone().cancelled_owned());
-    // Only the children made for DataStages are cached.
+    let stages = data_stage_controller(&ctx, &scope, watch, &shutdown);
+    spawn_readiness(&ctx, (job_store.clone(), stages.store()), ready);
+    spawn_phase_gauge(&ctx, job_store, shutdown.clone());
+    let jobs = jobs
+        .run(training_job::reconcile, error_policy, ctx.clone())
+        .for_each(|result| async move { log_result(training_job::CONTROLLER, result) });
+    let stages = stages
+        .run(data_stage::reconcile, error_policy, ctx.clone())
+        .for_each(|result| async move { log_result(data_stage::CONTROLLER, result) });
+    futures::future::join(jobs, stages).await;
+    tracing::info!("controllers stopped");
+}
+
+/// Takes a cache's writer: the controllers' watches fill the cache through it, once.
+fn take_writer<K>(writer: &Mutex<Option<Writer<K>>>) -> Writer<K>
+where
+    K: kube::Resource + Clone + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Default,
+{
+    writer
+        .lock()
+        .expect("cache writer lock")
+        .take()
+        .expect("controller::run is called once per Context")
+}
+
+/// The DataStage controller: its Jobs and claims (only those made for DataStages are cached)
+/// wake it.
+fn data_stage_controller(
+    ctx: &Arc<Context>,
+    scope: &Scope,
+    watch: watcher::Config,
+    shutdown: &CancellationToken,
+) -> Controller<DeserializeGuard<DataStage>> {
     let stage_children = watcher::Config::default()
         .labels(data_stage::build::STAGE_LABEL)
         .any_semantic();
-    let stages = Controller::new(scope.api::<DeserializeGuard<DataStage>>(&ctx.client), watch)
+    Controller::new(scope.api::<DeserializeGuard<DataStage>>(&ctx.client), watch)
         .owns(
             scope.api::<k8s_openapi::api::batch::v1::Job>(&ctx.client),
             stage_children.clone(),
@@ -665,18 +678,26 @@ pub async fn run(
             scope.api::<k8s_openapi::api::core::v1::PersistentVolumeClaim>(&ctx.client),
             stage_children,
         )
-        .graceful_shutdown_on(shutdown.clone().cancelled_owned());
+        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+}
 
-    let stage_store = stages.store();
-    let (pod_store, gauge_jobs) = (ctx.pods.clone(), job_store.clone());
-    let staged = ctx.data_stages.clone();
+/// Sets `ready` (and lets TrainingJobs be planned) once every cache has its first full list.
+fn spawn_readiness(
+    ctx: &Arc<Context>,
+    (jobs, stages): (
+        Store<DeserializeGuard<TrainingJob>>,
+        Store<DeserializeGuard<DataStage>>,
+    ),
+    ready: Arc<AtomicBool>,
+) {
+    let (pods, staged) = (ctx.pods.clone(), ctx.data_stages.clone());
     let (workloads, flavors) = (ctx.workloads.clone(), ctx.flavors.clone());
     let kueue = ctx.config.kueue;
     let synced = ctx.clone();
     tokio::spawn(async move {
-        if wait_until_ready(&job_store).await
-            && wait_until_ready(&stage_store).await
-            && wait_until_ready(&pod_store).await
+        if wait_until_ready(&jobs).await
+            && wait_until_ready(&stages).await
+            && wait_until_ready(&pods).await
             && wait_until_ready(&staged).await
             && (!kueue || (wait_until_ready(&workloads).await && wait_until_ready(&flavors).await))
         {
@@ -685,12 +706,18 @@ pub async fn run(
             tracing::info!("caches synced; ready");
         }
     });
+}
+
+/// Counts the TrainingJobs by phase from the cache every few seconds, for the gauge.
+fn spawn_phase_gauge(
+    ctx: &Arc<Context>,
+    jobs: Store<DeserializeGuard<TrainingJob>>,
+    shutdown: CancellationToken,
+) {
     let metrics = ctx.metrics.clone();
-    let gauge_shutdown = shutdown.clone();
     tokio::spawn(async move {
-        // Jobs by phase, counted from the cache every few seconds.
         loop {
-            let phases = gauge_jobs
+            let phases = jobs
                 .state()
                 .iter()
                 .filter_map(|j| {
@@ -701,20 +728,11 @@ pub async fn run(
                 .collect::<Vec<_>>();
             metrics.set_training_jobs_by_phase(&phases);
             tokio::select! {
-                () = gauge_shutdown.cancelled() => break,
+                () = shutdown.cancelled() => break,
                 () = tokio::time::sleep(Duration::from_secs(5)) => {}
             }
         }
     });
-
-    let jobs = jobs
-        .run(training_job::reconcile, error_policy, ctx.clone())
-        .for_each(|result| async move { log_result(training_job::CONTROLLER, result) });
-    let stages = stages
-        .run(data_stage::reconcile, error_policy, ctx.clone())
-        .for_each(|result| async move { log_result(data_stage::CONTROLLER, result) });
-    futures::future::join(jobs, stages).await;
-    tracing::info!("controllers stopped");
 }
 
 /// Waits until a controller's cache has its first full list; false if it never will.

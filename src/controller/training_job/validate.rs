@@ -85,11 +85,14 @@ fn overrides_that_clash(job: &ValidatedTrainingJob) -> Vec<FieldError> {
     errors
 }
 
+/// A count the schema keeps in range (so the conversion cannot fail).
+fn as_u32(v: i32) -> u32 {
+    u32::try_from(v).unwrap_or(0)
+}
+
 /// The defaults and derived values of an object that passed the schema.
 fn with_defaults(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors> {
     let spec = &job.spec;
-    // The schema guarantees the ranges below, so the conversions cannot fail.
-    let as_u32 = |v: i32| u32::try_from(v).unwrap_or(0);
     let gpus_per_worker = as_u32(spec.gpus_per_worker);
     let slots_per_worker = spec
         .slots_per_worker
@@ -99,125 +102,18 @@ fn with_defaults(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors>
         } else {
             1
         });
-
     let program = match &spec.command {
         Some(command) => Program::Command(command.clone()),
-        None => {
-            let t = spec.trainer.clone().unwrap_or_default();
-            let batch_size = t
-                .batch_size
-                .map_or(contract::defaults::BATCH_SIZE, |b| as_u32(b) as usize);
-            let global_batch = batch_size * (as_u32(spec.workers) * slots_per_worker) as usize;
-            let data_dir = match (
-                t.data.unwrap_or(DataSource::Synthetic),
-                &spec.data_stage_ref,
-            ) {
-                (DataSource::ImageFolder, Some(data)) => Some(match t.data_path.as_deref() {
-                    None | Some("") => data.mount_path.clone(),
-                    Some(path) => format!("{}/{path}", data.mount_path.trim_end_matches('/')),
-                }),
-                _ => None,
-            };
-            let (steps, epochs) = match (t.steps, t.epochs) {
-                (_, Some(epochs)) => (None, Some(as_u32(epochs) as usize)),
-                (Some(steps), None) => (Some(usize::try_from(steps).unwrap_or(usize::MAX)), None),
-                (None, None) => (Some(DEFAULT_STEPS as usize), None),
-            };
-            let args = TrainArgs {
-                model: t.model.map_or(contract::defaults::MODEL, Into::into),
-                device: if gpus_per_worker > 0 {
-                    contract::Device::Cuda
-                } else {
-                    contract::Device::Cpu
-                },
-                precision: t
-                    .precision
-                    .unwrap_or(if gpus_per_worker > 0 {
-                        Precision::Bf16
-                    } else {
-                        Precision::Fp32
-                    })
-                    .into(),
-                batch_size,
-                image_size: t
-                    .image_size
-                    .map_or(contract::defaults::IMAGE_SIZE, |s| as_u32(s) as usize),
-                steps,
-                epochs,
-                learning_rate: Some(t.learning_rate.map_or_else(
-                    || contract::scaled_learning_rate(global_batch),
-                    |lr| lr as f32,
-                )),
-                // Its gradual warm-up is the trainer's default; a flag only when set, so a
-                // trainer image older than the flag runs the same jobs as before.
-                warmup_epochs: t.warmup_epochs.map(|epochs| epochs as f32),
-                // A flag only when set, as for the warm-up.
-                checkpoint_minutes: t
-                    .checkpoint_minutes
-                    .map_or(TrainArgs::default().checkpoint_minutes, |m| m as f32),
-                // Synthetic images have no size of their own: an epoch of at least one
-                // global batch, so a world past the trainer's default of 4,096 images still
-                // has a step to take (a flag only then).
-                dataset_size: if data_dir.is_none() {
-                    global_batch.max(contract::defaults::DATASET_SIZE)
-                } else {
-                    contract::defaults::DATASET_SIZE
-                },
-                synthetic: data_dir.is_none(),
-                data_dir: data_dir.map(Into::into),
-                output_dir: spec.output.as_ref().map(|output| {
-                    format!(
-                        "{}/{}",
-                        output.mount_path.trim_end_matches('/'),
-                        job.name_any()
-                    )
-                    .into()
-                }),
-                ..TrainArgs::default()
-            };
-            Program::Trainer(Box::new(TrainerSettings {
-                args,
-                extra_args: t.extra_args,
-            }))
-        }
+        None => Program::Trainer(Box::new(trainer_settings(
+            job,
+            gpus_per_worker,
+            as_u32(spec.workers) * slots_per_worker,
+        ))),
     };
-
-    let infiniband =
-        spec.infiniband
-            .as_ref()
-            .filter(|ib| ib.enabled)
-            .map(|ib| InfinibandSettings {
-                rdma_resource: ib.rdma_resource.clone(),
-                rdma_resource_count: as_u32(ib.rdma_resource_count),
-                shm_size: ib
-                    .shm_size
-                    .clone()
-                    .unwrap_or_else(|| Quantity(DEFAULT_SHM_SIZE.into())),
-                env: ib.env.clone(),
-            });
-
     let uid = job.uid().unwrap_or_default();
-    let node_pool = spec.node_pool.as_ref().map(|pool| NodePoolPlan {
-        provisioner: pool.provisioner,
-        vm_size: pool.vm_size.clone(),
-        pool_name: match pool.provisioner {
-            Provisioner::Aks => Some(
-                pool.pool_name
-                    .clone()
-                    .unwrap_or_else(|| super::names::derive_pool_name(&job.name_any(), &uid)),
-            ),
-            Provisioner::Existing => None,
-        },
-        spot: pool.spot,
-        delete_after_completion: pool.delete_after_completion,
-        node_selector: pool.node_selector.clone().unwrap_or_default(),
-        gpu_driver: pool.gpu_driver.unwrap_or(GpuDriver::Install),
-    });
-
     Ok(ValidatedTrainingJob {
         name: job.name_any(),
         namespace: job.namespace().unwrap_or_default(),
-        uid,
         workers: as_u32(spec.workers),
         gpus_per_worker,
         slots_per_worker,
@@ -225,12 +121,140 @@ fn with_defaults(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors>
         program,
         data: spec.data_stage_ref.clone(),
         output: spec.output.clone(),
-        infiniband,
-        node_pool,
+        infiniband: infiniband(job),
+        node_pool: node_pool(job, &uid),
+        uid,
         mpi: spec.mpi.clone(),
         launcher: spec.launcher.clone().unwrap_or_default(),
         worker: spec.worker.clone().unwrap_or_default(),
         run_policy: spec.run_policy.clone(),
+    })
+}
+
+/// The trainer's command line for `ranks` ranks: the spec's `trainer` section with the
+/// contract's defaults, the device and precision from the GPUs, the learning rate scaled to
+/// the global batch, and the data and output folders where the pods mount them.
+fn trainer_settings(job: &TrainingJob, gpus_per_worker: u32, ranks: u32) -> TrainerSettings {
+    let spec = &job.spec;
+    let t = spec.trainer.clone().unwrap_or_default();
+    let gpu = gpus_per_worker > 0;
+    let batch_size = t
+        .batch_size
+        .map_or(contract::defaults::BATCH_SIZE, |b| as_u32(b) as usize);
+    let global_batch = batch_size * ranks as usize;
+    let data_dir = data_dir(job, &t);
+    let (steps, epochs) = match (t.steps, t.epochs) {
+        (_, Some(epochs)) => (None, Some(as_u32(epochs) as usize)),
+        (Some(steps), None) => (Some(usize::try_from(steps).unwrap_or(usize::MAX)), None),
+        (None, None) => (Some(DEFAULT_STEPS as usize), None),
+    };
+    let args = TrainArgs {
+        model: t.model.map_or(contract::defaults::MODEL, Into::into),
+        device: if gpu {
+            contract::Device::Cuda
+        } else {
+            contract::Device::Cpu
+        },
+        precision: t
+            .precision
+            .unwrap_or(if gpu {
+                Precision::Bf16
+            } else {
+                Precision::Fp32
+            })
+            .into(),
+        batch_size,
+        image_size: t
+            .image_size
+            .map_or(contract::defaults::IMAGE_SIZE, |s| as_u32(s) as usize),
+        steps,
+        epochs,
+        learning_rate: Some(t.learning_rate.map_or_else(
+            || contract::scaled_learning_rate(global_batch),
+            |lr| lr as f32,
+        )),
+        // Its gradual warm-up is the trainer's default; a flag only when set, so a trainer
+        // image older than the flag runs the same jobs as before.
+        warmup_epochs: t.warmup_epochs.map(|epochs| epochs as f32),
+        // A flag only when set, as for the warm-up.
+        checkpoint_minutes: t
+            .checkpoint_minutes
+            .map_or(TrainArgs::default().checkpoint_minutes, |m| m as f32),
+        // Synthetic images have no size of their own: an epoch of at least one global batch,
+        // so a world past the trainer's default of 4,096 images still has a step to take (a
+        // flag only then).
+        dataset_size: if data_dir.is_none() {
+            global_batch.max(contract::defaults::DATASET_SIZE)
+        } else {
+            contract::defaults::DATASET_SIZE
+        },
+        synthetic: data_dir.is_none(),
+        data_dir: data_dir.map(Into::into),
+        output_dir: spec.output.as_ref().map(|output| {
+            format!(
+                "{}/{}",
+                output.mount_path.trim_end_matches('/'),
+                job.name_any()
+            )
+            .into()
+        }),
+        ..TrainArgs::default()
+    };
+    TrainerSettings {
+        args,
+        extra_args: t.extra_args,
+    }
+}
+
+/// Where the images are in the pods: the DataStage's mount (and `dataPath` under it) for an
+/// image folder; none for synthetic data.
+fn data_dir(job: &TrainingJob, trainer: &crate::api::TrainerSpec) -> Option<String> {
+    match (
+        trainer.data.unwrap_or(DataSource::Synthetic),
+        &job.spec.data_stage_ref,
+    ) {
+        (DataSource::ImageFolder, Some(data)) => Some(match trainer.data_path.as_deref() {
+            None | Some("") => data.mount_path.clone(),
+            Some(path) => format!("{}/{path}", data.mount_path.trim_end_matches('/')),
+        }),
+        _ => None,
+    }
+}
+
+/// InfiniBand's settings, when enabled, with the default /dev/shm size.
+fn infiniband(job: &TrainingJob) -> Option<InfinibandSettings> {
+    job.spec
+        .infiniband
+        .as_ref()
+        .filter(|ib| ib.enabled)
+        .map(|ib| InfinibandSettings {
+            rdma_resource: ib.rdma_resource.clone(),
+            rdma_resource_count: as_u32(ib.rdma_resource_count),
+            shm_size: ib
+                .shm_size
+                .clone()
+                .unwrap_or_else(|| Quantity(DEFAULT_SHM_SIZE.into())),
+            env: ib.env.clone(),
+        })
+}
+
+/// The nodes to run on, an AKS pool's name derived from the job's when none is given.
+fn node_pool(job: &TrainingJob, uid: &str) -> Option<NodePoolPlan> {
+    job.spec.node_pool.as_ref().map(|pool| NodePoolPlan {
+        provisioner: pool.provisioner,
+        vm_size: pool.vm_size.clone(),
+        pool_name: match pool.provisioner {
+            Provisioner::Aks => Some(
+                pool.pool_name
+                    .clone()
+                    .unwrap_or_else(|| super::names::derive_pool_name(&job.name_any(), uid)),
+            ),
+            Provisioner::Existing => None,
+        },
+        spot: pool.spot,
+        delete_after_completion: pool.delete_after_completion,
+        node_selector: pool.node_selector.clone().unwrap_or_default(),
+        gpu_driver: pool.gpu_driver.unwrap_or(GpuDriver::Install),
     })
 }
 
