@@ -287,6 +287,28 @@ pub const MODEL_FILE: &str = "model.safetensors";
 /// TrainingJob's UID in every rank's environment.
 pub const RUN_ID_ENV: &str = "RINGMASTER_JOB_UID";
 
+/// The variable with `host:port` of rank 0's rendezvous: the operator sets it to worker 0's
+/// DNS name and port in every rank's environment.
+pub const RENDEZVOUS_ENV: &str = "RINGMASTER_RENDEZVOUS";
+
+/// The variable with the path of the job's rendezvous key: a file whose bytes every rank
+/// proves it holds (an HMAC-SHA256 key) before rank 0, or its neighbour in the ring, admits
+/// it. The operator sets it to [`RENDEZVOUS_KEY`] in the job's mounted SSH Secret. Unset,
+/// the ring admits whoever speaks its protocol (local runs, tests, jobs of an older
+/// operator).
+pub const RENDEZVOUS_KEY_FILE_ENV: &str = "RINGMASTER_RENDEZVOUS_KEY_FILE";
+
+/// The rendezvous key's name in the job's SSH Secret, and so the file's name where the
+/// Secret is mounted.
+pub const RENDEZVOUS_KEY: &str = "rendezvous-key";
+
+/// The bytes of the rendezvous key the operator draws per job.
+pub const RENDEZVOUS_KEY_BYTES: usize = 32;
+
+/// The fewest bytes of a rendezvous key the trainer takes (a shorter one is refused as
+/// guessable).
+pub const RENDEZVOUS_KEY_MIN_BYTES: usize = 16;
+
 impl Default for TrainArgs {
     /// The settings of `ringmaster-trainer train` with no flags (and no environment).
     fn default() -> Self {

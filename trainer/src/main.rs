@@ -257,17 +257,20 @@ fn main() -> ExitCode {
 }
 
 /// The collective for this process, with the rank in its error; a rendezvous that fails
-/// (a peer is missing) exits as a lost peer.
+/// (a peer is missing) exits as a lost peer, a rendezvous key that cannot be read as a
+/// failure.
 fn collective(world: &World, kind: CollectiveKind) -> Result<Box<dyn Collective>, Failure> {
-    collective::connect(world, kind, RingConfig::from_env()).map_err(|e| Failure {
-        code: if e.is_peer_lost() {
-            exit::PEER_LOST
-        } else {
-            exit::FAILED
-        },
-        rank: Some(world.rank),
-        message: e.to_string(),
-    })
+    RingConfig::from_env()
+        .and_then(|config| collective::connect(world, kind, config))
+        .map_err(|e| Failure {
+            code: if e.is_peer_lost() {
+                exit::PEER_LOST
+            } else {
+                exit::FAILED
+            },
+            rank: Some(world.rank),
+            message: e.to_string(),
+        })
 }
 
 fn run_training(args: &train::TrainArgs) -> Result<(), Failure> {

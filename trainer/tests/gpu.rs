@@ -888,6 +888,7 @@ fn nccl_all_reduces_through_the_collective_trait() {
         rendezvous: format!("127.0.0.1:{port}"),
         timeout: std::time::Duration::from_secs(20),
         chunk_bytes: 4096,
+        ..RingConfig::default()
     };
     // `collective::connect` gives one rank the single-rank collective: ask for NCCL itself.
     let mut c = NcclCollective::connect(&world, config).expect("NCCL connects");
@@ -964,6 +965,7 @@ fn the_flagship_samples_arguments_train_resnet50_on_the_gpu_for_300_steps() {
         rendezvous: format!("127.0.0.1:{port}"),
         timeout: std::time::Duration::from_secs(60),
         chunk_bytes: 1 << 20,
+        ..RingConfig::default()
     };
     let mut c = collective::connect(&world, CollectiveKind::Auto, config).expect("a collective");
     let summary = ringmaster_trainer::train::run(&args, c.as_mut(), 0)

@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 use common::mpirun;
-use ringmaster_contract::trainer::{Failure, exit};
+use ringmaster_contract::trainer::{Failure, RENDEZVOUS_KEY_FILE_ENV, exit};
 
 #[test]
 fn four_ranks_under_mpirun_sum_correctly() {
@@ -263,4 +263,156 @@ fn sigterm_to_launch_reaches_the_mpi_launcher_which_ends() {
         "the MPI launcher {launcher} is still running"
     );
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A rendezvous key of 32 bytes in a file of its own (`name`), as the operator mounts one.
+fn key_file(name: &str, byte: u8) -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!("rendezvous-key-{}-{name}", std::process::id()));
+    std::fs::write(&path, [byte; 32]).unwrap();
+    path
+}
+
+const SMALL_CHECKED_ALL_REDUCE: &[&str] = &[
+    "bench-allreduce",
+    "--min-bytes",
+    "4",
+    "--max-bytes",
+    "64K",
+    "--step-factor",
+    "16",
+    "--iterations",
+    "1",
+    "--warmup",
+    "0",
+    "--check",
+];
+
+/// Every rank holds the job's key (`RINGMASTER_RENDEZVOUS_KEY_FILE`, as the operator sets
+/// it): the ranks sign their way in, and nobody is refused.
+#[test]
+fn four_ranks_with_the_jobs_rendezvous_key_sum_correctly_under_mpirun() {
+    let key = key_file("shared", 0x42);
+    let out = mpirun(
+        4,
+        SMALL_CHECKED_ALL_REDUCE,
+        &[(RENDEZVOUS_KEY_FILE_ENV, key.to_str().unwrap())],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("4 ranks, tcp-ring"), "{stdout}");
+    let rows: Vec<&str> = stdout.lines().filter(|l| !l.starts_with('#')).collect();
+    assert!(
+        !rows.is_empty() && rows.iter().all(|r| r.trim_end().ends_with(" 0")),
+        "{stdout}"
+    );
+    assert!(!stderr.contains("refused"), "{stderr}");
+    std::fs::remove_file(key).ok();
+}
+
+/// Under mpirun, a rank whose key is not the others' (rank 1 here) is refused at rank 0's
+/// rendezvous, which logs it with its address; the refused rank says why, and the gang, a
+/// rank short, ends as a lost peer after the collective timeout.
+#[test]
+fn a_rank_with_another_key_is_refused_under_mpirun() {
+    let (ours, theirs) = (key_file("ours", 1), key_file("theirs", 2));
+    let trainer = common::trainer_bin();
+    let script = format!(
+        "if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then export {RENDEZVOUS_KEY_FILE_ENV}={}; fi; exec \"$@\"",
+        theirs.display()
+    );
+    let out = std::process::Command::new(&common::mpirun_command(2)[0])
+        .args(&common::mpirun_command(2)[1..])
+        .args(["sh", "-c", &script, "sh", &trainer])
+        .args(SMALL_CHECKED_ALL_REDUCE)
+        .envs(common::mpirun_env())
+        .env(RENDEZVOUS_KEY_FILE_ENV, &ours)
+        .env("RINGMASTER_COLLECTIVE_TIMEOUT", "5")
+        .output()
+        .expect("mpirun runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(i32::from(exit::PEER_LOST)),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("rank 0 refused 127.0.0.1:")
+            && stderr.contains("at the rendezvous: its signature is not the job's key's"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("it refused this rank's hello (is its rendezvous key another?)"),
+        "{stderr}"
+    );
+    std::fs::remove_file(ours).ok();
+    std::fs::remove_file(theirs).ok();
+}
+
+/// Two ranks as separate processes (`RANK`, `WORLD_SIZE`) with the job's key; between rank
+/// 0's start and rank 1's, a stranger connects to the rendezvous and sends an unsigned hello
+/// for rank 1. Rank 0 logs it on stderr, with the stranger's address, and closes on it; the
+/// real rank 1 then takes its place and the all-reduce checks out.
+#[test]
+fn a_stranger_at_the_trainers_rendezvous_is_logged_and_the_ranks_go_on() {
+    use std::io::{BufRead, Write};
+    let key = key_file("processes", 7);
+    let port = common::free_port();
+    let rank = |rank: &str| {
+        std::process::Command::new(common::trainer_bin())
+            .args(SMALL_CHECKED_ALL_REDUCE)
+            .env("RANK", rank)
+            .env("WORLD_SIZE", "2")
+            .env("RINGMASTER_RENDEZVOUS", format!("127.0.0.1:{port}"))
+            .env(RENDEZVOUS_KEY_FILE_ENV, &key)
+            .env("RINGMASTER_COLLECTIVE_TIMEOUT", "20")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("a rank starts")
+    };
+    let rank_0 = rank("0");
+    let started = Instant::now();
+    let mut stranger = loop {
+        match std::net::TcpStream::connect(("127.0.0.1", port)) {
+            Ok(stream) => break stream,
+            Err(e) => assert!(started.elapsed() < Duration::from_secs(10), "{e}"),
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    stranger
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut challenge = String::new();
+    std::io::BufReader::new(&stranger)
+        .read_line(&mut challenge)
+        .unwrap();
+    assert!(challenge.contains("nonce"), "{challenge}");
+    stranger
+        .write_all(b"{\"rank\":1,\"world\":2,\"addr\":\"127.0.0.1:9\"}\n")
+        .unwrap();
+    let mut rest = Vec::new();
+    let _ = std::io::Read::read_to_end(&mut stranger, &mut rest);
+    assert!(rest.is_empty(), "{}", String::from_utf8_lossy(&rest));
+    let stranger_addr = stranger.local_addr().unwrap();
+
+    let rank_1 = rank("1").wait_with_output().unwrap();
+    let rank_0 = rank_0.wait_with_output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&rank_0.stdout),
+        String::from_utf8_lossy(&rank_0.stderr),
+    );
+    assert!(
+        rank_0.status.success() && rank_1.status.success(),
+        "{stdout}\n{stderr}\n{}",
+        String::from_utf8_lossy(&rank_1.stderr)
+    );
+    assert!(stdout.contains("2 ranks, tcp-ring"), "{stdout}");
+    assert!(
+        stderr.contains(&format!(
+            "ringmaster-trainer: rank 0 refused {stranger_addr} at the rendezvous: it is unsigned"
+        )),
+        "{stderr}"
+    );
+    std::fs::remove_file(key).ok();
 }

@@ -5,18 +5,21 @@
 use std::time::Duration;
 
 use ringmaster_trainer::collective::{
-    self, CollectiveError, CollectiveKind, NcclProbe, ReduceOp, RingConfig,
+    self, CollectiveError, CollectiveKind, NcclProbe, ReduceOp, RendezvousKey, RingConfig,
 };
 use ringmaster_trainer::world::World;
 
 mod common;
 use common::free_port;
 
+/// The settings of a test's ranks, with a rendezvous key: NCCL's bootstrap admits the
+/// ranks that prove they hold it, as in a job.
 fn config(port: u16) -> RingConfig {
     RingConfig {
         rendezvous: format!("127.0.0.1:{port}"),
         timeout: Duration::from_secs(20),
         chunk_bytes: 4096,
+        key: Some(RendezvousKey::new(&[3; 32]).unwrap()),
     }
 }
 

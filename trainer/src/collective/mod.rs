@@ -1,11 +1,13 @@
 //! Collectives behind one trait: a single rank, a TCP ring, and (with GPUs) NCCL.
 
+mod auth;
 pub mod fabric;
 mod nccl;
 pub mod overlap;
 mod ring;
 mod single;
 
+pub use auth::{Refused, RendezvousKey};
 pub use nccl::{NcclCollective, NcclProbe};
 pub use ring::{RingConfig, TcpRing};
 pub use single::SingleRank;
@@ -54,6 +56,9 @@ pub enum CollectiveError {
         backend: &'static str,
         reason: String,
     },
+    /// The rendezvous key cannot be read, or is too short to be one.
+    #[error("rendezvous key {path}: {message}")]
+    Key { path: String, message: String },
     /// A CUDA or NCCL call failed.
     #[error("GPU: {message}")]
     Device { message: String },
