@@ -3,7 +3,7 @@
 #[path = "common/mod.rs"]
 mod fixtures;
 
-use ringmaster::controller::training_job::build::{self, BuildInputs, SshKeys};
+use ringmaster::controller::training_job::build::{self, BuildInputs, RendezvousKey, SshKeys};
 use ringmaster::controller::training_job::names::ChildNaming;
 use ringmaster::controller::training_job::validate::{
     Program, ValidatedTrainingJob, validate_value,
@@ -235,7 +235,12 @@ fn a_gang_names_its_secret_and_service_by_the_job_uid_unless_older_workers_use_p
     );
     let keys = SshKeys::from_seed(&[7u8; 32], "x");
     assert_eq!(
-        value(&build::ssh_secret(&job, ChildNaming::Untagged, &keys))["metadata"]["name"],
+        value(&build::ssh_secret(
+            &job,
+            ChildNaming::Untagged,
+            &keys,
+            &RendezvousKey([1; 32])
+        ))["metadata"]["name"],
         "resnet50-imagenet-ssh"
     );
 }
@@ -634,11 +639,32 @@ fn the_ssh_secret_holds_a_working_key_pair_that_is_never_printed() {
     );
     assert!(!format!("{keys:?}").contains("PRIVATE"));
 
-    let secret = value(&build::ssh_secret(&job, ChildNaming::UidTagged, &keys));
+    let rendezvous = RendezvousKey(std::array::from_fn(|i| i as u8 * 7));
+    assert_eq!(format!("{rendezvous:?}"), "RendezvousKey(..)");
+    let secret = value(&build::ssh_secret(
+        &job,
+        ChildNaming::UidTagged,
+        &keys,
+        &rendezvous,
+    ));
     assert_eq!(secret["metadata"]["name"], "resnet50-imagenet-ssh-6f1c2");
     assert_eq!(secret["type"], "kubernetes.io/ssh-auth");
     assert_eq!(secret["stringData"]["authorized_keys"], keys.public_key);
     assert_eq!(secret["stringData"]["ssh-privatekey"], keys.private_key);
+    assert_eq!(secret["stringData"]["ssh-publickey"], keys.public_key);
+    // The rendezvous key: its 32 bytes as they are, under the name the trainer's file has.
+    use base64::Engine;
+    let key = secret["data"][ringmaster_contract::trainer::RENDEZVOUS_KEY]
+        .as_str()
+        .expect("a rendezvous key");
+    let key = base64::engine::general_purpose::STANDARD
+        .decode(key)
+        .unwrap();
+    assert_eq!(
+        key.len(),
+        ringmaster_contract::trainer::RENDEZVOUS_KEY_BYTES
+    );
+    assert_eq!(key, rendezvous.0);
 }
 
 #[test]
@@ -1120,4 +1146,65 @@ fn the_launcher_gets_the_operators_priority_class_unless_its_job_sets_one_or_a_g
     };
     let launcher = value(&build::launcher_pod(&job, &gang));
     assert!(launcher["spec"].get("priorityClassName").is_none());
+}
+
+/// The MPI implementations a job may name, each with a sample of it.
+fn each_mpi() -> Vec<(&'static str, ValidatedTrainingJob)> {
+    ["OpenMPI", "IntelMPI", "MPICH"]
+        .into_iter()
+        .map(|mpi| {
+            let job = sample("trainingjob-cpu-small.yaml", |o| {
+                o["spec"]["mpi"] = json!({"implementation": mpi});
+            });
+            (mpi, job)
+        })
+        .collect()
+}
+
+/// The first container of a pod.
+fn container(pod: &Value) -> &Value {
+    &pod["spec"]["containers"][0]
+}
+
+/// Every rank reads the job's rendezvous key from the mounted Secret: the launcher and the
+/// workers name the file (the key itself is in no pod's spec), and each MPI forwards the
+/// name to the ranks as it forwards the other variables.
+#[test]
+fn every_rank_is_given_the_rendezvous_key_file_in_the_mounted_secret() {
+    use ringmaster_contract::trainer::{RENDEZVOUS_KEY, RENDEZVOUS_KEY_FILE_ENV};
+    let key_file = format!("/etc/ringmaster/ssh-secret/{RENDEZVOUS_KEY}");
+    for (mpi, job) in each_mpi() {
+        let command = build::launcher_command(&job).join(" ");
+        let forwarded = match mpi {
+            "OpenMPI" => format!("-x {RENDEZVOUS_KEY_FILE_ENV} "),
+            _ => format!("-genv {RENDEZVOUS_KEY_FILE_ENV} $({RENDEZVOUS_KEY_FILE_ENV}) "),
+        };
+        assert!(command.contains(&forwarded), "{mpi}: {command}");
+        for pod in [
+            build::launcher_pod(&job, &inputs()),
+            build::worker_pod(&job, 1, &inputs()),
+        ] {
+            let pod = value(&pod);
+            let c = container(&pod);
+            assert!(
+                c["env"]
+                    .as_array()
+                    .unwrap()
+                    .contains(&json!({"name": RENDEZVOUS_KEY_FILE_ENV, "value": key_file})),
+                "{mpi}: {}",
+                c["env"]
+            );
+            // In the Secret's own mount.
+            let mount = c["volumeMounts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|m| m["name"] == "ssh-secret")
+                .unwrap();
+            assert_eq!(
+                format!("{}/{RENDEZVOUS_KEY}", mount["mountPath"].as_str().unwrap()),
+                key_file
+            );
+        }
+    }
 }

@@ -10,7 +10,7 @@ use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 
-use super::build::{self, BuildInputs, SshKeys};
+use super::build::{self, BuildInputs, RendezvousKey, SshKeys};
 use super::names::{self, ChildNaming};
 use super::plan::{Children, Plan};
 use super::spec::ValidatedTrainingJob;
@@ -30,8 +30,8 @@ pub enum ApplyError {
         #[source]
         source: kube::Error,
     },
-    /// No randomness for the SSH key.
-    #[error("drawing a seed for the SSH key: {0}")]
+    /// No randomness for the job's keys.
+    #[error("drawing the job's SSH and rendezvous keys: {0}")]
     Random(#[source] getrandom::Error),
     /// The operator gang-schedules, and the cluster has no PodGroup API of its scheduler.
     #[error("creating PodGroup {name}: {}", no_pod_group_api(*api))]
@@ -111,9 +111,10 @@ pub async fn delete_pods(
     Ok(())
 }
 
-/// Creates the per-job SSH Secret unless it exists. The key is drawn once: re-applying a new
-/// key would lock running workers out. Existence is learnt from the create's 409, not a
-/// read, so the operator needs no right to read Secrets.
+/// Creates the per-job SSH Secret unless it exists, with the job's SSH key and rendezvous
+/// key. Both are drawn once: re-applying new ones would lock running workers out and split
+/// a gang's ranks. Existence is learnt from the create's 409, not a read, so the operator
+/// needs no right to read Secrets.
 async fn ensure_ssh_secret(
     client: &Client,
     job: &ValidatedTrainingJob,
@@ -124,10 +125,12 @@ async fn ensure_ssh_secret(
     let mut seed = [0u8; 32];
     getrandom::fill(&mut seed).map_err(ApplyError::Random)?;
     let keys = SshKeys::from_seed(&seed, &format!("ringmaster/{}/{}", job.namespace, job.name));
+    let mut rendezvous = RendezvousKey([0; ringmaster_contract::trainer::RENDEZVOUS_KEY_BYTES]);
+    getrandom::fill(&mut rendezvous.0).map_err(ApplyError::Random)?;
     match secrets
         .create(
             &PostParams::default(),
-            &build::ssh_secret(job, naming, &keys),
+            &build::ssh_secret(job, naming, &keys, &rendezvous),
         )
         .await
     {

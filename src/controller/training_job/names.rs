@@ -31,7 +31,8 @@ pub const RENDEZVOUS_PORT: u16 = 29500;
 /// them: ssh and sshd refuse a key that its owner's group can read, and a Secret volume's
 /// files are group-readable (`fsGroup` turns mode 0600 into 0640) and owned by root.
 pub const SSH_MOUNT: &str = "/etc/ringmaster/ssh";
-/// Where the SSH Secret is mounted in every pod (read only; copied into [`SSH_MOUNT`]).
+/// Where the SSH Secret is mounted in every pod (read only; its SSH keys copied into
+/// [`SSH_MOUNT`]; the ranks read its rendezvous key here).
 pub const SSH_SECRET_MOUNT: &str = "/etc/ringmaster/ssh-secret";
 /// Where the hostfile ConfigMap is mounted in the launcher.
 pub const HOSTFILE_MOUNT: &str = "/etc/ringmaster/mpi";

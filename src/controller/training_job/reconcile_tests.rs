@@ -230,6 +230,70 @@ async fn a_new_job_makes_its_secret_service_and_workers_then_says_it_is_starting
     assert_eq!(action, kube::runtime::controller::Action::await_change());
 }
 
+/// The bodies of the requests `gist` (`POST secrets`, `POST pods`, …) the API server took.
+fn bodies(api: &Mutex<FakeApi>, gist: &str) -> Vec<Value> {
+    let api = api.lock().unwrap();
+    api.log
+        .iter()
+        .filter(|r| r.gist() == gist)
+        .map(|r| r.body.clone())
+        .collect()
+}
+
+/// A job's Secret holds a rendezvous key of 32 bytes drawn for it (another job's is
+/// another), written once with the SSH key; its pods name the key's file in the mounted
+/// Secret, and none holds the key itself, in any spelling.
+#[tokio::test]
+async fn the_secret_holds_a_rendezvous_key_drawn_for_the_job_that_no_pod_holds() {
+    use base64::Engine;
+    use ringmaster_contract::trainer::{
+        RENDEZVOUS_KEY, RENDEZVOUS_KEY_BYTES, RENDEZVOUS_KEY_FILE_ENV,
+    };
+    let mut drawn = Vec::new();
+    for _ in 0..2 {
+        let (api, ctx, object) = harness(Vec::new());
+        reconcile(object.clone(), ctx.clone())
+            .await
+            .expect("it reconciles");
+        reconcile(object, ctx).await.expect("it reconciles again");
+        let secrets = bodies(&api, "POST secrets");
+        assert_eq!(secrets.len(), 1, "the Secret is written once: {secrets:?}");
+        let encoded = secrets[0]["data"][RENDEZVOUS_KEY]
+            .as_str()
+            .expect("a rendezvous key")
+            .to_string();
+        let key = base64::engine::general_purpose::STANDARD
+            .decode(&encoded)
+            .unwrap();
+        assert_eq!(key.len(), RENDEZVOUS_KEY_BYTES);
+        let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
+        let numbers = serde_json::to_string(&key).unwrap();
+        let pods = bodies(&api, "POST pods");
+        assert_eq!(pods.len(), 2);
+        for pod in pods {
+            let text = pod.to_string();
+            for spelling in [&encoded, &hex, &hex.to_uppercase(), &numbers] {
+                assert!(!text.contains(spelling.as_str()), "{spelling} in {text}");
+            }
+            let env = pod["spec"]["containers"][0]["env"]
+                .as_array()
+                .unwrap()
+                .clone();
+            let file = env
+                .iter()
+                .find(|e| e["name"] == RENDEZVOUS_KEY_FILE_ENV)
+                .expect("the key's file is named");
+            assert_eq!(
+                file,
+                &json!({"name": RENDEZVOUS_KEY_FILE_ENV,
+                        "value": format!("/etc/ringmaster/ssh-secret/{RENDEZVOUS_KEY}")})
+            );
+        }
+        drawn.push(key);
+    }
+    assert_ne!(drawn[0], drawn[1], "each job draws its own");
+}
+
 #[tokio::test]
 async fn pods_made_but_not_yet_in_the_cache_are_not_made_again() {
     let (api, ctx, object) = harness(Vec::new());

@@ -17,14 +17,15 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::EnvVar;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use ringmaster_contract::trainer as trainer_contract;
 
 pub use self::mpi::{hostfile, launcher_command};
 pub use self::pod_group::{pod_group, volcano_pod_group};
 pub use self::pods::{POD_FS_GROUP, launcher_pod, worker_pod};
-pub use self::secret::{SshKeys, ssh_secret};
+pub use self::secret::{RendezvousKey, SshKeys, ssh_secret};
 pub use self::service::worker_service;
 pub use self::volumes::{PodRole, reserved_volumes};
-use super::names::{self, ChildNaming, RENDEZVOUS_PORT, SSH_MOUNT};
+use super::names::{self, ChildNaming, RENDEZVOUS_PORT, SSH_MOUNT, SSH_SECRET_MOUNT};
 use super::spec::{TrainerSettings, ValidatedTrainingJob};
 use super::state::Placement;
 use crate::gang::GangScheduler;
@@ -129,13 +130,16 @@ fn rank_env(job: &ValidatedTrainingJob, naming: ChildNaming) -> Vec<EnvVar> {
     env.insert("RINGMASTER_JOB".into(), job.name.clone());
     // The trainer resumes only from checkpoints written under this run's id: a job made
     // anew under the same name starts from the beginning.
+    env.insert(trainer_contract::RUN_ID_ENV.into(), job.uid.clone());
     env.insert(
-        ringmaster_contract::trainer::RUN_ID_ENV.into(),
-        job.uid.clone(),
-    );
-    env.insert(
-        "RINGMASTER_RENDEZVOUS".into(),
+        trainer_contract::RENDEZVOUS_ENV.into(),
         format!("{}:{RENDEZVOUS_PORT}", names::worker_host(job, naming, 0)),
+    );
+    // Read from the mounted Secret: the key itself is in no pod's spec. A Secret an older
+    // operator made has no such file, and the trainer then goes without a key.
+    env.insert(
+        trainer_contract::RENDEZVOUS_KEY_FILE_ENV.into(),
+        format!("{SSH_SECRET_MOUNT}/{}", trainer_contract::RENDEZVOUS_KEY),
     );
     if let Some(ib) = &job.infiniband {
         for (k, v) in DEFAULT_IB_ENV {

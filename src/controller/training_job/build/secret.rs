@@ -1,8 +1,10 @@
-//! The per-job SSH key and the Secret that holds it.
+//! The per-job SSH key and rendezvous key, and the Secret that holds them.
 
 use std::collections::BTreeMap;
 
+use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
+use ringmaster_contract::trainer::{RENDEZVOUS_KEY, RENDEZVOUS_KEY_BYTES};
 
 use super::metadata;
 use crate::controller::training_job::names::{self, ChildNaming};
@@ -47,9 +49,28 @@ impl SshKeys {
     }
 }
 
+/// The job's rendezvous key: random bytes every rank proves it holds before the others
+/// admit it into the trainer's ring (an HMAC key; see the trainer's `collective::auth`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct RendezvousKey(pub [u8; RENDEZVOUS_KEY_BYTES]);
+
+impl std::fmt::Debug for RendezvousKey {
+    // Never print the key.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RendezvousKey(..)")
+    }
+}
+
 /// The SSH Secret: `kubernetes.io/ssh-auth` with the private key, plus the public key and
-/// `authorized_keys` so workers accept the launcher.
-pub fn ssh_secret(job: &ValidatedTrainingJob, naming: ChildNaming, keys: &SshKeys) -> Secret {
+/// `authorized_keys` so workers accept the launcher (the workers' sshd serves the same key as
+/// its host key, which every ssh pins), and the rendezvous key ([`RENDEZVOUS_KEY`]), which
+/// every rank reads from the mounted Secret. Both are drawn once per job, by the caller.
+pub fn ssh_secret(
+    job: &ValidatedTrainingJob,
+    naming: ChildNaming,
+    keys: &SshKeys,
+    rendezvous: &RendezvousKey,
+) -> Secret {
     let mut labels = names::job_labels(&job.name);
     labels.insert(names::ROLE_LABEL.into(), "ssh".into());
     Secret {
@@ -60,6 +81,10 @@ pub fn ssh_secret(job: &ValidatedTrainingJob, naming: ChildNaming, keys: &SshKey
             ("ssh-publickey".into(), keys.public_key.clone()),
             ("authorized_keys".into(), keys.public_key.clone()),
         ])),
+        data: Some(BTreeMap::from([(
+            RENDEZVOUS_KEY.into(),
+            ByteString(rendezvous.0.to_vec()),
+        )])),
         ..Secret::default()
     }
 }
