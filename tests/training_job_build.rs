@@ -105,7 +105,7 @@ fn gpu_worker_pods_get_gpus_rdma_shared_memory_data_and_ssh() {
     assert_eq!(&command[..2], ["sh", "-c"]);
     assert_eq!(
         command[2],
-        "umask 077 && cp /etc/ringmaster/ssh-secret/ssh-privatekey /etc/ringmaster/ssh-secret/authorized_keys /etc/ringmaster/ssh/ && exec \"$@\""
+        "umask 077 && cp /etc/ringmaster/ssh-secret/ssh-privatekey /etc/ringmaster/ssh-secret/authorized_keys /etc/ringmaster/ssh/ && { printf '* ' && cat /etc/ringmaster/ssh-secret/ssh-publickey && echo; } > /etc/ringmaster/ssh/known_hosts && exec \"$@\""
     );
     assert_eq!(&command[3..5], ["sh", "/usr/sbin/sshd"]);
     assert!(command.contains(&"StrictModes=no"), "{command:?}");
@@ -558,6 +558,7 @@ fn per_pod_worker_env_goes_through_each_workers_sshd_and_the_rest_through_mpirun
             "ssh-ed25519 AAAA ringmaster\n",
         )
         .unwrap();
+        std::fs::write(secret.join("ssh-publickey"), "ssh-ed25519 AAAA ringmaster").unwrap();
         let script = command[2]
             .replace("/etc/ringmaster/ssh-secret", secret.to_str().unwrap())
             .replace("/etc/ringmaster/ssh", own.to_str().unwrap());
@@ -581,6 +582,10 @@ fn per_pod_worker_env_goes_through_each_workers_sshd_and_the_rest_through_mpirun
              environment=\"GREETING=say \\\"hi\\\" to sample-worker-0\",\
              environment=\"NCCL_SOCKET_IFNAME=eth0ib0\" ssh-ed25519 AAAA ringmaster\n",
             "CPUS is unset: left out, not set empty"
+        );
+        assert_eq!(
+            std::fs::read_to_string(own.join("known_hosts")).unwrap(),
+            "* ssh-ed25519 AAAA ringmaster\n"
         );
         // A value ending in a backslash would read as an escaped quote (also before a line
         // break, which is dropped): the worker says so.
@@ -1206,5 +1211,93 @@ fn every_rank_is_given_the_rendezvous_key_file_in_the_mounted_secret() {
                 key_file
             );
         }
+    }
+}
+
+/// Every ssh of a job (Open MPI's `plm_rsh_args`, Hydra's ssh program for Intel MPI and
+/// MPICH, the workers' readiness probe) pins the job's host key: strict checking against
+/// the job's own `known_hosts` only, never the prompt-less "accept anything".
+#[test]
+fn every_ssh_pins_the_jobs_host_key_whatever_the_mpi() {
+    let pinned = "-o StrictHostKeyChecking=yes -o UserKnownHostsFile=/etc/ringmaster/ssh/known_hosts -o GlobalKnownHostsFile=/dev/null";
+    for (mpi, job) in each_mpi() {
+        let launcher = value(&build::launcher_pod(&job, &inputs()));
+        let worker = value(&build::worker_pod(&job, 0, &inputs()));
+        let command = build::launcher_command(&job);
+        let ssh = match mpi {
+            "OpenMPI" => {
+                let rsh = command.iter().position(|a| a == "plm_rsh_args").unwrap();
+                command[rsh + 1].clone()
+            }
+            _ => launcher["metadata"]["annotations"]["ringmaster.dev/ssh-program"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        };
+        let probe = container(&worker)["readinessProbe"]["exec"]["command"][2]
+            .as_str()
+            .unwrap()
+            .to_string();
+        for options in [&ssh, &probe] {
+            assert!(options.contains(pinned), "{mpi}: {options}");
+            assert!(
+                !options.contains("StrictHostKeyChecking=no"),
+                "{mpi}: {options}"
+            );
+            assert!(
+                !options.contains("UserKnownHostsFile=/dev/null"),
+                "{mpi}: {options}"
+            );
+        }
+        // The workers' sshd serves the job's key as its host key: the one known_hosts holds.
+        let sshd = container(&worker)["command"].to_string();
+        assert!(
+            sshd.contains(r#""-h","/etc/ringmaster/ssh/ssh-privatekey""#),
+            "{sshd}"
+        );
+    }
+}
+
+/// What each container writes before it starts, run here with the Secret's files of a job
+/// and its memory folder in a temporary directory: `known_hosts` holds one line, any host
+/// with the job's public key, which is the host key of the workers' sshd.
+#[test]
+fn the_known_hosts_each_container_writes_holds_the_jobs_public_key_for_any_host() {
+    let keys = SshKeys::from_seed(&[7u8; 32], "ringmaster/ml/resnet18-cpu");
+    let plain = sample("trainingjob-cpu-small.yaml", |_| {});
+    let per_pod = sample("trainingjob-cpu-small.yaml", |o| {
+        o["spec"]["worker"]["env"] =
+            json!([{"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]);
+    });
+    let pods = [
+        build::launcher_pod(&plain, &inputs()),
+        build::worker_pod(&plain, 0, &inputs()),
+        build::worker_pod(&per_pod, 0, &inputs()),
+    ];
+    for (i, pod) in pods.iter().enumerate() {
+        let dir = tempfile::tempdir().unwrap();
+        let (secret, own) = (dir.path().join("secret"), dir.path().join("own"));
+        std::fs::create_dir_all(&secret).unwrap();
+        std::fs::create_dir_all(&own).unwrap();
+        std::fs::write(secret.join("ssh-privatekey"), &keys.private_key).unwrap();
+        std::fs::write(secret.join("ssh-publickey"), &keys.public_key).unwrap();
+        std::fs::write(secret.join("authorized_keys"), &keys.public_key).unwrap();
+        let command = pod.spec.as_ref().unwrap().containers[0]
+            .command
+            .clone()
+            .unwrap();
+        let script = command[2]
+            .replace("/etc/ringmaster/ssh-secret", secret.to_str().unwrap())
+            .replace("/etc/ringmaster/ssh", own.to_str().unwrap());
+        let status = std::process::Command::new("sh")
+            .args(["-c", &script, "sh", "true"])
+            .status()
+            .unwrap();
+        assert!(status.success(), "pod {i}: {script}");
+        let known_hosts = std::fs::read_to_string(own.join("known_hosts")).unwrap();
+        assert_eq!(known_hosts, format!("* {}\n", keys.public_key), "pod {i}");
+        let host_key = ssh_key::PublicKey::from_openssh(known_hosts[2..].trim()).unwrap();
+        let private = ssh_key::PrivateKey::from_openssh(&keys.private_key).unwrap();
+        assert_eq!(&host_key, private.public_key(), "pod {i}");
     }
 }

@@ -26,10 +26,11 @@ pub const LAUNCHER_ROLE: &str = "launcher";
 
 /// Port of the trainer's rendezvous on rank 0.
 pub const RENDEZVOUS_PORT: u16 = 29500;
-/// Where every pod keeps its private copies of the SSH key and `authorized_keys` (a memory
-/// emptyDir), made from [`SSH_SECRET_MOUNT`] by the container's own user before anything uses
-/// them: ssh and sshd refuse a key that its owner's group can read, and a Secret volume's
-/// files are group-readable (`fsGroup` turns mode 0600 into 0640) and owned by root.
+/// Where every pod keeps its private copies of the SSH key and `authorized_keys`, and the
+/// `known_hosts` that pins the job's host key (a memory emptyDir), made from
+/// [`SSH_SECRET_MOUNT`] by the container's own user before anything uses them: ssh and sshd
+/// refuse a key that its owner's group can read, and a Secret volume's files are
+/// group-readable (`fsGroup` turns mode 0600 into 0640) and owned by root.
 pub const SSH_MOUNT: &str = "/etc/ringmaster/ssh";
 /// Where the SSH Secret is mounted in every pod (read only; its SSH keys copied into
 /// [`SSH_MOUNT`]; the ranks read its rendezvous key here).

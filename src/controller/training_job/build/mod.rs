@@ -34,6 +34,9 @@ use crate::gang::GangScheduler;
 pub const HOSTFILE: &str = "hostfile";
 /// The ssh program's name under [`names::HOSTFILE_MOUNT`] (Hydra runs it to reach workers).
 pub const SSH_PROGRAM: &str = "ssh";
+/// The file under [`SSH_MOUNT`] that pins the job's host key for every ssh: the workers'
+/// sshd serves the job's key as its host key ([`SshKeys`]), so the line is `* <public key>`.
+pub const KNOWN_HOSTS: &str = "known_hosts";
 /// The launcher's variable with its own pod IP (downward API).
 pub const LAUNCHER_IP_ENV: &str = "RINGMASTER_LAUNCHER_IP";
 
@@ -97,10 +100,14 @@ fn metadata(
     }
 }
 
-/// The options every ssh from the launcher (and the readiness probe) uses.
+/// The options every ssh from the launcher (and the readiness probe, and Open MPI's daemons
+/// on the workers) uses: the job's port and key, and the job's key as the only host key it
+/// accepts ([`KNOWN_HOSTS`], which each container writes before it starts: see
+/// [`pods::known_hosts_script`]). A host that shows another key is refused, never asked
+/// about.
 fn ssh_options(job: &ValidatedTrainingJob) -> String {
     format!(
-        "-p {} -i {SSH_MOUNT}/ssh-privatekey -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -o BatchMode=yes",
+        "-p {} -i {SSH_MOUNT}/ssh-privatekey -o StrictHostKeyChecking=yes -o UserKnownHostsFile={SSH_MOUNT}/{KNOWN_HOSTS} -o GlobalKnownHostsFile=/dev/null -o LogLevel=ERROR -o BatchMode=yes",
         job.mpi.ssh_port
     )
 }
@@ -109,7 +116,7 @@ fn ssh_options(job: &ValidatedTrainingJob) -> String {
 /// the program it launches with, not a command line.
 pub fn ssh_program(job: &ValidatedTrainingJob) -> String {
     format!(
-        "#!/bin/sh\n# ssh as the MPI launcher uses it: the job's port and key, no host-key prompts.\nexec ssh {} \"$@\"\n",
+        "#!/bin/sh\n# ssh as the MPI launcher uses it: the job's port and key, the job's host key pinned.\nexec ssh {} \"$@\"\n",
         ssh_options(job)
     )
 }

@@ -14,8 +14,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use super::pod_group::join_gang;
 use super::volumes::{PodRole, reserved_volumes};
 use super::{
-    BuildInputs, LAUNCHER_IP_ENV, env_var, hostfile, launcher_command, metadata, per_pod_env_names,
-    rank_env, ssh_options, ssh_program, strings,
+    BuildInputs, KNOWN_HOSTS, LAUNCHER_IP_ENV, env_var, hostfile, launcher_command, metadata,
+    per_pod_env_names, rank_env, ssh_options, ssh_program, strings,
 };
 use crate::api::PodOverrides;
 use crate::controller::training_job::names::{
@@ -217,8 +217,9 @@ fn worker_pod_security(ssh_port: i32) -> PodSecurityContext {
     }
 }
 
-/// sshd in the foreground, logging to stderr, with the job's key as its host key and the
-/// job's public key as the only one it accepts. `StrictModes=no`: the folders above the key
+/// sshd in the foreground, logging to stderr, with the job's key as its host key (which
+/// every ssh of the job pins: [`known_hosts_script`]) and the job's public key as the only
+/// one it accepts. `StrictModes=no`: the folders above the key
 /// copies are volume mounts the user does not own (sshd would refuse them otherwise); the
 /// copies themselves are the user's own, mode 0600. `UsePAM=no` lets it run as any user.
 /// `user_environment`: the `environment=` options of `authorized_keys` are honoured
@@ -248,14 +249,25 @@ fn sshd_command(port: i32, user_environment: bool) -> Vec<String> {
 }
 
 /// `command` run after the container's own user has copied the SSH key and
-/// `authorized_keys` into [`SSH_MOUNT`], readable by that user alone. Whoever the image runs
-/// as (root, or a user that reads the Secret through `fsGroup`), the copies are its own with
-/// mode 0600, which ssh, sshd and the readiness probe accept.
+/// `authorized_keys` into [`SSH_MOUNT`], readable by that user alone, and written the
+/// job's [`KNOWN_HOSTS`] there ([`known_hosts_script`]). Whoever the image runs as (root, or
+/// a user that reads the Secret through `fsGroup`), the copies are its own with mode 0600,
+/// which ssh, sshd and the readiness probe accept.
 fn with_private_ssh_keys(command: Vec<String>) -> Vec<String> {
     let prepare = format!(
-        "umask 077 && cp {SSH_SECRET_MOUNT}/ssh-privatekey {SSH_SECRET_MOUNT}/authorized_keys {SSH_MOUNT}/ && exec \"$@\""
+        "umask 077 && cp {SSH_SECRET_MOUNT}/ssh-privatekey {SSH_SECRET_MOUNT}/authorized_keys {SSH_MOUNT}/ && {} && exec \"$@\"",
+        known_hosts_script()
     );
     shell_then(prepare, command)
+}
+
+/// Writes [`KNOWN_HOSTS`] into [`SSH_MOUNT`]: `* ` and the job's public key, the host key
+/// of every worker's sshd ([`sshd_command`]), for any host name and port. Made from the
+/// Secret's public key, which every job's Secret has, those of older operators too.
+pub(super) fn known_hosts_script() -> String {
+    format!(
+        "{{ printf '* ' && cat {SSH_SECRET_MOUNT}/ssh-publickey && echo; }} > {SSH_MOUNT}/{KNOWN_HOSTS}"
+    )
 }
 
 /// A worker's [`with_private_ssh_keys`]: when the worker environment has entries each worker
@@ -264,16 +276,18 @@ fn with_private_ssh_keys(command: Vec<String>) -> Vec<String> {
 /// line breaks dropped; a value ending in `\` stops the container with a message, as sshd
 /// would read it as an escaped quote; an unset one is left out), so that sshd, run with
 /// `PermitUserEnvironment`, sets them in every session the job's key opens: the ranks'. Any
-/// OpenSSH reads these options. Values come from `printenv`, not the shell's variables (the
+/// OpenSSH reads these options. [`KNOWN_HOSTS`] is written as by [`with_private_ssh_keys`]. Values come from `printenv`, not the shell's variables (the
 /// script's own are `_rm_*`), and command substitution is written with backquotes: the
 /// kubelet would take `$(` for a variable to substitute.
 fn worker_with_private_ssh_keys(command: Vec<String>, per_pod_env: &[String]) -> Vec<String> {
     if per_pod_env.is_empty() {
         return with_private_ssh_keys(command);
     }
-    let prepare = r#"umask 077 && cp SECRET/ssh-privatekey OWN/ && { _rm_sep=; for _rm_n in NAMES; do _rm_v=`printenv "$_rm_n"` || continue; _rm_v=`printf '%s' "$_rm_v" | tr -d '\n'`; case "$_rm_v" in *'\') echo "ringmaster: the value of $_rm_n ends with a backslash, which sshd cannot take" >&2; exit 1;; esac; printf '%senvironment="%s=' "$_rm_sep" "$_rm_n"; printf '%s' "$_rm_v" | sed 's/"/\\"/g'; printf '"'; _rm_sep=,; done; printf ' '; cat SECRET/authorized_keys; } > OWN/authorized_keys && exec "$@""#
+    let prepare = r#"umask 077 && cp SECRET/ssh-privatekey OWN/ && { _rm_sep=; for _rm_n in NAMES; do _rm_v=`printenv "$_rm_n"` || continue; _rm_v=`printf '%s' "$_rm_v" | tr -d '\n'`; case "$_rm_v" in *'\') echo "ringmaster: the value of $_rm_n ends with a backslash, which sshd cannot take" >&2; exit 1;; esac; printf '%senvironment="%s=' "$_rm_sep" "$_rm_n"; printf '%s' "$_rm_v" | sed 's/"/\\"/g'; printf '"'; _rm_sep=,; done; printf ' '; cat SECRET/authorized_keys; } > OWN/authorized_keys && PIN_HOST_KEY && exec "$@""#
         .replace("SECRET", SSH_SECRET_MOUNT)
         .replace("OWN", SSH_MOUNT)
+        .replace("PIN_HOST_KEY", &known_hosts_script())
+        // Last: the names are the user's, and no placeholder in them is one.
         .replace("NAMES", &per_pod_env.join(" "));
     shell_then(prepare, command)
 }
