@@ -211,6 +211,20 @@ async fn the_cpu_sample_trains_across_real_pods_over_ssh_with_open_mpi() {
         user_and_key_copy(&ns.name, &workers[0]),
         ("1000".into(), "600 trainer".into())
     );
+    // ssh pinned the job's host key (the probe and mpirun got through with it), and the
+    // image's user reads the ranks' rendezvous key from the mounted Secret.
+    let known_hosts = exec(
+        &ns.name,
+        &workers[0],
+        &["cat", "/etc/ringmaster/ssh/known_hosts"],
+    );
+    assert!(known_hosts.starts_with("* ssh-ed25519 "), "{known_hosts}");
+    let key_bytes = exec(
+        &ns.name,
+        &workers[1],
+        &["wc", "-c", "/etc/ringmaster/ssh-secret/rendezvous-key"],
+    );
+    assert!(key_bytes.starts_with("32 "), "{key_bytes}");
 
     let status = wait_phase(
         &client,
@@ -361,8 +375,9 @@ async fn a_worker_the_kubelet_cannot_start_blocks_the_job_visibly_until_it_is_fi
     assert_eq!(status["restarts"], 0, "{status:#}");
 }
 
-/// The workers' environment reaches every rank over ssh: a plain value through mpirun, and
-/// entries each worker resolves for itself (its pod's name, and a value with quotes built from
+/// The workers' environment reaches every rank over ssh: a plain value (and Ringmaster's own,
+/// the rendezvous key's file among them) through mpirun, and entries each worker resolves
+/// for itself (its pod's name, and a value with quotes built from
 /// it) with that worker's values, which its sshd sets from its `authorized_keys` options
 /// (mpirun used to send the launcher's on).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -385,7 +400,9 @@ async fn every_rank_gets_the_worker_environment_with_its_own_workers_values() {
             spec["command"] = json!([
                 "sh",
                 "-c",
-                format!("echo \"rank=${rank_var} pod=$POD_NAME team=$TEAM greeting=$GREETING\"")
+                format!(
+                    "echo \"rank=${rank_var} pod=$POD_NAME team=$TEAM greeting=$GREETING key=$RINGMASTER_RENDEZVOUS_KEY_FILE\""
+                )
             ]);
             spec["worker"]["env"] = json!([
                 {"name": "TEAM", "value": "vision"},
@@ -402,7 +419,7 @@ async fn every_rank_gets_the_worker_environment_with_its_own_workers_values() {
         let expected: Vec<String> = (0..4)
             .map(|rank| {
                 let pod = format!("{name}-worker-{}", rank / 2);
-                format!("rank={rank} pod={pod} team=vision greeting=say \"hi\" to {pod}")
+                format!("rank={rank} pod={pod} team=vision greeting=say \"hi\" to {pod} key=/etc/ringmaster/ssh-secret/rendezvous-key")
             })
             .collect();
         assert_eq!(ranks, expected, "{implementation}: {log}");

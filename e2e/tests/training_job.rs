@@ -139,6 +139,16 @@ async fn a_gpu_job_with_infiniband_runs_and_succeeds_with_its_result() {
     let secret: Api<Secret> = Api::namespaced(client.clone(), &ns.name);
     let secret = secret.get(&format!("resnet50-ssh-{tag}")).await.unwrap();
     assert_eq!(secret.type_.as_deref(), Some("kubernetes.io/ssh-auth"));
+    // The ranks' rendezvous key: 32 bytes, drawn for the job, in the same Secret.
+    let rendezvous_key = secret
+        .data
+        .as_ref()
+        .and_then(|data| data.get(ringmaster_contract::trainer::RENDEZVOUS_KEY))
+        .expect("the Secret holds the rendezvous key");
+    assert_eq!(
+        rendezvous_key.0.len(),
+        ringmaster_contract::trainer::RENDEZVOUS_KEY_BYTES
+    );
     let command = launcher.spec.as_ref().unwrap().containers[0]
         .command
         .clone()
@@ -146,6 +156,17 @@ async fn a_gpu_job_with_infiniband_runs_and_succeeds_with_its_result() {
         .join(" ");
     assert!(
         command.contains("mpirun --hostfile /etc/ringmaster/mpi/hostfile -np 16"),
+        "{command}"
+    );
+    // ssh pins the job's host key, and the ranks are told where the rendezvous key is.
+    assert!(
+        command.contains(
+            "-o StrictHostKeyChecking=yes -o UserKnownHostsFile=/etc/ringmaster/ssh/known_hosts"
+        ) && !command.contains("StrictHostKeyChecking=no"),
+        "{command}"
+    );
+    assert!(
+        command.contains("-x RINGMASTER_RENDEZVOUS_KEY_FILE"),
         "{command}"
     );
     assert!(
