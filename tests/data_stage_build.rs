@@ -8,6 +8,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use ringmaster::api::{DataStagePhase, DataStageStatus};
 use ringmaster::controller::data_stage::build::{self, BuildInputs, Names};
+use ringmaster::controller::data_stage::destinations::AllowedDestinations;
 use ringmaster::controller::data_stage::status::{self, ClaimState, CopyState};
 use ringmaster::controller::data_stage::validate::{ValidatedDataStage, validate_value};
 use serde_json::{Value, json};
@@ -18,7 +19,18 @@ fn sample(file: &str, edit: impl FnOnce(&mut Value)) -> ValidatedDataStage {
     object["metadata"]["namespace"] = json!("ml");
     object["metadata"]["uid"] = json!("0b5e7c1a-0000-4000-8000-0000000000ds");
     edit(&mut object);
-    validate_value(&object, None).unwrap_or_else(|e| panic!("{file}: {e}"))
+    let mut stage = validate_value(&object, None).unwrap_or_else(|e| panic!("{file}: {e}"));
+    // As the operator admits it: the export the admin allows, with the admin's mount options.
+    let allowed = AllowedDestinations::parse(
+        r#"{"nfs": [{"server": "10.0.0.4", "path": "/export/datasets"}],
+            "azureFileNfs": [{"storageAccount": "premiumfiles", "shareName": "datasets", "namespaces": ["ml"]}]}"#,
+    )
+    .unwrap();
+    let raw: ringmaster::api::DataStage = serde_json::from_value(object).unwrap();
+    stage.destination = allowed
+        .admit(&raw, &stage.destination)
+        .unwrap_or_else(|e| panic!("{file}: {e}"));
+    stage
 }
 
 fn imagenet() -> ValidatedDataStage {
@@ -53,7 +65,7 @@ fn nfs_volume_is_retained_pre_bound_and_mounted_read_write_by_the_copy_job() {
     assert_eq!(pv["metadata"]["name"], names.volume);
     assert_eq!(
         pv["spec"]["nfs"],
-        json!({"server": "10.0.0.4", "path": "/export/datasets"})
+        json!({"server": "10.0.0.4", "path": "/export/datasets/ml"})
     );
     assert_eq!(pv["spec"]["persistentVolumeReclaimPolicy"], "Retain");
     assert_eq!(pv["spec"]["capacity"]["storage"], "200Gi");

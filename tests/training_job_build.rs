@@ -663,6 +663,44 @@ fn the_worker_service_is_headless_and_publishes_unready_workers() {
     assert_eq!(service["spec"]["ports"][0]["port"], 2222);
 }
 
+/// sshd, the rendezvous and the ranks' MPI and NCCL ports are open to the job's own pods only
+/// (same namespace, same job and UID), whichever port they use.
+#[test]
+fn the_network_policy_admits_only_the_jobs_own_pods() {
+    let policy = value(&build::network_policy(&gpu_job(), ChildNaming::UidTagged));
+    assert_eq!(policy["metadata"]["name"], "resnet50-imagenet-gang-6f1c2");
+    assert_eq!(
+        policy["metadata"]["ownerReferences"][0]["uid"],
+        "6f1c2d3e-0000-4000-8000-00000000abcd"
+    );
+    let gang = json!({
+        "ringmaster.dev/job-name": "resnet50-imagenet",
+        "ringmaster.dev/job-uid": "6f1c2d3e-0000-4000-8000-00000000abcd",
+        "app.kubernetes.io/managed-by": "ringmaster",
+    });
+    let spec = &policy["spec"];
+    assert_eq!(spec["podSelector"]["matchLabels"], gang);
+    assert_eq!(spec["policyTypes"], json!(["Ingress"]));
+    // One rule: from pods of this job in this namespace (no namespaceSelector), any port.
+    assert_eq!(
+        spec["ingress"],
+        json!([{"from": [{"podSelector": {"matchLabels": gang}}]}])
+    );
+    // Every pod of the job is selected by it, the launcher too.
+    for pod in [
+        value(&build::worker_pod(&gpu_job(), 0, &inputs())),
+        value(&build::launcher_pod(&gpu_job(), &inputs())),
+    ] {
+        for (key, wanted) in gang.as_object().unwrap() {
+            assert_eq!(&pod["metadata"]["labels"][key], wanted, "{key}");
+        }
+    }
+    // A gang an older operator made has no UID label: the policy must still select it.
+    let untagged = value(&build::network_policy(&gpu_job(), ChildNaming::Untagged));
+    assert_eq!(untagged["metadata"]["name"], "resnet50-imagenet-gang");
+    assert!(untagged["spec"]["podSelector"]["matchLabels"]["ringmaster.dev/job-uid"].is_null());
+}
+
 /// The flags after `ringmaster-trainer train` in a launcher command.
 fn train_flags(command: &[String]) -> &[String] {
     let train = command

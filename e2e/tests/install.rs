@@ -247,6 +247,7 @@ async fn helm_install_gives_the_operator_exactly_enough_rights_and_uninstall_lea
             restart_backoff: Duration::from_millis(500),
             // As the chart's Deployment passes it.
             launcher_priority_class: Some(format!("{full_name}-launcher")),
+            data_stage_destinations: common::e2e_destinations(),
             ..OperatorConfig::default()
         },
     ));
@@ -288,7 +289,7 @@ async fn helm_install_gives_the_operator_exactly_enough_rights_and_uninstall_lea
     let stage = json!({
         "apiVersion": "ringmaster.dev/v1alpha1", "kind": "DataStage", "metadata": {"name": "rbac"},
         "spec": {"source": {"azureBlob": {"account": "acct", "container": "data", "auth": {"sasTokenSecretRef": {"name": "sas", "key": "token"}}}},
-                 "destination": {"nfs": {"server": "nfs.example.internal", "path": "/export"}}, "capacity": "1Gi"},
+                 "destination": {"nfs": {"server": "nfs.example.internal", "path": format!("/export/{}", work.name)}}, "capacity": "1Gi"},
     });
     apply(&admin, &stage, &work.name, false).await.unwrap();
     let jobs: Api<TrainingJob> = Api::namespaced(admin.clone(), &work.name);

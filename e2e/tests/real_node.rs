@@ -727,6 +727,7 @@ async fn a_datastage_copies_from_azurite_onto_the_node_and_a_job_trains_on_the_f
                 "container": "datasets",
                 "prefix": "tiny/",
                 "endpoint": azurite.endpoint(),
+                "allowInsecureEndpoint": true,
                 "auth": {"sasTokenSecretRef": {"name": "blob-sas", "key": "sasToken"}},
             }},
             "destination": {"existingClaim": {"claimName": "tiny-local"}},

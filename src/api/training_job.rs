@@ -527,12 +527,15 @@ pub struct MpiSpec {
         .message("29500 is the trainers' rendezvous port on every worker: pick another sshPort"))]
     pub ssh_port: i32,
     /// Further arguments for mpirun (or mpiexec), placed before the program. The process
-    /// count and the hosts are Ringmaster's to set.
+    /// count, the hosts and the processes per host are Ringmaster's to set (from `workers`
+    /// and `slotsPerWorker`, in the hostfile): flags that set them (`-np`, `-H`/`--host`,
+    /// `--hostfile`, `-npernode`, `--map-by ppr:…`, Hydra's `-hosts`, `-f`, `-ppn`, …),
+    /// with a value after them or after `=`, are refused.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64))]
     #[x_kube(validation = Rule::new(
-        "self.all(a, !(a in ['-n', '-np', '--np', '-c', '-hostfile', '--hostfile', '-machinefile', '--machinefile', '-H', '--host', '-f']))"
-    ).message("mpi.extraArgs must not set the process count or the hosts: Ringmaster sets them from workers and slotsPerWorker"))]
+        "self.all(a, !a.matches('^--?(n|np|c|N|H|f|host|hosts|hostfile|default-hostfile|machine|machinefile|npernode|npersocket|ppn|perhost|rr|rf|rankfile)(=.*)?$') && !a.matches('^(--?map-by=)?ppr:'))"
+    ).message("mpi.extraArgs must not set the process count, the hosts or the processes per host: Ringmaster sets them from workers and slotsPerWorker (the hostfile)"))]
     pub extra_args: Vec<String>,
 }
 

@@ -3,10 +3,12 @@
 //! outside.
 //!
 //! One file per kind of child: `pods` (workers and launcher, with the volumes Ringmaster
-//! reserves in them from `volumes`: [`reserved_volumes`]), `service`, `secret` and
-//! `pod_group`. All that differs between MPI implementations is in `mpi`.
+//! reserves in them from `volumes`: [`reserved_volumes`]), `service`, `secret`,
+//! `network_policy` and `pod_group`. All that differs between MPI implementations is in
+//! `mpi`.
 
 mod mpi;
+mod network_policy;
 mod pod_group;
 mod pods;
 mod secret;
@@ -19,6 +21,7 @@ use k8s_openapi::api::core::v1::EnvVar;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 
 pub use self::mpi::{hostfile, launcher_command};
+pub use self::network_policy::network_policy;
 pub use self::pod_group::{pod_group, volcano_pod_group};
 pub use self::pods::{POD_FS_GROUP, launcher_pod, worker_pod};
 pub use self::secret::{SshKeys, ssh_secret};
@@ -65,6 +68,8 @@ pub struct BuildInputs {
     /// The PriorityClass of launchers that set none (`--launcher-priority-class`): see
     /// [`launcher_pod`].
     pub launcher_priority_class: Option<String>,
+    /// Give the job its [`network_policy`] (`--job-network-policies`, on by default).
+    pub network_policy: bool,
 }
 
 /// The job as the controlling owner of its children (pods, Secret, Service, Workload,
