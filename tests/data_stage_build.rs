@@ -3,6 +3,8 @@
 
 #[path = "common/mod.rs"]
 mod fixtures;
+#[path = "support/pod_security.rs"]
+mod pod_security;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -197,6 +199,42 @@ fn workload_identity_runs_as_the_users_service_account() {
         value(&build::role_binding(&stage))["subjects"][0]["name"],
         "blob-reader"
     );
+}
+
+/// The stager runs as the operator image's non-root user with no capability, no privilege
+/// escalation and the runtime's seccomp profile, a claim its only volume: its pod meets the
+/// Pod Security Standard `restricted`, whatever the destination or the credentials, so a
+/// DataStage runs in a namespace that enforces it.
+#[test]
+fn the_stager_pod_meets_the_restricted_pod_security_standard() {
+    let stages = [
+        imagenet(),
+        sample("datastage-azurite.yaml", |_| {}),
+        sample("datastage-imagenet-azure-sas.yaml", |o| {
+            o["spec"]["destination"] = json!({"azureFileNfs": {"storageAccount": "premiumfiles", "shareName": "datasets"}});
+            o["spec"]["source"]["azureBlob"]["auth"] =
+                json!({"workloadIdentity": {"serviceAccountName": "blob-reader"}});
+        }),
+    ];
+    for stage in stages {
+        let job = build::job(&stage, &inputs());
+        let pod = job.spec.unwrap().template.spec.unwrap();
+        assert_eq!(
+            pod_security::violations(&pod, pod_security::Level::Restricted),
+            Vec::<String>::new(),
+            "{}",
+            stage.name
+        );
+        let security = value(&pod.security_context);
+        assert_eq!(
+            (&security["runAsNonRoot"], &security["runAsUser"]),
+            (&json!(true), &json!(65532))
+        );
+        assert_eq!(
+            value(&pod.containers[0].security_context),
+            json!({"allowPrivilegeEscalation": false, "readOnlyRootFilesystem": true, "capabilities": {"drop": ["ALL"]}})
+        );
+    }
 }
 
 fn condition<'a>(status: &'a Value, type_: &str) -> &'a Value {
