@@ -536,9 +536,11 @@ pub struct MpiSpec {
     /// count, the hosts and the processes per host are Ringmaster's to set (from `workers`
     /// and `slotsPerWorker`, in the hostfile): flags that set them (`-np`, `-H`/`--host`,
     /// `--hostfile`, `-npernode`, `--map-by ppr:…`, Hydra's `-hosts`, `-f`, `-ppn`, …),
-    /// with a value after them or after `=`, are refused.
+    /// with a value after them or after `=`, are refused. At most 64 arguments of at most
+    /// 1024 characters each.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 64))]
+    // The bounds keep the API server's CEL cost estimate within its budget.
+    #[schemars(length(max = 64), inner(length(max = 1024)))]
     #[x_kube(validation = Rule::new(
         "self.all(a, !a.matches('^--?(n|np|c|N|H|f|host|hosts|hostfile|default-hostfile|machine|machinefile|npernode|npersocket|ppn|perhost|rr|rf|rankfile)(=.*)?$') && !a.matches('^(--?map-by=)?ppr:'))"
     ).message("mpi.extraArgs must not set the process count, the hosts or the processes per host: Ringmaster sets them from workers and slotsPerWorker (the hostfile)"))]
