@@ -137,6 +137,14 @@ struct RunArgs {
         value_parser = clap::builder::NonEmptyStringValueParser::new()
     )]
     launcher_priority_class: Option<String>,
+    /// Where DataStages may write, as JSON (the Helm chart renders `dataStage.destinations`):
+    /// `{"nfs": [{"server", "path", "mountOptions"?, "namespaces"?}], "azureFileNfs":
+    /// [{"storageAccount", "shareName", "resourceGroup"?, "mountOptions"?, "namespaces"}]}`.
+    /// Namespace N may stage into an NFS export only under `<path>/<N>`, into a share only
+    /// when listed. Unset: only `destination.existingClaim`.
+    #[arg(long, env = "RINGMASTER_DATA_STAGE_DESTINATIONS", value_name = "JSON", value_parser = parse_destinations)]
+    data_stage_destinations:
+        Option<ringmaster::controller::data_stage::destinations::AllowedDestinations>,
     /// Image of a DataStage's copy Job; it runs `ringmaster stage`, so it is the operator's
     /// own image (the Helm chart passes it).
     #[arg(long, env = "RINGMASTER_STAGER_IMAGE", default_value = ringmaster::controller::DEFAULT_STAGER_IMAGE)]
@@ -162,6 +170,12 @@ struct RunArgs {
     /// identity (for the simulated AKS, or a token from `az account get-access-token`).
     #[arg(long, env = "RINGMASTER_ARM_TOKEN_FILE")]
     arm_token_file: Option<PathBuf>,
+    /// Give each TrainingJob a NetworkPolicy that admits to its pods (sshd, the trainer's
+    /// rendezvous, MPI and NCCL ports) only the same job's pods, so that no other tenant's pod
+    /// reaches them. Enforced where the cluster runs a NetworkPolicy engine (AKS with
+    /// `--network-policy azure`, Cilium or Calico); elsewhere it is made and does nothing.
+    #[arg(long, env = "RINGMASTER_JOB_NETWORK_POLICIES", default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    job_network_policies: bool,
     /// Run the controllers only while holding a Lease, so several replicas are safe.
     #[arg(long, env = "RINGMASTER_LEADER_ELECT")]
     leader_elect: bool,
@@ -290,6 +304,14 @@ fn print_crds(output_dir: Option<PathBuf>) -> ExitCode {
     }
 }
 
+/// `--data-stage-destinations`: the allow list, checked at start.
+fn parse_destinations(
+    json: &str,
+) -> Result<ringmaster::controller::data_stage::destinations::AllowedDestinations, String> {
+    ringmaster::controller::data_stage::destinations::AllowedDestinations::parse(json)
+        .map_err(|e| e.to_string())
+}
+
 async fn run(args: RunArgs) -> Result<(), String> {
     let arm = arm_client(&args)?;
     let listener = server::bind(args.metrics_bind_address)
@@ -327,6 +349,8 @@ async fn run(args: RunArgs) -> Result<(), String> {
                 )
             }),
             launcher_priority_class: args.launcher_priority_class,
+            data_stage_destinations: args.data_stage_destinations.unwrap_or_default(),
+            job_network_policies: args.job_network_policies,
         },
     ));
     let scope = Scope {

@@ -3,11 +3,14 @@
 
 #[path = "common/mod.rs"]
 mod fixtures;
+#[path = "support/pod_security.rs"]
+mod pod_security;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use ringmaster::api::{DataStagePhase, DataStageStatus};
 use ringmaster::controller::data_stage::build::{self, BuildInputs, Names};
+use ringmaster::controller::data_stage::destinations::AllowedDestinations;
 use ringmaster::controller::data_stage::status::{self, ClaimState, CopyState};
 use ringmaster::controller::data_stage::validate::{ValidatedDataStage, validate_value};
 use serde_json::{Value, json};
@@ -18,7 +21,18 @@ fn sample(file: &str, edit: impl FnOnce(&mut Value)) -> ValidatedDataStage {
     object["metadata"]["namespace"] = json!("ml");
     object["metadata"]["uid"] = json!("0b5e7c1a-0000-4000-8000-0000000000ds");
     edit(&mut object);
-    validate_value(&object, None).unwrap_or_else(|e| panic!("{file}: {e}"))
+    let mut stage = validate_value(&object, None).unwrap_or_else(|e| panic!("{file}: {e}"));
+    // As the operator admits it: the export the admin allows, with the admin's mount options.
+    let allowed = AllowedDestinations::parse(
+        r#"{"nfs": [{"server": "10.0.0.4", "path": "/export/datasets"}],
+            "azureFileNfs": [{"storageAccount": "premiumfiles", "shareName": "datasets", "namespaces": ["ml"]}]}"#,
+    )
+    .unwrap();
+    let raw: ringmaster::api::DataStage = serde_json::from_value(object).unwrap();
+    stage.destination = allowed
+        .admit(&raw, &stage.destination)
+        .unwrap_or_else(|e| panic!("{file}: {e}"));
+    stage
 }
 
 fn imagenet() -> ValidatedDataStage {
@@ -53,7 +67,7 @@ fn nfs_volume_is_retained_pre_bound_and_mounted_read_write_by_the_copy_job() {
     assert_eq!(pv["metadata"]["name"], names.volume);
     assert_eq!(
         pv["spec"]["nfs"],
-        json!({"server": "10.0.0.4", "path": "/export/datasets"})
+        json!({"server": "10.0.0.4", "path": "/export/datasets/ml"})
     );
     assert_eq!(pv["spec"]["persistentVolumeReclaimPolicy"], "Retain");
     assert_eq!(pv["spec"]["capacity"]["storage"], "200Gi");
@@ -185,6 +199,42 @@ fn workload_identity_runs_as_the_users_service_account() {
         value(&build::role_binding(&stage))["subjects"][0]["name"],
         "blob-reader"
     );
+}
+
+/// The stager runs as the operator image's non-root user with no capability, no privilege
+/// escalation and the runtime's seccomp profile, a claim its only volume: its pod meets the
+/// Pod Security Standard `restricted`, whatever the destination or the credentials, so a
+/// DataStage runs in a namespace that enforces it.
+#[test]
+fn the_stager_pod_meets_the_restricted_pod_security_standard() {
+    let stages = [
+        imagenet(),
+        sample("datastage-azurite.yaml", |_| {}),
+        sample("datastage-imagenet-azure-sas.yaml", |o| {
+            o["spec"]["destination"] = json!({"azureFileNfs": {"storageAccount": "premiumfiles", "shareName": "datasets"}});
+            o["spec"]["source"]["azureBlob"]["auth"] =
+                json!({"workloadIdentity": {"serviceAccountName": "blob-reader"}});
+        }),
+    ];
+    for stage in stages {
+        let job = build::job(&stage, &inputs());
+        let pod = job.spec.unwrap().template.spec.unwrap();
+        assert_eq!(
+            pod_security::violations(&pod, pod_security::Level::Restricted),
+            Vec::<String>::new(),
+            "{}",
+            stage.name
+        );
+        let security = value(&pod.security_context);
+        assert_eq!(
+            (&security["runAsNonRoot"], &security["runAsUser"]),
+            (&json!(true), &json!(65532))
+        );
+        assert_eq!(
+            value(&pod.containers[0].security_context),
+            json!({"allowPrivilegeEscalation": false, "readOnlyRootFilesystem": true, "capabilities": {"drop": ["ALL"]}})
+        );
+    }
 }
 
 fn condition<'a>(status: &'a Value, type_: &str) -> &'a Value {

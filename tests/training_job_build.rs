@@ -2,7 +2,11 @@
 
 #[path = "common/mod.rs"]
 mod fixtures;
+#[path = "support/pod_security.rs"]
+mod pod_security;
 
+use k8s_openapi::api::core::v1::Pod;
+use pod_security::{Level, violations};
 use ringmaster::controller::training_job::build::{self, BuildInputs, RendezvousKey, SshKeys};
 use ringmaster::controller::training_job::names::ChildNaming;
 use ringmaster::controller::training_job::validate::{
@@ -259,7 +263,11 @@ fn cpu_workers_ask_for_no_gpus() {
         c["resources"]["requests"]["cpu"], "1",
         "the user's resources are kept"
     );
-    assert_eq!(c["securityContext"]["capabilities"]["add"], json!([]));
+    assert_eq!(
+        c["securityContext"]["capabilities"],
+        json!({"drop": ["ALL"]}),
+        "no capability added, every one dropped"
+    );
     assert!(
         pod["spec"]["volumes"]
             .as_array()
@@ -443,12 +451,252 @@ fn a_privileged_ssh_port_is_opened_to_the_image_user_in_the_pods_own_network() {
         assert!(command.contains(&format!(r#""-p","{port}""#)), "{command}");
         pod["spec"]["securityContext"].clone()
     };
-    let sysctl = |port: &str| json!({"fsGroup": 1000, "sysctls": [{"name": "net.ipv4.ip_unprivileged_port_start", "value": port}]});
+    let defaults = json!({"fsGroup": 1000, "runAsNonRoot": true, "seccompProfile": {"type": "RuntimeDefault"}});
+    let sysctl = |port: &str| {
+        let mut security = defaults.clone();
+        security["sysctls"] =
+            json!([{"name": "net.ipv4.ip_unprivileged_port_start", "value": port}]);
+        security
+    };
     assert_eq!(worker_security(Some(22)), sysctl("22"));
     assert_eq!(worker_security(Some(1023)), sysctl("1023"));
     // Ports that need no root are left as they are, the default among them.
-    assert_eq!(worker_security(Some(1024)), json!({"fsGroup": 1000}));
-    assert_eq!(worker_security(None), json!({"fsGroup": 1000}));
+    assert_eq!(worker_security(Some(1024)), defaults);
+    assert_eq!(worker_security(None), defaults);
+}
+
+/// The pods as typed objects, for the Pod Security checks.
+fn pods(job: &ValidatedTrainingJob) -> [(&'static str, Pod); 2] {
+    [
+        ("worker", build::worker_pod(job, 0, &inputs())),
+        ("launcher", build::launcher_pod(job, &inputs())),
+    ]
+}
+
+/// The Pod Security Standards as the API server's PodSecurity admission applies them: a CPU
+/// or GPU job's pods meet `restricted` (a privileged SSH port included: its sysctl is a safe
+/// one), so they run in a namespace labelled `pod-security.kubernetes.io/enforce=restricted`.
+/// InfiniBand workers add IPC_LOCK, which neither `restricted` nor `baseline` allows: that
+/// capability is all they break, so they need the `privileged` level (or an exemption);
+/// their launcher still meets `restricted`.
+#[test]
+fn training_pods_meet_restricted_but_infiniband_workers_whose_ipc_lock_needs_privileged() {
+    let cpu = sample("trainingjob-cpu-small.yaml", |_| {});
+    let cpu_port_22 = sample("trainingjob-cpu-small.yaml", |o| {
+        o["spec"]["mpi"] = json!({"sshPort": 22, "implementation": "MPICH"});
+    });
+    let gpu_without_infiniband = sample("trainingjob-resnet50-nd96asr-v4.yaml", |o| {
+        o["spec"]["infiniband"]["enabled"] = json!(false);
+    });
+    for job in [&cpu, &cpu_port_22, &gpu_without_infiniband] {
+        for (role, pod) in pods(job) {
+            let spec = pod.spec.unwrap();
+            assert_eq!(
+                violations(&spec, Level::Restricted),
+                Vec::<String>::new(),
+                "{} {role}",
+                job.name
+            );
+        }
+    }
+
+    let infiniband = gpu_job();
+    let [(_, worker), (_, launcher)] = pods(&infiniband);
+    let worker = worker.spec.unwrap();
+    let ipc_lock = "non-default capabilities (container \"worker\" must not include \"IPC_LOCK\" in securityContext.capabilities.add)";
+    assert_eq!(violations(&worker, Level::Baseline), [ipc_lock]);
+    let restricted = violations(&worker, Level::Restricted);
+    assert!(
+        restricted.iter().all(|v| v.contains("IPC_LOCK")),
+        "the rest of the worker is restricted: {restricted:?}"
+    );
+    assert_eq!(
+        violations(&launcher.spec.unwrap(), Level::Restricted),
+        Vec::<String>::new()
+    );
+    // Without InfiniBand nothing is added; with it, IPC_LOCK alone, every other dropped.
+    let capabilities = |job: &ValidatedTrainingJob| {
+        value(&build::worker_pod(job, 0, &inputs()))["spec"]["containers"][0]["securityContext"]
+            .clone()
+    };
+    assert_eq!(
+        capabilities(&infiniband),
+        json!({"allowPrivilegeEscalation": false, "capabilities": {"add": ["IPC_LOCK"], "drop": ["ALL"]}})
+    );
+    assert_eq!(
+        capabilities(&gpu_without_infiniband),
+        json!({"allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]}})
+    );
+}
+
+/// The user's `securityContext` and `containerSecurityContext` go over Ringmaster's, field by
+/// field: their settings win, the ones they leave alone stay Ringmaster's; their sysctls and
+/// added capabilities are added to Ringmaster's.
+#[test]
+fn security_overrides_win_field_by_field_over_the_defaults() {
+    let job = sample("trainingjob-resnet50-nd96asr-v4.yaml", |o| {
+        o["spec"]["mpi"] = json!({"sshPort": 22});
+        o["spec"]["worker"] = json!({
+            "securityContext": {
+                "runAsUser": 2000,
+                "runAsGroup": 2000,
+                "fsGroup": 3000,
+                "seccompProfile": {"type": "Localhost", "localhostProfile": "profiles/mpi.json"},
+                "sysctls": [{"name": "net.ipv4.tcp_keepalive_time", "value": "600"}],
+            },
+            "containerSecurityContext": {
+                "readOnlyRootFilesystem": true,
+                "capabilities": {"add": ["NET_BIND_SERVICE", "IPC_LOCK"]},
+            },
+        });
+        o["spec"]["launcher"] = json!({
+            "containerSecurityContext": {"capabilities": {"drop": ["NET_RAW"]}},
+        });
+    });
+    let worker = value(&build::worker_pod(&job, 0, &inputs()));
+    assert_eq!(
+        worker["spec"]["securityContext"],
+        json!({
+            "runAsNonRoot": true,
+            "runAsUser": 2000,
+            "runAsGroup": 2000,
+            "fsGroup": 3000,
+            "seccompProfile": {"type": "Localhost", "localhostProfile": "profiles/mpi.json"},
+            "sysctls": [
+                {"name": "net.ipv4.ip_unprivileged_port_start", "value": "22"},
+                {"name": "net.ipv4.tcp_keepalive_time", "value": "600"},
+            ],
+        })
+    );
+    assert_eq!(
+        worker["spec"]["containers"][0]["securityContext"],
+        json!({
+            "allowPrivilegeEscalation": false,
+            "readOnlyRootFilesystem": true,
+            "capabilities": {"add": ["IPC_LOCK", "NET_BIND_SERVICE"], "drop": ["ALL"]},
+        })
+    );
+    // A drop list of the user's replaces [ALL]; the launcher's pod keeps the defaults.
+    let launcher = value(&build::launcher_pod(&job, &inputs()));
+    assert_eq!(
+        launcher["spec"]["containers"][0]["securityContext"],
+        json!({"allowPrivilegeEscalation": false, "capabilities": {"drop": ["NET_RAW"]}})
+    );
+    assert_eq!(launcher["spec"]["securityContext"]["runAsNonRoot"], true);
+    // A sysctl of Ringmaster's name is the user's.
+    let job = sample("trainingjob-cpu-small.yaml", |o| {
+        o["spec"]["mpi"] = json!({"sshPort": 22});
+        o["spec"]["worker"]["securityContext"] =
+            json!({"sysctls": [{"name": "net.ipv4.ip_unprivileged_port_start", "value": "0"}]});
+    });
+    assert_eq!(
+        value(&build::worker_pod(&job, 0, &inputs()))["spec"]["securityContext"]["sysctls"],
+        json!([{"name": "net.ipv4.ip_unprivileged_port_start", "value": "0"}])
+    );
+}
+
+/// An image that runs as root (as many MPI images do) asks for it with `runAsUser: 0`:
+/// runAsNonRoot is then left unset, its container keeps the runtime's default capabilities
+/// (a root sshd's privilege separation needs SETUID, SETGID and SYS_CHROOT), and Open MPI's
+/// `mpirun` gets its consent to run as root, which a non-root launcher never gets. Such pods
+/// meet `baseline`, not `restricted`.
+#[test]
+fn a_root_image_asks_for_uid_0_and_only_then_gets_open_mpis_consent() {
+    let omp_root_env = |pod: &Value| -> Vec<String> {
+        pod["spec"]["containers"][0]["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|e| e["name"].as_str())
+            .filter(|n| n.starts_with("OMPI_ALLOW_RUN_AS_ROOT"))
+            .map(String::from)
+            .collect()
+    };
+    let job = sample("trainingjob-cpu-small.yaml", |_| {});
+    assert_eq!(
+        omp_root_env(&value(&build::launcher_pod(&job, &inputs()))),
+        Vec::<String>::new(),
+        "a non-root launcher"
+    );
+    for (as_root, where_) in [
+        (json!({"securityContext": {"runAsUser": 0}}), "the pod"),
+        (
+            json!({"containerSecurityContext": {"runAsUser": 0}}),
+            "the container",
+        ),
+        (
+            json!({"securityContext": {"runAsNonRoot": false}}),
+            "the image's user",
+        ),
+    ] {
+        let job = sample("trainingjob-cpu-small.yaml", |o| {
+            for role in ["worker", "launcher"] {
+                let overrides = o["spec"][role]
+                    .as_object_mut()
+                    .map(|o| o.clone())
+                    .unwrap_or_default();
+                let mut merged = Value::Object(overrides);
+                for (k, v) in as_root.as_object().unwrap() {
+                    merged[k] = v.clone();
+                }
+                o["spec"][role] = merged;
+            }
+        });
+        let launcher = value(&build::launcher_pod(&job, &inputs()));
+        assert_eq!(
+            omp_root_env(&launcher),
+            ["OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"],
+            "root in {where_}"
+        );
+        for (role, pod) in pods(&job) {
+            let json = value(&pod);
+            assert_ne!(
+                json["spec"]["securityContext"]["runAsNonRoot"], true,
+                "{role}, root in {where_}"
+            );
+            let container = &json["spec"]["containers"][0]["securityContext"];
+            assert_eq!(
+                (
+                    &container["allowPrivilegeEscalation"],
+                    container.get("capabilities")
+                ),
+                (&json!(false), None),
+                "{role}: the runtime's capabilities, root in {where_}"
+            );
+            let spec = pod.spec.unwrap();
+            assert_eq!(
+                violations(&spec, Level::Baseline),
+                Vec::<String>::new(),
+                "{role}"
+            );
+            assert!(!violations(&spec, Level::Restricted).is_empty(), "{role}");
+        }
+    }
+}
+
+/// A privileged container (the user's choice) is never told not to escalate, which the API
+/// server would refuse; the namespace's Pod Security level decides whether it runs.
+#[test]
+fn a_privileged_override_drops_the_escalation_default_and_breaks_baseline() {
+    for container in [
+        json!({"privileged": true}),
+        json!({"capabilities": {"add": ["SYS_ADMIN"]}}),
+    ] {
+        let job = sample("trainingjob-cpu-small.yaml", |o| {
+            o["spec"]["worker"]["containerSecurityContext"] = container.clone();
+        });
+        let worker = build::worker_pod(&job, 0, &inputs());
+        let json = value(&worker);
+        let security = &json["spec"]["containers"][0]["securityContext"];
+        assert!(
+            security.get("allowPrivilegeEscalation").is_none(),
+            "{security}"
+        );
+        assert!(
+            !violations(&worker.spec.unwrap(), Level::Baseline).is_empty(),
+            "{container}"
+        );
+    }
 }
 
 #[test]
@@ -692,6 +940,44 @@ fn the_worker_service_is_headless_and_publishes_unready_workers() {
         })
     );
     assert_eq!(service["spec"]["ports"][0]["port"], 2222);
+}
+
+/// sshd, the rendezvous and the ranks' MPI and NCCL ports are open to the job's own pods only
+/// (same namespace, same job and UID), whichever port they use.
+#[test]
+fn the_network_policy_admits_only_the_jobs_own_pods() {
+    let policy = value(&build::network_policy(&gpu_job(), ChildNaming::UidTagged));
+    assert_eq!(policy["metadata"]["name"], "resnet50-imagenet-gang-6f1c2");
+    assert_eq!(
+        policy["metadata"]["ownerReferences"][0]["uid"],
+        "6f1c2d3e-0000-4000-8000-00000000abcd"
+    );
+    let gang = json!({
+        "ringmaster.dev/job-name": "resnet50-imagenet",
+        "ringmaster.dev/job-uid": "6f1c2d3e-0000-4000-8000-00000000abcd",
+        "app.kubernetes.io/managed-by": "ringmaster",
+    });
+    let spec = &policy["spec"];
+    assert_eq!(spec["podSelector"]["matchLabels"], gang);
+    assert_eq!(spec["policyTypes"], json!(["Ingress"]));
+    // One rule: from pods of this job in this namespace (no namespaceSelector), any port.
+    assert_eq!(
+        spec["ingress"],
+        json!([{"from": [{"podSelector": {"matchLabels": gang}}]}])
+    );
+    // Every pod of the job is selected by it, the launcher too.
+    for pod in [
+        value(&build::worker_pod(&gpu_job(), 0, &inputs())),
+        value(&build::launcher_pod(&gpu_job(), &inputs())),
+    ] {
+        for (key, wanted) in gang.as_object().unwrap() {
+            assert_eq!(&pod["metadata"]["labels"][key], wanted, "{key}");
+        }
+    }
+    // A gang an older operator made has no UID label: the policy must still select it.
+    let untagged = value(&build::network_policy(&gpu_job(), ChildNaming::Untagged));
+    assert_eq!(untagged["metadata"]["name"], "resnet50-imagenet-gang");
+    assert!(untagged["spec"]["podSelector"]["matchLabels"]["ringmaster.dev/job-uid"].is_null());
 }
 
 /// The flags after `ringmaster-trainer train` in a launcher command.

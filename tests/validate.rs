@@ -188,3 +188,29 @@ fn defaults_are_filled_in() {
     assert_eq!(stage.endpoint, "https://mydatasets.blob.core.windows.net");
     assert!(stage.warnings.is_empty());
 }
+
+/// The flags that set hosts or counts are refused (the invalid fixtures); everyday mpirun
+/// flags, some of whose values look like them, pass.
+#[test]
+fn everyday_mpirun_flags_pass() {
+    let path = fixtures::root().join("config/samples/trainingjob-cpu-small.yaml");
+    let mut object = fixtures::ringmaster_objects(&path).remove(0);
+    object["spec"]["mpi"]["extraArgs"] = serde_json::json!([
+        "--bind-to",
+        "none",
+        "--map-by",
+        "slot",
+        "--mca",
+        "btl_tcp_if_include",
+        "eth0",
+        "-x",
+        "NCCL_DEBUG=INFO",
+        "--report-bindings",
+        "--tag-output",
+        "-genv",
+        "I_MPI_DEBUG=5",
+        "--display-map",
+        "-nolocal"
+    ]);
+    training_job::validate::validate_value(&object, None).expect("everyday mpirun flags");
+}

@@ -26,7 +26,7 @@ use serde_json::{Value, json};
 
 const CONTAINER: &str = "datasets";
 
-fn stage_object(name: &str, endpoint: &str, backoff_limit: u32) -> Value {
+fn stage_object(name: &str, ns: &str, endpoint: &str, backoff_limit: u32) -> Value {
     json!({
         "apiVersion": "ringmaster.dev/v1alpha1",
         "kind": "DataStage",
@@ -37,9 +37,11 @@ fn stage_object(name: &str, endpoint: &str, backoff_limit: u32) -> Value {
                 "container": CONTAINER,
                 "prefix": "tiny/",
                 "endpoint": endpoint,
+                "allowInsecureEndpoint": true,
                 "auth": {"sasTokenSecretRef": {"name": "blob-sas", "key": "sasToken"}},
             }},
-            "destination": {"nfs": {"server": "nfs.example.internal", "path": "/export/datasets"}, "subPath": name},
+            // The allow list gives each namespace /export/<namespace> (common::e2e_destinations).
+            "destination": {"nfs": {"server": "nfs.example.internal", "path": format!("/export/{ns}")}, "subPath": name},
             "capacity": "1Gi",
             "parallelism": 4,
             "backoffLimit": backoff_limit,
@@ -151,7 +153,7 @@ async fn a_datastage_binds_copies_with_progress_and_feeds_a_waiting_training_job
     apply(&client, &job, &ns.name, false).await.unwrap();
     apply(
         &client,
-        &stage_object("tiny", &azurite.endpoint(), 2),
+        &stage_object("tiny", &ns.name, &azurite.endpoint(), 2),
         &ns.name,
         false,
     )
@@ -173,6 +175,11 @@ async fn a_datastage_binds_copies_with_progress_and_feeds_a_waiting_training_job
         Some("Retain")
     );
     assert_eq!(spec.nfs.unwrap().server, "nfs.example.internal");
+    assert_eq!(
+        spec.mount_options,
+        Some(ringmaster::controller::data_stage::destinations::default_nfs_mount_options()),
+        "the admin's mount options (the allow list gives none: its defaults)"
+    );
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), &ns.name);
     let claim = claims.get("tiny-data").await.unwrap();
     assert_eq!(claim.status.unwrap().phase.as_deref(), Some("Bound"));
@@ -243,7 +250,7 @@ async fn a_datastage_binds_copies_with_progress_and_feeds_a_waiting_training_job
     assert!(!status.to_string().contains(&sas));
 
     // The stager's token may patch this DataStage's status and nothing else.
-    let other = stage_object("other", &azurite.endpoint(), 0);
+    let other = stage_object("other", &ns.name, &azurite.endpoint(), 0);
     apply(&client, &other, &ns.name, false).await.unwrap();
     let as_stager: Api<DataStage> = Api::namespaced(stager_client.clone(), &ns.name);
     let patch = json!({"status": {"progress": {"filesDone": 1}}});
@@ -345,7 +352,7 @@ async fn a_failed_copy_makes_the_datastage_failed_with_the_stagers_reason() {
     sas_secret(&client, &ns.name, "sv=2021-08-06&sig=wrong").await;
     apply(
         &client,
-        &stage_object("broken", "http://127.0.0.1:9/devstoreaccount1", 0),
+        &stage_object("broken", &ns.name, "http://127.0.0.1:9/devstoreaccount1", 0),
         &ns.name,
         false,
     )
@@ -396,7 +403,7 @@ async fn a_datastage_made_again_under_its_name_waits_for_the_first_ones_children
     let ns = TestNamespace::new(&client, "ds-again").await;
     let _operator = Operator::start(&client, &ns.name).await;
     sas_secret(&client, &ns.name, "sv=2021-08-06&sig=unused").await;
-    let stage = stage_object("again", "http://127.0.0.1:9/devstoreaccount1", 0);
+    let stage = stage_object("again", &ns.name, "http://127.0.0.1:9/devstoreaccount1", 0);
     apply(&client, &stage, &ns.name, false).await.unwrap();
     wait_stage_phase(&client, &ns.name, "again", "Copying").await;
     let first_pod = stager_pod(&client, &ns.name, "again-stage").await;
@@ -528,7 +535,7 @@ async fn a_datastage_leaves_a_service_account_of_its_stagers_name_that_is_not_it
         .unwrap();
     apply(
         &client,
-        &stage_object("clash", "http://127.0.0.1:9/devstoreaccount1", 0),
+        &stage_object("clash", &ns.name, "http://127.0.0.1:9/devstoreaccount1", 0),
         &ns.name,
         false,
     )
@@ -582,4 +589,72 @@ async fn a_datastage_leaves_a_service_account_of_its_stagers_name_that_is_not_it
         .uid()
         .unwrap();
     assert!(account.owner_references().iter().any(|o| o.uid == uid));
+}
+
+#[tokio::test]
+async fn a_destination_the_admin_does_not_allow_is_refused_and_gets_no_volume() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "ds-deny").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    let own_folder = format!("/export/{}", ns.name);
+    // Another namespace's folder on the allowed server; a server the admin did not list;
+    // mount options of the tenant's.
+    let cases = [
+        (
+            "theirs",
+            json!({"server": "nfs.example.internal", "path": "/export/team-b"}),
+            "spec.destination.nfs.path",
+        ),
+        (
+            "elsewhere",
+            json!({"server": "files.other-team.internal", "path": own_folder}),
+            "spec.destination.nfs.server",
+        ),
+        (
+            "options",
+            json!({"server": "nfs.example.internal", "path": own_folder, "mountOptions": ["nfsvers=3"]}),
+            "spec.destination.nfs.mountOptions",
+        ),
+    ];
+    for (name, nfs, field) in &cases {
+        let mut stage = stage_object(name, &ns.name, "https://acct.blob.core.windows.net", 0);
+        stage["spec"]["destination"]["nfs"] = nfs.clone();
+        apply(&client, &stage, &ns.name, false).await.unwrap();
+        eventually(Duration::from_secs(30), "SpecValid=False", || async {
+            let status = stage_status(&client, &ns.name, name).await;
+            let valid = condition(&status, "SpecValid");
+            valid["status"] == "False"
+                && valid["message"].as_str().is_some_and(|m| m.contains(field))
+        })
+        .await;
+    }
+    // No volume for any of them.
+    let volumes: Api<PersistentVolume> = Api::all(client.clone());
+    let ours = volumes
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|v| {
+            v.spec
+                .as_ref()
+                .and_then(|s| s.claim_ref.as_ref())
+                .and_then(|c| c.namespace.as_deref())
+                == Some(ns.name.as_str())
+        })
+        .count();
+    assert_eq!(ours, 0, "a refused destination gets no PersistentVolume");
+    // A plain http endpoint without allowInsecureEndpoint: refused at apply.
+    let mut plain = stage_object("plain", &ns.name, "http://acct.example:10000/acct", 0);
+    plain["spec"]["source"]["azureBlob"]
+        .as_object_mut()
+        .unwrap()
+        .remove("allowInsecureEndpoint");
+    let refused = apply(&client, &plain, &ns.name, false).await.unwrap_err();
+    assert!(
+        refused.to_string().contains("allowInsecureEndpoint"),
+        "{refused}"
+    );
 }

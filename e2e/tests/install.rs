@@ -5,6 +5,9 @@
 
 mod common;
 
+#[path = "../../tests/support/operator_rbac.rs"]
+mod operator_rbac;
+
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -186,6 +189,207 @@ async fn the_chart_lints_refuses_bad_values_and_matches_the_kustomize_bases() {
     assert_eq!(objects(&built), expected);
 }
 
+/// The ClusterRole and leader-election Role the chart renders, with Kueue and with each gang
+/// scheduler's API, grant exactly the calls the operator's code makes
+/// (tests/support/operator_rbac.rs lists them, and where they are made); the users'
+/// ClusterRoles are aggregated into the built-in ones unless `userRoles.aggregate=false`,
+/// and never write status.
+#[tokio::test]
+async fn the_chart_grants_the_operator_exactly_its_calls_and_users_aggregated_roles() {
+    let chart = chart();
+    let chart = chart.to_str().unwrap();
+    for (sets, kueue, gang) in [
+        (&[][..], false, None),
+        (&["kueue.enabled=true"][..], true, None),
+        (
+            &["gangScheduler=scheduler-plugins-scheduler"][..],
+            false,
+            Some("scheduling.x-k8s.io"),
+        ),
+        (
+            &["gangScheduler=volcano", "kueue.enabled=true"][..],
+            true,
+            Some("scheduling.volcano.sh"),
+        ),
+    ] {
+        let mut args = vec!["template", "x", chart, "--kube-version", "1.36.0"];
+        for set in sets {
+            args.extend(["--set", set]);
+        }
+        let (ok, out) = helm(&args).await;
+        assert!(ok, "{out}");
+        let objects = whole_objects(&out);
+        let rules = |kind: &str, name: &str| {
+            let key = (kind.to_string(), String::new(), name.to_string());
+            let object = objects
+                .iter()
+                .find(|((k, _, n), _)| (k, n) == (&key.0, &key.2))
+                .map(|(_, o)| o.clone())
+                .unwrap_or_else(|| panic!("no {kind} {name} with {sets:?}"));
+            operator_rbac::granted(&object["rules"])
+        };
+        let granted = rules("ClusterRole", "x-ringmaster");
+        let expected = operator_rbac::expected(operator_rbac::CLUSTER_CALLS, kueue, gang);
+        assert_eq!(
+            (
+                granted.difference(&expected).collect::<Vec<_>>(),
+                expected.difference(&granted).collect::<Vec<_>>()
+            ),
+            (vec![], vec![]),
+            "(granted but not called, called but not granted) with {sets:?}"
+        );
+        assert_eq!(
+            rules("Role", "x-ringmaster-leader-election"),
+            operator_rbac::expected(operator_rbac::LEADER_CALLS, false, None)
+        );
+        for name in ["x-ringmaster-edit", "x-ringmaster-view"] {
+            assert!(
+                rules("ClusterRole", name)
+                    .iter()
+                    .all(
+                        |(group, resource, _)| group == "ringmaster.dev" && !resource.contains('/')
+                    ),
+                "{name}"
+            );
+        }
+    }
+    // Aggregation is the default, and can be turned off (the roles stay, to bind by hand).
+    for (set, aggregated) in [
+        ("userRoles.aggregate=true", true),
+        ("userRoles.aggregate=false", false),
+    ] {
+        let (ok, out) = template_with(chart, set).await;
+        assert!(ok, "{out}");
+        let objects = whole_objects(&out);
+        for (name, label) in [
+            (
+                "x-ringmaster-edit",
+                "rbac.authorization.k8s.io/aggregate-to-edit",
+            ),
+            (
+                "x-ringmaster-edit",
+                "rbac.authorization.k8s.io/aggregate-to-admin",
+            ),
+            (
+                "x-ringmaster-view",
+                "rbac.authorization.k8s.io/aggregate-to-view",
+            ),
+        ] {
+            let role = &objects[&("ClusterRole".to_string(), String::new(), name.to_string())];
+            assert_eq!(
+                role["metadata"]["labels"][label] == "true",
+                aggregated,
+                "{name} {label} with {set}"
+            );
+        }
+    }
+}
+
+/// A namespace's editors may create TrainingJobs and DataStages and its viewers read them,
+/// through the built-in `edit` and `view` ClusterRoles the chart's roles are aggregated into;
+/// neither may write their status.
+#[tokio::test]
+async fn a_namespaces_editors_use_ringmaster_and_its_viewers_read_it_but_neither_writes_status() {
+    use k8s_openapi::api::authorization::v1::{
+        ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+    };
+    use k8s_openapi::api::rbac::v1::RoleBinding;
+    let admin = client().await;
+    ensure_crds(&admin).await;
+    let system = TestNamespace::new(&admin, "rm-roles").await;
+    let work = TestNamespace::new(&admin, "rm-team").await;
+    let release = format!("rm-{}", &system.name[system.name.len() - 6..]);
+    let (ok, out) = helm(&[
+        "install",
+        &release,
+        chart().to_str().unwrap(),
+        "--namespace",
+        &system.name,
+        "--set",
+        "replicaCount=1",
+        "--set",
+        "metrics.serviceMonitor.enabled=false",
+    ])
+    .await;
+    assert!(ok, "{out}");
+    // alice edits the team's namespace, bob views it: bound to the built-in roles only.
+    let bindings: Api<RoleBinding> = Api::namespaced(admin.clone(), &work.name);
+    for (user, role) in [("alice", "edit"), ("bob", "view")] {
+        let binding = serde_json::from_value(json!({
+            "metadata": {"name": user},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}],
+        }))
+        .unwrap();
+        bindings
+            .create(&Default::default(), &binding)
+            .await
+            .unwrap();
+    }
+    let may = |user: &'static str, verb: &'static str, resource: &'static str| {
+        let admin = admin.clone();
+        let namespace = work.name.clone();
+        async move {
+            let (resource, subresource) = resource.split_once('/').unwrap_or((resource, ""));
+            let review = SubjectAccessReview {
+                spec: SubjectAccessReviewSpec {
+                    user: Some(user.into()),
+                    resource_attributes: Some(ResourceAttributes {
+                        group: Some("ringmaster.dev".into()),
+                        resource: Some(resource.into()),
+                        subresource: (!subresource.is_empty()).then(|| subresource.into()),
+                        verb: Some(verb.into()),
+                        namespace: Some(namespace),
+                        ..ResourceAttributes::default()
+                    }),
+                    ..SubjectAccessReviewSpec::default()
+                },
+                ..SubjectAccessReview::default()
+            };
+            Api::<SubjectAccessReview>::all(admin)
+                .create(&Default::default(), &review)
+                .await
+                .unwrap()
+                .status
+                .is_some_and(|s| s.allowed)
+        }
+    };
+    // The aggregation controller fills the built-in roles within moments of the install.
+    eventually(
+        Duration::from_secs(30),
+        "edit and view aggregate Ringmaster's roles",
+        || async {
+            may("alice", "create", "trainingjobs").await && may("bob", "list", "datastages").await
+        },
+    )
+    .await;
+    for resource in ["trainingjobs", "datastages"] {
+        for verb in [
+            "create", "update", "patch", "delete", "get", "list", "watch",
+        ] {
+            assert!(
+                may("alice", verb, resource).await,
+                "alice {verb} {resource}"
+            );
+        }
+        for verb in ["get", "list", "watch"] {
+            assert!(may("bob", verb, resource).await, "bob {verb} {resource}");
+        }
+        for verb in ["create", "update", "patch", "delete"] {
+            assert!(!may("bob", verb, resource).await, "bob {verb} {resource}");
+        }
+    }
+    for resource in ["trainingjobs/status", "datastages/status"] {
+        for verb in ["update", "patch"] {
+            for user in ["alice", "bob"] {
+                assert!(!may(user, verb, resource).await, "{user} {verb} {resource}");
+            }
+        }
+    }
+    let (ok, out) = helm(&["uninstall", &release, "--namespace", &system.name, "--wait"]).await;
+    assert!(ok, "{out}");
+}
+
 #[tokio::test]
 async fn helm_install_gives_the_operator_exactly_enough_rights_and_uninstall_leaves_only_crds() {
     let _ = tracing_subscriber::fmt()
@@ -247,6 +451,7 @@ async fn helm_install_gives_the_operator_exactly_enough_rights_and_uninstall_lea
             restart_backoff: Duration::from_millis(500),
             // As the chart's Deployment passes it.
             launcher_priority_class: Some(format!("{full_name}-launcher")),
+            data_stage_destinations: common::e2e_destinations(),
             ..OperatorConfig::default()
         },
     ));
@@ -288,7 +493,7 @@ async fn helm_install_gives_the_operator_exactly_enough_rights_and_uninstall_lea
     let stage = json!({
         "apiVersion": "ringmaster.dev/v1alpha1", "kind": "DataStage", "metadata": {"name": "rbac"},
         "spec": {"source": {"azureBlob": {"account": "acct", "container": "data", "auth": {"sasTokenSecretRef": {"name": "sas", "key": "token"}}}},
-                 "destination": {"nfs": {"server": "nfs.example.internal", "path": "/export"}}, "capacity": "1Gi"},
+                 "destination": {"nfs": {"server": "nfs.example.internal", "path": format!("/export/{}", work.name)}}, "capacity": "1Gi"},
     });
     apply(&admin, &stage, &work.name, false).await.unwrap();
     let jobs: Api<TrainingJob> = Api::namespaced(admin.clone(), &work.name);
@@ -318,6 +523,33 @@ async fn helm_install_gives_the_operator_exactly_enough_rights_and_uninstall_lea
     )
     .await;
     assert!(!task.is_finished(), "the operator stopped: {:?}", task);
+    // A copy Job made again (deleted by hand here) finds the stager's ServiceAccount, Role and
+    // RoleBinding there and uses them as they are: the chart grants no patch on them.
+    let copy_jobs: Api<k8s_openapi::api::batch::v1::Job> =
+        Api::namespaced(admin.clone(), &work.name);
+    let first = copy_jobs.get("rbac-stage").await.unwrap().metadata.uid;
+    copy_jobs
+        .delete("rbac-stage", &DeleteParams::background())
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(90),
+        "the copy Job made again",
+        || async {
+            copy_jobs
+                .get_opt("rbac-stage")
+                .await
+                .unwrap()
+                .is_some_and(|job| job.metadata.uid != first)
+        },
+    )
+    .await;
+    let stage_status = serde_json::to_value(stages.get("rbac").await.unwrap().status).unwrap();
+    assert_ne!(
+        common::condition(&stage_status, "Stalled")["reason"],
+        "ChildRejected",
+        "{stage_status:#}"
+    );
     // Its launcher was admitted with the chart's class, as the chart's ServiceAccount.
     let launcher = Api::<k8s_openapi::api::core::v1::Pod>::namespaced(admin.clone(), &work.name)
         .get("rbac-launcher")

@@ -28,7 +28,8 @@ use serde_json::{Value, json};
 /// The trainer image node.sh imports: the Dockerfile's trainer recipe on Debian, run as
 /// uid 1000 like the published image.
 const IMAGE: &str = "ringmaster.local/ringmaster-trainer:e2e";
-/// The same files, run as root (as many MPI images are).
+/// The same files, run as root (as many MPI images are). Jobs on it say `runAsUser: 0`
+/// ([`as_root`]): Ringmaster's pods are non-root otherwise.
 const ROOT_IMAGE: &str = "ringmaster.local/ringmaster-trainer:e2e-root";
 /// The image DataStage copy Jobs run: the Dockerfile's operator image (entrypoint
 /// `ringmaster`, uid 65532), made from the same files.
@@ -58,6 +59,32 @@ fn sample_on_real_node(name: &str, edit: impl FnOnce(&mut Value)) -> Value {
     }
     edit(spec);
     job
+}
+
+/// `spec` runs [`ROOT_IMAGE`] as root, as an image that runs as root must ask: `runAsUser: 0`
+/// on the workers and the launcher.
+fn as_root(spec: &mut Value) {
+    spec["image"] = json!(ROOT_IMAGE);
+    for role in ["worker", "launcher"] {
+        spec[role]["securityContext"] = json!({"runAsUser": 0});
+    }
+}
+
+/// Has the namespace's Pod Security admission enforce `level` (restricted, baseline or
+/// privileged), as a cluster administrator labels a namespace.
+async fn enforce_pod_security(client: &kube::Client, ns: &str, level: &str) {
+    let patch = json!({"metadata": {"labels": {
+        "pod-security.kubernetes.io/enforce": level,
+        "pod-security.kubernetes.io/enforce-version": "latest",
+    }}});
+    Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
+        .patch(
+            ns,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await
+        .unwrap();
 }
 
 /// `kubectl exec` into a pod's only container; its stdout.
@@ -258,7 +285,7 @@ async fn mpich_trains_across_real_pods_as_root() {
     let ns = TestNamespace::new(&client, "real-mpich").await;
     let _operator = Operator::start(&client, &ns.name).await;
     let job = sample_on_real_node("mpich", |spec| {
-        spec["image"] = json!(ROOT_IMAGE);
+        as_root(spec);
         spec["mpi"] = json!({"implementation": "MPICH"});
         spec["trainer"]["imageSize"] = json!(32);
         spec["trainer"]["steps"] = json!(8);
@@ -276,6 +303,105 @@ async fn mpich_trains_across_real_pods_as_root() {
     let status = wait_phase(&client, &ns.name, "mpich", TrainingJobPhase::Succeeded, 300).await;
     let summary = launcher_summary(&client, &ns.name, "mpich").await;
     assert_result_is_the_trainers(&status, &summary, 8);
+}
+
+/// In a namespace whose Pod Security admission enforces `restricted`, the CPU sample's pods
+/// are admitted as Ringmaster builds them (non-root, no privilege escalation, every
+/// capability dropped, seccomp RuntimeDefault) and the job succeeds. A job whose pods the
+/// namespace refuses (InfiniBand's IPC_LOCK; a worker override adding NET_ADMIN, which no
+/// level below `privileged` allows either) is `Stalled` with reason `ChildRejected` and the admission's own words, with a
+/// Warning Event, while the operator retries with backoff: never a silent retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cpu_sample_succeeds_where_restricted_is_enforced_and_refused_pods_stall_their_job() {
+    let _node = REAL_NODE_IN_USE.lock().await;
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "real-restricted").await;
+    enforce_pod_security(&client, &ns.name, "restricted").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+
+    let infiniband = sample_on_real_node("infiniband", |spec| {
+        spec["gpusPerWorker"] = json!(2);
+        spec["infiniband"] = json!({"enabled": true});
+    });
+    // (Not `privileged: true`: an API server run with --allow-privileged=false, the flag's
+    // default, refuses that before Pod Security admission does.)
+    let net_admin = sample_on_real_node("net-admin", |spec| {
+        spec["worker"]["containerSecurityContext"] =
+            json!({"capabilities": {"add": ["NET_ADMIN"]}});
+    });
+    for job in [&infiniband, &net_admin] {
+        apply(&client, job, &ns.name, false).await.unwrap();
+    }
+    let job = sample_on_real_node("sample", |_| {});
+    apply(&client, &job, &ns.name, false).await.unwrap();
+
+    for (name, words) in [("infiniband", "IPC_LOCK"), ("net-admin", "NET_ADMIN")] {
+        eventually(
+            Duration::from_secs(60),
+            &format!("{name}: Stalled=True, ChildRejected"),
+            || async {
+                let status = common::job_status(&client, &ns.name, name).await;
+                let stalled = common::condition(&status, "Stalled");
+                stalled["status"] == "True" && stalled["reason"] == "ChildRejected"
+            },
+        )
+        .await;
+        let status = common::job_status(&client, &ns.name, name).await;
+        let message = common::condition(&status, "Stalled")["message"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(
+            message.starts_with(&format!("creating Pod {name}-worker-"))
+                && message.contains("violates PodSecurity \"restricted:latest\"")
+                && message.contains(words),
+            "{message}"
+        );
+        assert_eq!(
+            common::condition(&status, "Ready")["reason"],
+            "ChildRejected"
+        );
+        eventually(
+            Duration::from_secs(30),
+            &format!("{name}: a ChildRejected Warning Event"),
+            || async {
+                !common::warnings_for(&client, &ns.name, name, "ChildRejected")
+                    .await
+                    .is_empty()
+            },
+        )
+        .await;
+        assert!(
+            pods(&client, &ns.name, name).await.is_empty(),
+            "{name}: no pod was admitted"
+        );
+    }
+
+    let status = wait_phase(
+        &client,
+        &ns.name,
+        "sample",
+        TrainingJobPhase::Succeeded,
+        300,
+    )
+    .await;
+    assert_eq!(status["restarts"], 0, "{status:#}");
+    let summary = launcher_summary(&client, &ns.name, "sample").await;
+    assert_result_is_the_trainers(
+        &status,
+        &summary,
+        job["spec"]["trainer"]["steps"].as_u64().unwrap(),
+    );
+    // The refused jobs are still said to be refused: the retries met the same refusal.
+    for name in ["infiniband", "net-admin"] {
+        let status = common::job_status(&client, &ns.name, name).await;
+        assert_eq!(
+            common::condition(&status, "Stalled")["reason"],
+            "ChildRejected",
+            "{status:#}"
+        );
+    }
 }
 
 /// The job's Ready condition once its reason is `reason`, and the Warning Events of that
@@ -389,13 +515,15 @@ async fn every_rank_gets_the_worker_environment_with_its_own_workers_values() {
     let _operator = Operator::start(&client, &ns.name).await;
     // Open MPI as the image's user, and MPICH's Hydra as root: each passes the worker's
     // session environment on to its ranks.
-    for (name, implementation, image, rank_var) in [
-        ("env", "OpenMPI", IMAGE, "OMPI_COMM_WORLD_RANK"),
-        ("env-mpich", "MPICH", ROOT_IMAGE, "PMI_RANK"),
+    for (name, implementation, root, rank_var) in [
+        ("env", "OpenMPI", false, "OMPI_COMM_WORLD_RANK"),
+        ("env-mpich", "MPICH", true, "PMI_RANK"),
     ] {
         let job = sample_on_real_node(name, |spec| {
             spec.as_object_mut().unwrap().remove("trainer");
-            spec["image"] = json!(image);
+            if root {
+                as_root(spec);
+            }
             spec["mpi"] = json!({"implementation": implementation});
             spec["command"] = json!([
                 "sh",
@@ -685,6 +813,8 @@ async fn a_datastage_copies_from_azurite_onto_the_node_and_a_job_trains_on_the_f
     let client = client().await;
     ensure_crds(&client).await;
     let ns = TestNamespace::new(&client, "real-data").await;
+    // The stager and the training pods all meet `restricted`.
+    enforce_pod_security(&client, &ns.name, "restricted").await;
     let _operator = Operator::start_with(
         &client,
         &ns.name,
@@ -744,6 +874,7 @@ async fn a_datastage_copies_from_azurite_onto_the_node_and_a_job_trains_on_the_f
                 "container": "datasets",
                 "prefix": "tiny/",
                 "endpoint": azurite.endpoint(),
+                "allowInsecureEndpoint": true,
                 "auth": {"sasTokenSecretRef": {"name": "blob-sas", "key": "sasToken"}},
             }},
             "destination": {"existingClaim": {"claimName": "tiny-local"}},

@@ -12,5 +12,5 @@ render() {
   "$helm" template ringmaster "$root/charts/ringmaster" --namespace ringmaster-system \
     --kube-version 1.36.0 --set kustomize=true "${args[@]}"
 }
-render serviceaccount.yaml clusterrole.yaml leader-election-role.yaml > "$root/config/rbac/rbac.yaml"
+render serviceaccount.yaml clusterrole.yaml leader-election-role.yaml user-roles.yaml > "$root/config/rbac/rbac.yaml"
 render deployment.yaml service.yaml poddisruptionbudget.yaml > "$root/config/manager/manager.yaml"

@@ -140,6 +140,9 @@ pub struct Source {
 /// A prefix of an Azure Blob Storage container.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.endpoint) || !self.endpoint.startsWith('http://') || (has(self.allowInsecureEndpoint) && self.allowInsecureEndpoint)")
+    .message("endpoint is plain http: the credentials would cross the network in the clear; use https, or set allowInsecureEndpoint: true for an emulator on a trusted network")
+    .field_path(".endpoint"))]
 pub struct AzureBlobSource {
     /// Storage account name (3-24 lowercase letters and digits).
     #[schemars(regex(pattern = r"^[a-z0-9]{3,24}$"))]
@@ -156,13 +159,18 @@ pub struct AzureBlobSource {
     #[schemars(length(max = 1024))]
     pub prefix: String,
     /// Blob service endpoint, for sovereign clouds or the Azurite emulator, e.g.
-    /// https://myaccount.blob.core.chinacloudapi.cn or http://127.0.0.1:10000/devstoreaccount1.
-    /// Default: https://ACCOUNT.blob.core.windows.net.
+    /// https://myaccount.blob.core.chinacloudapi.cn or http://127.0.0.1:10000/devstoreaccount1
+    /// (plain http needs allowInsecureEndpoint). Default:
+    /// https://ACCOUNT.blob.core.windows.net.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 2048), regex(pattern = r"^https?://[^\s]+$"))]
     #[x_kube(validation = Rule::new("!self.contains('?') && !self.contains('#')")
         .message("endpoint is the blob service's URL alone: a SAS token (a query such as ?sv=...&sig=...) goes in a Secret named by auth.sasTokenSecretRef"))]
     pub endpoint: Option<String>,
+    /// Allow a plain http endpoint: the credentials then cross the network in the clear. For
+    /// an emulator on a trusted network (Azurite) only. Default: false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_insecure_endpoint: bool,
     /// How the stager signs in: exactly one of sasTokenSecretRef, workloadIdentity and
     /// accountKeySecretRef.
     pub auth: BlobAuth,
@@ -230,20 +238,17 @@ pub struct NfsDestination {
     /// Host name or IP address of the NFS server.
     #[schemars(length(min = 1, max = 253))]
     pub server: String,
-    /// Exported path on the server.
+    /// Exported path on the server: the cluster admin allows each namespace only its own
+    /// folder of an export (`<export's path>/<namespace>`, see the operator setting
+    /// `dataStage.destinations`).
     #[schemars(length(max = 1024), regex(pattern = r"^/.*$"))]
     pub path: String,
-    /// Mount options of the PersistentVolume. Default: nfsvers=4.1, nconnect=8 (several TCP
-    /// connections per mount: much faster reads on Azure), hard, noatime.
-    #[serde(default = "default_nfs_mount_options")]
+    /// Mount options are the cluster admin's (operator setting `dataStage.destinations`):
+    /// leave this out. Kept for DataStages written before; one that differs from the
+    /// admin's is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 32))]
-    pub mount_options: Vec<String>,
-}
-
-fn default_nfs_mount_options() -> Vec<String> {
-    ["nfsvers=4.1", "nconnect=8", "hard", "noatime"]
-        .map(String::from)
-        .to_vec()
+    pub mount_options: Option<Vec<String>>,
 }
 
 /// An Azure Files NFS share.
@@ -260,16 +265,12 @@ pub struct AzureFileNfsDestination {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 90))]
     pub resource_group: Option<String>,
-    /// Mount options of the PersistentVolume. Default: nconnect=4, noresvport, actimeo=30.
-    #[serde(default = "default_azure_file_mount_options")]
+    /// Mount options are the cluster admin's (operator setting `dataStage.destinations`):
+    /// leave this out. Kept for DataStages written before; one that differs from the
+    /// admin's is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 32))]
-    pub mount_options: Vec<String>,
-}
-
-fn default_azure_file_mount_options() -> Vec<String> {
-    ["nconnect=4", "noresvport", "actimeo=30"]
-        .map(String::from)
-        .to_vec()
+    pub mount_options: Option<Vec<String>>,
 }
 
 /// A claim that exists.

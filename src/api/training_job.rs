@@ -5,7 +5,10 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements, Toleration, Volume, VolumeMount};
+use k8s_openapi::api::core::v1::{
+    EnvVar, PodSecurityContext, ResourceRequirements, SecurityContext, Toleration, Volume,
+    VolumeMount,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::core::Rule;
@@ -397,7 +400,9 @@ pub struct AzureFileOutput {
 #[serde(rename_all = "camelCase")]
 pub struct InfinibandSpec {
     /// Use InfiniBand: request the RDMA resource, add IPC_LOCK, mount /dev/shm in memory and
-    /// point NCCL at the IB devices. Default: true.
+    /// point NCCL at the IB devices. Default: true. Adding IPC_LOCK is beyond the Pod Security
+    /// levels `restricted` and `baseline`: the job's namespace must allow `privileged` (or
+    /// exempt it), or its workers are refused.
     #[serde(default = "default_true")]
     pub enabled: bool,
     /// The extended resource the RDMA device plugin advertises. Default: rdma/shared_ib (the
@@ -519,20 +524,26 @@ pub struct MpiSpec {
     /// Port the workers' sshd listens on. Default: 2222. A port below 1024 (22, as some MPI
     /// images expect) works for images that run as a user other than root too: the worker
     /// pods then set the namespaced sysctl `net.ipv4.ip_unprivileged_port_start` to it,
-    /// which the kubelet allows by default and affects only the pod's own network (a
-    /// cluster policy that forbids all sysctls refuses such workers; the job says so).
+    /// which the kubelet allows by default and affects only the pod's own network (one of
+    /// the "safe" sysctls every Pod Security level allows; a cluster policy that forbids all
+    /// sysctls refuses such workers, and the job says so).
     #[serde(default = "default_ssh_port")]
     #[schemars(range(min = 1, max = 65535))]
     #[x_kube(validation = Rule::new("self != 29500")
         .message("29500 is the trainers' rendezvous port on every worker: pick another sshPort"))]
     pub ssh_port: i32,
     /// Further arguments for mpirun (or mpiexec), placed before the program. The process
-    /// count and the hosts are Ringmaster's to set.
+    /// count, the hosts and the processes per host are Ringmaster's to set (from `workers`
+    /// and `slotsPerWorker`, in the hostfile): flags that set them (`-np`, `-H`/`--host`,
+    /// `--hostfile`, `-npernode`, `--map-by ppr:…`, Hydra's `-hosts`, `-f`, `-ppn`, …),
+    /// with a value after them or after `=`, are refused. At most 64 arguments of at most
+    /// 1024 characters each.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 64))]
+    // The bounds keep the API server's CEL cost estimate within its budget.
+    #[schemars(length(max = 64), inner(length(max = 1024)))]
     #[x_kube(validation = Rule::new(
-        "self.all(a, !(a in ['-n', '-np', '--np', '-c', '-hostfile', '--hostfile', '-machinefile', '--machinefile', '-H', '--host', '-f']))"
-    ).message("mpi.extraArgs must not set the process count or the hosts: Ringmaster sets them from workers and slotsPerWorker"))]
+        "self.all(a, !a.matches('^--?(n|np|c|N|H|f|host|hosts|hostfile|default-hostfile|machine|machinefile|npernode|npersocket|ppn|perhost|rr|rf|rankfile)(=.*)?$') && !a.matches('^(--?map-by=)?ppr:'))"
+    ).message("mpi.extraArgs must not set the process count, the hosts or the processes per host: Ringmaster sets them from workers and slotsPerWorker (the hostfile)"))]
     pub extra_args: Vec<String>,
 }
 
@@ -567,6 +578,8 @@ pub enum MpiImplementation {
 /// Additions to a pod that Ringmaster builds.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new(pod_security::RUNS_AS_ROOT_AND_NON_ROOT)
+    .message("runAsNonRoot: true and runAsUser: 0 (in securityContext or containerSecurityContext; the container's win) contradict each other: the kubelet would refuse to start the container. To run as root, set runAsUser: 0 alone (Ringmaster then leaves runAsNonRoot unset)"))]
 pub struct PodOverrides {
     /// Environment variables added to the main container (after Ringmaster's own).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -620,6 +633,51 @@ pub struct PodOverrides {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 253))]
     pub priority_class_name: Option<String>,
+    /// The pod's security context, over Ringmaster's (each field you set wins): `runAsNonRoot:
+    /// true` (unless you set `runAsUser: 0`: for an image that must run as root), `seccompProfile:
+    /// RuntimeDefault`, `fsGroup: 1000` (the group the SSH key is readable by), and on workers
+    /// with an `mpi.sshPort` below 1024 the sysctl `net.ipv4.ip_unprivileged_port_start`
+    /// (`sysctls` are added to it, yours winning by name). With these the pod meets the
+    /// Pod Security Standard `restricted` (`baseline` with InfiniBand, whose IPC_LOCK neither
+    /// allows).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = pod_security::localhost_profile())]
+    pub security_context: Option<PodSecurityContext>,
+    /// The main container's security context, over Ringmaster's (each field you set wins):
+    /// `allowPrivilegeEscalation: false` (unless you set `privileged: true` or add SYS_ADMIN)
+    /// and `capabilities.drop: [ALL]` (not for a container that runs as root: sshd needs the
+    /// runtime's default capabilities for its privilege separation). `capabilities.add` is
+    /// added to Ringmaster's (IPC_LOCK on InfiniBand workers); `capabilities.drop`, when set,
+    /// replaces `[ALL]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(
+        validation = pod_security::localhost_profile(),
+        validation = Rule::new(pod_security::PRIVILEGED_WITHOUT_ESCALATION)
+            .message("allowPrivilegeEscalation: false cannot go with privileged: true (a privileged container can always escalate): leave allowPrivilegeEscalation unset"),
+    )]
+    pub container_security_context: Option<SecurityContext>,
+}
+
+/// CEL rules over the security contexts of [`PodOverrides`]: combinations Kubernetes refuses
+/// on the pod (or the kubelet when it starts it), refused on the spec instead. Scalars only:
+/// a rule over an unbounded list (`capabilities.add`) would cost the API server too much
+/// (the operator's validate step checks those).
+mod pod_security {
+    use kube::core::Rule;
+
+    /// The container's `runAsNonRoot` (else the pod's) is true and its `runAsUser` (else the
+    /// pod's) is 0.
+    pub const RUNS_AS_ROOT_AND_NON_ROOT: &str = "!((has(self.containerSecurityContext) && has(self.containerSecurityContext.runAsNonRoot) ? self.containerSecurityContext.runAsNonRoot : (has(self.securityContext) && has(self.securityContext.runAsNonRoot) && self.securityContext.runAsNonRoot)) && (has(self.containerSecurityContext) && has(self.containerSecurityContext.runAsUser) ? self.containerSecurityContext.runAsUser == 0 : (has(self.securityContext) && has(self.securityContext.runAsUser) && self.securityContext.runAsUser == 0)))";
+
+    /// `privileged: true` with `allowPrivilegeEscalation: false`, which the API server refuses.
+    pub const PRIVILEGED_WITHOUT_ESCALATION: &str = "!(has(self.privileged) && self.privileged && has(self.allowPrivilegeEscalation) && !self.allowPrivilegeEscalation)";
+
+    /// A seccomp profile names a file exactly when its type is Localhost.
+    pub fn localhost_profile() -> Rule {
+        Rule::new("!has(self.seccompProfile) || (self.seccompProfile.type == 'Localhost') == (has(self.seccompProfile.localhostProfile) && self.seccompProfile.localhostProfile != '')")
+            .message("seccompProfile.localhostProfile is set exactly when seccompProfile.type is Localhost (the other types are RuntimeDefault and Unconfined)")
+            .field_path(".seccompProfile")
+    }
 }
 
 /// Restarts, deadlines, clean-up and suspension.

@@ -139,6 +139,11 @@ pub struct OperatorConfig {
     /// The PriorityClass of launchers whose job sets none, so that a job whose workers are
     /// ready does not wait for the scheduler to place every other pod first. `None`: none.
     pub launcher_priority_class: Option<String>,
+    /// Where DataStages may write: the NFS exports and Azure Files shares the cluster admin
+    /// allows, per namespace. Empty: only `existingClaim`.
+    pub data_stage_destinations: data_stage::destinations::AllowedDestinations,
+    /// Give each TrainingJob a NetworkPolicy that admits to its pods only its own pods.
+    pub job_network_policies: bool,
 }
 
 /// The operator image of this version, which also runs the stager.
@@ -157,6 +162,8 @@ impl Default for OperatorConfig {
             kueue: false,
             gang_scheduler: None,
             launcher_priority_class: None,
+            data_stage_destinations: Default::default(),
+            job_network_policies: true,
         }
     }
 }

@@ -229,6 +229,7 @@ impl Operator {
             namespace,
             OperatorConfig {
                 restart_backoff: Duration::from_millis(500),
+                data_stage_destinations: e2e_destinations(),
                 ..OperatorConfig::default()
             },
         )
@@ -641,4 +642,14 @@ where
         }
     }
     panic!("holding {name}: 20 conflicts");
+}
+
+/// The DataStage destinations the tests' operators allow, as an admin's Helm values would:
+/// the NFS server the tests name (it does not exist: KWOK never mounts), each namespace under
+/// `/export/<namespace>`.
+pub fn e2e_destinations() -> ringmaster::controller::data_stage::destinations::AllowedDestinations {
+    ringmaster::controller::data_stage::destinations::AllowedDestinations::parse(
+        r#"{"nfs": [{"server": "nfs.example.internal", "path": "/export"}]}"#,
+    )
+    .expect("the tests' allow list parses")
 }

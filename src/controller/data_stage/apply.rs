@@ -195,18 +195,34 @@ where
     Err(ApplyError::Contended { kind, name })
 }
 
-/// [`write_child`] after a read of who holds the name.
-async fn write_unless_not_ours<K>(
+/// Creates `object` when its name is free; the DataStage's own object of that name is used
+/// as it is, never changed (what Ringmaster builds for these depends on the DataStage's name
+/// and source alone, which do not change), so the operator needs no right to patch or update
+/// ServiceAccounts, Roles and RoleBindings, which it would hold in every namespace. Returns
+/// the object there when it is not the DataStage's.
+async fn create_unless_held<K>(
     api: &Api<K>,
     kind: &'static str,
     object: &K,
     stage: &ValidatedDataStage,
-) -> Result<Result<K, NotOurs>, ApplyError>
+) -> Result<Option<NotOurs>, ApplyError>
 where
     K: Resource + serde::Serialize + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
-    let held = holder(api, kind, &object.name_any(), stage).await?;
-    write_child(api, kind, object, stage, held).await
+    let name = object.name_any();
+    // A name taken between the read and the create is read again (as in [`write_child`]).
+    for _ in 0..3 {
+        match holder(api, kind, &name, stage).await? {
+            Holder::Ours => return Ok(None),
+            Holder::NotOurs(not_ours) => return Ok(Some(not_ours)),
+            Holder::Free => match api.create(&PostParams::default(), object).await {
+                Ok(_) => return Ok(None),
+                Err(e) if is_conflict(&e) => continue,
+                Err(e) => return Err(kube_error("create", kind, &name)(e)),
+            },
+        }
+    }
+    Err(ApplyError::Contended { kind, name })
 }
 
 /// Writes the claim, unless a claim of its name is not this DataStage's, then the volume
@@ -255,9 +271,9 @@ pub async fn storage(
     })
 }
 
-/// Applies the stager's ServiceAccount (unless it runs as the user's), Role and RoleBinding,
-/// just before its Job is made: the first of them whose name an object not this DataStage's
-/// holds, if any.
+/// Creates the stager's ServiceAccount (unless it runs as the user's), Role and RoleBinding
+/// where they are missing, just before its Job is made: the first of them whose name an
+/// object not this DataStage's holds, if any ([`create_unless_held`]).
 async fn stager_rbac(
     client: &Client,
     stage: &ValidatedDataStage,
@@ -265,19 +281,16 @@ async fn stager_rbac(
     let ns = &stage.namespace;
     if let Some(account) = build::service_account(stage) {
         let api: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
-        if let Err(held) = write_unless_not_ours(&api, "ServiceAccount", &account, stage).await? {
+        if let Some(held) = create_unless_held(&api, "ServiceAccount", &account, stage).await? {
             return Ok(Some(held));
         }
     }
     let api: Api<Role> = Api::namespaced(client.clone(), ns);
-    if let Err(held) = write_unless_not_ours(&api, "Role", &build::role(stage), stage).await? {
+    if let Some(held) = create_unless_held(&api, "Role", &build::role(stage), stage).await? {
         return Ok(Some(held));
     }
     let api: Api<RoleBinding> = Api::namespaced(client.clone(), ns);
-    let binding = build::role_binding(stage);
-    Ok(write_unless_not_ours(&api, "RoleBinding", &binding, stage)
-        .await?
-        .err())
+    create_unless_held(&api, "RoleBinding", &build::role_binding(stage), stage).await
 }
 
 /// Reads the copy Job, creating it (and the stager's RBAC) first when `start` and it does

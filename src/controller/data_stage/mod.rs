@@ -7,6 +7,7 @@
 
 pub mod apply;
 pub mod build;
+pub mod destinations;
 pub mod status;
 pub mod validate;
 
@@ -68,7 +69,16 @@ pub async fn reconcile(
         .and_then(|stage| stage.status.clone())
         .unwrap_or_default();
     let generation = object.meta().generation;
-    let (raw, stage) = match validated(&object) {
+    let admitted = validated(&object).and_then(|(raw, mut stage)| {
+        // The destination as the admin's allow list admits it (with the admin's mount
+        // options), or the rule it breaks, reported as an invalid spec: no volume is made.
+        stage.destination = ctx
+            .config
+            .data_stage_destinations
+            .admit(raw, &stage.destination)?;
+        Ok((raw, stage))
+    });
+    let (raw, stage) = match admitted {
         Ok(pair) => pair,
         Err(errors) => {
             tracing::info!(stage = %key, %errors, "invalid DataStage spec");

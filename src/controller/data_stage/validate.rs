@@ -135,14 +135,15 @@ fn with_defaults(stage: &DataStage) -> Result<ValidatedDataStage, FieldErrors> {
         StagingTarget::Nfs {
             server: nfs.server.clone(),
             path: nfs.path.clone(),
-            mount_options: nfs.mount_options.clone(),
+            // The admin's, once the allow list admits the export (`destinations`).
+            mount_options: Vec::new(),
         }
     } else if let Some(files) = &dest.azure_file_nfs {
         StagingTarget::AzureFileNfs {
             storage_account: files.storage_account.clone(),
             share_name: files.share_name.clone(),
             resource_group: files.resource_group.clone(),
-            mount_options: files.mount_options.clone(),
+            mount_options: Vec::new(),
         }
     } else if let Some(claim) = &dest.existing_claim {
         StagingTarget::ExistingClaim {

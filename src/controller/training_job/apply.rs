@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Pod, Secret, Service};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
@@ -308,6 +309,23 @@ async fn create_pod(
     })
 }
 
+/// Before the pods, so that none of them is open to other pods for a moment.
+async fn ensure_network_policy(
+    client: &Client,
+    job: &ValidatedTrainingJob,
+    naming: ChildNaming,
+    children: Children,
+) -> Result<(), ApplyError> {
+    let policies: Api<NetworkPolicy> = Api::namespaced(client.clone(), &job.namespace);
+    let policy = build::network_policy(job, naming);
+    let result = if children == Children::Update {
+        server_side_apply(&policies, &policy).await.map(|_| ())
+    } else {
+        create_unless_exists(&policies, &policy).await.map(|_| ())
+    };
+    result.map_err(kube_error("applying", "NetworkPolicy", &policy.name_any()))
+}
+
 /// Carries out `plan`, writing the Secret, Service and PodGroup first as `plan.children`
 /// says. `written` collects what succeeded.
 pub async fn execute(
@@ -329,6 +347,9 @@ pub async fn execute(
             create_unless_exists(&services, &service).await.map(|_| ())
         };
         result.map_err(kube_error("applying", "Service", &service.name_any()))?;
+        if inputs.network_policy {
+            ensure_network_policy(client, job, inputs.naming, children).await?;
+        }
         if let Some(scheduler) = &inputs.gang_scheduler {
             // Before the pods: the scheduler turns away a pod whose group it cannot find.
             ensure_pod_group(client, job, scheduler.api, children == Children::Update).await?;

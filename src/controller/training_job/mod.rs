@@ -251,6 +251,7 @@ async fn carry_out(
         gang_scheduler: ctx.config.gang_scheduler.clone(),
         naming: plan.naming,
         launcher_priority_class: ctx.config.launcher_priority_class.clone(),
+        network_policy: ctx.config.job_network_policies,
     };
     let mut written = apply::Written::default();
     let applied = apply::execute(&ctx.client, validated, plan, &inputs, &mut written).await;

@@ -98,6 +98,11 @@ pub fn worker_service(job: &ValidatedTrainingJob, naming: ChildNaming) -> String
     format!("{}-workers{}", job.name, naming.suffix(job))
 }
 
+/// The NetworkPolicy that keeps the gang's pods to themselves.
+pub fn network_policy(job: &ValidatedTrainingJob, naming: ChildNaming) -> String {
+    format!("{}-gang{}", job.name, naming.suffix(job))
+}
+
 /// Worker pod `index`.
 pub fn worker_pod(job: &str, index: u32) -> String {
     format!("{job}-worker-{index}")

@@ -167,7 +167,7 @@ fn asked(api: &Mutex<FakeApi>) -> Vec<String> {
     // Workers are made concurrently: their order is the pods'.
     gists.sort_by_key(|g| match g.as_str() {
         "POST secrets" => 0,
-        "POST services" => 1,
+        "POST services" | "POST networkpolicies" => 1,
         "POST pods" | "GET pods" => 2,
         _ => 3,
     });
@@ -212,10 +212,18 @@ async fn a_new_job_makes_its_secret_service_and_workers_then_says_it_is_starting
         [
             "POST secrets",
             "POST services",
+            "POST networkpolicies",
             "POST pods",
             "POST pods",
             "PATCH status"
         ]
+    );
+    // No pod is open to other pods for a moment: the NetworkPolicy goes out before them.
+    let order: Vec<String> = api.lock().unwrap().log.iter().map(Request_::gist).collect();
+    let position = |gist: &str| order.iter().position(|g| g == gist).unwrap();
+    assert!(
+        position("POST networkpolicies") < position("POST pods"),
+        "{order:?}"
     );
     let status = written_status(&api);
     assert_eq!(status["phase"], "Starting");
@@ -351,6 +359,7 @@ async fn a_409_from_a_pod_the_cache_does_not_hold_is_said_on_the_job_with_a_warn
         [
             "POST secrets",
             "POST services",
+            "POST networkpolicies",
             "POST pods",
             "POST pods",
             "GET pods",

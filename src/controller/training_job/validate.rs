@@ -33,11 +33,46 @@ fn checked(job: ValidatedTrainingJob) -> Result<ValidatedTrainingJob, FieldError
     if let Program::Trainer(settings) = &job.program {
         settings.check(&Capabilities::this_release())?;
     }
-    let clashes = overrides_that_clash(&job);
-    if !clashes.is_empty() {
-        return Err(FieldErrors(clashes));
+    let mut errors = overrides_that_clash(&job);
+    errors.extend(security_that_cannot_run(&job));
+    if !errors.is_empty() {
+        return Err(FieldErrors(errors));
     }
     Ok(job)
+}
+
+/// A container security context the API server would refuse on the pod: CAP_SYS_ADMIN added
+/// with `allowPrivilegeEscalation: false` (a CEL rule cannot read the unbounded list
+/// cheaply enough; `privileged` with it is a CEL rule).
+fn security_that_cannot_run(job: &ValidatedTrainingJob) -> Vec<FieldError> {
+    let mut errors = Vec::new();
+    for (role, overrides) in [
+        (PodRole::Worker, &job.worker),
+        (PodRole::Launcher, &job.launcher),
+    ] {
+        let Some(context) = &overrides.container_security_context else {
+            continue;
+        };
+        if context.allow_privilege_escalation != Some(false) {
+            continue;
+        }
+        let added = context
+            .capabilities
+            .iter()
+            .flat_map(|c| c.add.iter().flatten());
+        for (i, capability) in added.enumerate() {
+            if capability == "CAP_SYS_ADMIN" {
+                errors.push(FieldError {
+                    field: format!(
+                        "spec.{}.containerSecurityContext.capabilities.add[{i}]",
+                        role.name()
+                    ),
+                    message: "CAP_SYS_ADMIN cannot go with allowPrivilegeEscalation: false (the API server refuses the pod): leave allowPrivilegeEscalation unset".into(),
+                });
+            }
+        }
+    }
+    errors
 }
 
 /// The user's volumes and mounts that repeat a volume name or mount path Ringmaster gives the

@@ -3,13 +3,16 @@
 //! outside.
 //!
 //! One file per kind of child: `pods` (workers and launcher, with the volumes Ringmaster
-//! reserves in them from `volumes`: [`reserved_volumes`]), `service`, `secret` and
-//! `pod_group`. All that differs between MPI implementations is in `mpi`.
+//! reserves in them from `volumes`: [`reserved_volumes`]), `service`, `secret`,
+//! `network_policy` and `pod_group`, and the pods' security contexts in `security`. All that
+//! differs between MPI implementations is in `mpi`.
 
 mod mpi;
+mod network_policy;
 mod pod_group;
 mod pods;
 mod secret;
+mod security;
 mod service;
 mod volumes;
 
@@ -20,9 +23,11 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference}
 use ringmaster_contract::trainer as trainer_contract;
 
 pub use self::mpi::{hostfile, launcher_command};
+pub use self::network_policy::network_policy;
 pub use self::pod_group::{pod_group, volcano_pod_group};
-pub use self::pods::{POD_FS_GROUP, launcher_pod, worker_pod};
+pub use self::pods::{launcher_pod, worker_pod};
 pub use self::secret::{RendezvousKey, SshKeys, ssh_secret};
+pub use self::security::{POD_FS_GROUP, PodSecurity, RDMA_CAPABILITY, pod_security};
 pub use self::service::worker_service;
 pub use self::volumes::{PodRole, reserved_volumes};
 use super::names::{self, ChildNaming, RENDEZVOUS_PORT, SSH_MOUNT, SSH_SECRET_MOUNT};
@@ -69,6 +74,8 @@ pub struct BuildInputs {
     /// The PriorityClass of launchers that set none (`--launcher-priority-class`): see
     /// [`launcher_pod`].
     pub launcher_priority_class: Option<String>,
+    /// Give the job its [`network_policy`] (`--job-network-policies`, on by default).
+    pub network_policy: bool,
 }
 
 /// The job as the controlling owner of its children (pods, Secret, Service, Workload,

@@ -4,14 +4,14 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, ExecAction, ObjectFieldSelector,
-    Pod, PodSecurityContext, PodSpec, Probe, ResourceRequirements, SecurityContext, Sysctl,
-    Toleration, VolumeMount,
+    Container, ContainerPort, EnvVar, EnvVarSource, ExecAction, ObjectFieldSelector, Pod, PodSpec,
+    Probe, ResourceRequirements, Toleration, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use super::pod_group::join_gang;
+use super::security::{PodSecurity, pod_security};
 use super::volumes::{PodRole, reserved_volumes};
 use super::{
     BuildInputs, KNOWN_HOSTS, LAUNCHER_IP_ENV, env_var, hostfile, launcher_command, metadata,
@@ -23,15 +23,6 @@ use crate::controller::training_job::names::{
 };
 use crate::controller::training_job::spec::ValidatedTrainingJob;
 use crate::controller::training_job::state::PodPlacement;
-
-/// Group the pods' volumes are given to, so a non-root user (the trainer image's uid/gid
-/// 1000) can read the SSH key, which is mounted owned by root (0600 becomes 0640 with the
-/// group); every container copies it into a file of its own before use.
-pub const POD_FS_GROUP: i64 = 1000;
-
-/// Ports below this one need root (or CAP_NET_BIND_SERVICE) to listen on, unless the
-/// network namespace's `ip_unprivileged_port_start` says otherwise.
-const PRIVILEGED_PORTS_END: i32 = 1024;
 
 /// Worker pod `index` of gang `inputs.attempt`: sshd on the job's port, ready when it is
 /// reachable over ssh under its DNS name, with GPUs, RDMA, shared memory and data mounted.
@@ -48,14 +39,17 @@ pub fn worker_pod(job: &ValidatedTrainingJob, index: u32, inputs: &BuildInputs) 
     .into_iter()
     .unzip();
     let (node_selector, tolerations) = worker_placement(job);
+    let security = pod_security(job, PodRole::Worker, &job.worker);
+    let mut container = worker_container(job, index, inputs.naming, mounts);
+    container.security_context = Some(security.container);
     let spec = PodSpec {
         hostname: Some(name.clone()),
         subdomain: Some(names::worker_service(job, inputs.naming)),
-        security_context: Some(worker_pod_security(job.mpi.ssh_port)),
+        security_context: Some(security.pod),
         node_selector: Some(node_selector),
         tolerations: Some(tolerations),
         volumes: Some(volumes),
-        containers: vec![worker_container(job, index, inputs.naming, mounts)],
+        containers: vec![container],
         ..training_pod_spec()
     };
     finish(
@@ -113,7 +107,7 @@ fn worker_container(
 ) -> Container {
     let port = job.mpi.ssh_port;
     let host = names::worker_host(job, naming, index);
-    let (limits, capabilities) = worker_devices(job);
+    let limits = worker_devices(job);
     let per_pod_env = per_pod_env_names(job);
     let container_port = |name: &str, port: i32| ContainerPort {
         name: Some(name.into()),
@@ -151,24 +145,16 @@ fn worker_container(
             limits: Some(limits),
             ..ResourceRequirements::default()
         }),
-        security_context: Some(SecurityContext {
-            capabilities: Some(Capabilities {
-                add: Some(capabilities),
-                drop: None,
-            }),
-            ..SecurityContext::default()
-        }),
         env: Some(rank_env(job, naming)),
         volume_mounts: Some(mounts),
         ..Container::default()
     }
 }
 
-/// A worker's device limits (its GPUs and RDMA devices) and the capabilities they need
-/// (`IPC_LOCK` to pin memory for RDMA).
-fn worker_devices(job: &ValidatedTrainingJob) -> (BTreeMap<String, Quantity>, Vec<String>) {
+/// A worker's device limits: its GPUs and RDMA devices (whose capability, IPC_LOCK, is in
+/// its security context: [`pod_security`]).
+fn worker_devices(job: &ValidatedTrainingJob) -> BTreeMap<String, Quantity> {
     let mut limits = BTreeMap::new();
-    let mut capabilities = Vec::new();
     if job.gpus_per_worker > 0 {
         limits.insert(
             crate::api::GPU_RESOURCE.into(),
@@ -180,9 +166,8 @@ fn worker_devices(job: &ValidatedTrainingJob) -> (BTreeMap<String, Quantity>, Ve
             ib.rdma_resource.clone(),
             Quantity(ib.rdma_resource_count.to_string()),
         );
-        capabilities.push("IPC_LOCK".to_string());
     }
-    (limits, capabilities)
+    limits
 }
 
 /// A worker's node selector and tolerations: the node pool's labels, and its own AKS pool's.
@@ -197,24 +182,6 @@ fn worker_placement(job: &ValidatedTrainingJob) -> (BTreeMap<String, String>, Ve
         }
     }
     (node_selector, tolerations)
-}
-
-/// The worker pod's security context. sshd runs as the image's user, often not root: a
-/// port below 1024 is then opened to every user of the pod's own network namespace
-/// through `net.ipv4.ip_unprivileged_port_start`, a sysctl the kubelet allows by default
-/// (since Kubernetes 1.22) and the baseline Pod Security Standard permits. It touches no
-/// other pod or the node.
-fn worker_pod_security(ssh_port: i32) -> PodSecurityContext {
-    PodSecurityContext {
-        fs_group: Some(POD_FS_GROUP),
-        sysctls: (ssh_port < PRIVILEGED_PORTS_END).then(|| {
-            vec![Sysctl {
-                name: "net.ipv4.ip_unprivileged_port_start".into(),
-                value: ssh_port.to_string(),
-            }]
-        }),
-        ..PodSecurityContext::default()
-    }
 }
 
 /// sshd in the foreground, logging to stderr, with the job's key as its host key (which
@@ -328,23 +295,22 @@ pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
         .map(|(selector, toleration)| (selector, vec![toleration]))
         .unwrap_or_default();
     let labels = names::pod_labels(job, inputs.naming, LAUNCHER_ROLE, inputs.attempt);
+    let security = pod_security(job, PodRole::Launcher, &job.launcher);
     let spec = PodSpec {
         node_selector: Some(node_selector),
         tolerations: Some(tolerations),
-        security_context: Some(PodSecurityContext {
-            fs_group: Some(POD_FS_GROUP),
-            ..PodSecurityContext::default()
-        }),
         volumes: Some(volumes),
         containers: vec![Container {
             name: LAUNCHER_ROLE.into(),
             image: Some(job.image.clone()),
             command: Some(with_private_ssh_keys(launcher_command(job))),
-            env: Some(launcher_env(job, inputs)),
+            env: Some(launcher_env(job, inputs, &security)),
             volume_mounts: Some(mounts),
             termination_message_policy: Some("FallbackToLogsOnError".into()),
+            security_context: Some(security.container),
             ..Container::default()
         }],
+        security_context: Some(security.pod),
         // The launcher is made once every worker is ready, so it enters the scheduler's
         // queue behind every pod made meanwhile: when many jobs start at once, each one's
         // ready workers (and their GPUs) idle until the whole backlog is placed. A class
@@ -370,8 +336,14 @@ pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
 }
 
 /// The launcher's environment: what every rank needs, then the user's worker environment
-/// (which reaches the ranks through the launcher too), then the launcher's own.
-fn launcher_env(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Vec<EnvVar> {
+/// (which reaches the ranks through the launcher too), then the launcher's own: its pod IP,
+/// and Open MPI's consent to run as root when the launcher may (`security`: Open MPI's
+/// `mpirun` refuses root without it).
+fn launcher_env(
+    job: &ValidatedTrainingJob,
+    inputs: &BuildInputs,
+    security: &PodSecurity,
+) -> Vec<EnvVar> {
     let mut env = rank_env(job, inputs.naming);
     // But for the entries each worker resolves for itself (resolved here, they could name a
     // container or a file the launcher does not have).
@@ -383,7 +355,10 @@ fn launcher_env(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Vec<EnvVar>
             .filter(|e| !per_pod.contains(&e.name))
             .cloned(),
     );
-    env.push(env_var("OMPI_ALLOW_RUN_AS_ROOT", "1"));
+    let as_root = security.may_run_as_root();
+    if as_root {
+        env.push(env_var("OMPI_ALLOW_RUN_AS_ROOT", "1"));
+    }
     env.push(EnvVar {
         name: LAUNCHER_IP_ENV.into(),
         value: None,
@@ -395,7 +370,9 @@ fn launcher_env(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Vec<EnvVar>
             ..EnvVarSource::default()
         }),
     });
-    env.push(env_var("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"));
+    if as_root {
+        env.push(env_var("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"));
+    }
     env
 }
 
