@@ -152,8 +152,25 @@ pub async fn reconcile(
     }
     // The finalizer goes on before the pool exists, so a deleted job cannot leak it.
     set_pool_finalizer(&ctx.client, object, true).await?;
-    let seen = observe(&ctx.client, arm, job, name, &old, gang_exists).await?;
-    let decision = decide(job, pool, name, &old, seen);
+    step(&ctx.client, arm, job, &old, gang_exists).await
+}
+
+/// One step of a live job's pool, its finalizer aside: read ARM ([`observe`]) → decide
+/// ([`decide`], pure) → the one create it may choose → its outcome ([`after_create`]).
+/// `old` is the job's `status.nodePool`. The client only lists the pool's nodes, once it
+/// has Succeeded and the gang does not exist yet.
+pub async fn step(
+    client: &Client,
+    arm: &ArmClient,
+    job: &ValidatedTrainingJob,
+    old: &NodePoolStatus,
+    gang_exists: bool,
+) -> Result<PoolLook, PoolError> {
+    let Some((pool, name)) = own_pool(job) else {
+        return Ok(PoolLook::not_needed());
+    };
+    let seen = observe(client, arm, job, name, old, gang_exists).await?;
+    let decision = decide(job, pool, name, old, seen);
     Ok(match decision.create {
         None => decision.look,
         Some(request) => {
@@ -516,16 +533,17 @@ async fn set_pool_finalizer(
 }
 
 /// Where giving a job's pool back stands.
-enum Release {
+#[derive(Debug, PartialEq, Eq)]
+pub enum Release {
     /// Still there (being deleted, or the delete is to be retried): the state in words, and
     /// what went wrong when Azure refused or could not be asked.
     Pending {
         state: String,
         problem: Option<String>,
     },
-    /// Gone, and the finalizer released.
+    /// Gone (and, from [`finalize`] or a finished job, the finalizer released).
     Gone,
-    /// The pool of that name is not this job's: left alone, and the finalizer released.
+    /// The pool of that name is not this job's: left alone (and the finalizer released).
     NotOurs,
 }
 
@@ -537,52 +555,60 @@ async fn release(
     object: &TrainingJob,
     name: &str,
 ) -> Result<Release, PoolError> {
+    let namespace = object.namespace().unwrap_or_default();
+    let uid = object.uid().unwrap_or_default();
+    let released = release_pool(arm, &namespace, &object.name_any(), &uid, name).await;
+    if matches!(released, Release::Gone | Release::NotOurs) {
+        set_pool_finalizer(client, object, false).await?;
+    }
+    Ok(released)
+}
+
+/// Deletes pool `name` when it is the job's (`namespace`/`job`, `uid`): read, its tags
+/// checked ([`is_jobs_pool`]), then deleted. One step; ARM only (the finalizer is the
+/// caller's).
+pub async fn release_pool(
+    arm: &ArmClient,
+    namespace: &str,
+    job: &str,
+    uid: &str,
+    name: &str,
+) -> Release {
     match arm.get_pool(name).await {
-        Ok(None) => {
-            set_pool_finalizer(client, object, false).await?;
-            Ok(Release::Gone)
+        Ok(None) => Release::Gone,
+        Ok(Some(pool)) if !is_jobs_pool(&pool, namespace, job, uid) => {
+            tracing::warn!(job, pool = name, owner = %owner_of(&pool), "agent pool is not this job's: left alone");
+            Release::NotOurs
         }
-        Ok(Some(pool))
-            if !is_jobs_pool(
-                &pool,
-                &object.namespace().unwrap_or_default(),
-                &object.name_any(),
-                &object.uid().unwrap_or_default(),
-            ) =>
-        {
-            tracing::warn!(job = %object.name_any(), pool = name, owner = %owner_of(&pool), "agent pool is not this job's: left alone");
-            set_pool_finalizer(client, object, false).await?;
-            Ok(Release::NotOurs)
-        }
-        Ok(Some(pool)) if pool.provisioning_state == "Deleting" => Ok(Release::Pending {
+        Ok(Some(pool)) if pool.provisioning_state == "Deleting" => Release::Pending {
             state: "Deleting".into(),
             problem: None,
-        }),
+        },
         Ok(Some(_)) => match arm.delete_pool(name).await {
             Ok(_) => {
-                tracing::info!(job = %object.name_any(), pool = name, "agent pool deletion accepted");
-                Ok(Release::Pending {
+                tracing::info!(job, pool = name, "agent pool deletion accepted");
+                Release::Pending {
                     state: "Deleting".into(),
                     problem: None,
-                })
+                }
             }
             Err(e) => {
-                tracing::warn!(job = %object.name_any(), pool = name, error = %e, "deleting the agent pool; will retry");
-                Ok(Release::Pending {
+                tracing::warn!(job, pool = name, error = %e, "deleting the agent pool; will retry");
+                Release::Pending {
                     state: format!("delete pending: {e}"),
                     // Throttling, or a pool busy with another operation, passes by itself.
                     problem: (!e.is_transient())
                         .then(|| format!("deleting agent pool {name}: {e}; retried every 10 s")),
-                })
+                }
             }
         },
         Err(e) => {
-            tracing::warn!(job = %object.name_any(), pool = name, error = %e, "reading the agent pool; will retry");
-            Ok(Release::Pending {
+            tracing::warn!(job, pool = name, error = %e, "reading the agent pool; will retry");
+            Release::Pending {
                 state: format!("unknown: {e}"),
                 problem: (!e.is_transient())
                     .then(|| format!("reading agent pool {name}: {e}; retried every 10 s")),
-            })
+            }
         }
     }
 }
