@@ -27,6 +27,7 @@ fn seen(pool: Result<Option<AgentPool>, ArmError>) -> PoolSeen {
         pool,
         ready_nodes: None,
         operation: None,
+        ignored_operation: None,
     }
 }
 
@@ -138,6 +139,7 @@ fn a_missing_pool_is_created_and_followed() {
 
     let accepted = Accepted {
         operation: Some("https://management.azure.com/op/1".into()),
+        ignored_operation: None,
     };
     let look = after_create(&job, &plan, &name, decision.look, Ok(accepted));
     assert!(
@@ -230,4 +232,59 @@ fn a_failed_pool_reports_the_operations_reason_with_a_hint() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+#[test]
+fn an_operation_url_in_the_status_that_is_not_arms_is_dropped_with_a_warning() {
+    let job = job();
+    let plan = job.node_pool.clone().unwrap();
+    let name = plan.pool_name.clone().unwrap();
+    let old = NodePoolStatus {
+        name: name.clone(),
+        provisioning_state: Some("Failed".into()),
+        operation: Some("https://listener.example/steal".into()),
+        ..NodePoolStatus::default()
+    };
+    let tampered = PoolSeen {
+        ignored_operation: old.operation.clone(),
+        ..seen(Ok(pool("Failed")))
+    };
+    let look = decide(&job, &plan, &name, &old, tampered).look;
+    let warning = look.warning.expect("a Warning");
+    assert!(
+        warning.contains("https://listener.example/steal") && warning.contains("not requested"),
+        "{warning}"
+    );
+    assert_eq!(
+        look.status.unwrap().operation,
+        None,
+        "dropped from the status"
+    );
+    match look.state {
+        PoolState::Failed { message } => {
+            assert!(message.contains("was not read"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // Azure's own answer naming another origin: not recorded, said too.
+    let before = decide(
+        &job,
+        &plan,
+        &name,
+        &NodePoolStatus::default(),
+        seen(Ok(None)),
+    )
+    .look;
+    let accepted = Accepted {
+        operation: None,
+        ignored_operation: Some("https://elsewhere.example/op".into()),
+    };
+    let look = after_create(&job, &plan, &name, before, Ok(accepted));
+    assert_eq!(look.status.unwrap().operation, None);
+    assert!(
+        look.warning
+            .unwrap()
+            .contains("https://elsewhere.example/op")
+    );
 }

@@ -7,6 +7,9 @@
 //! "another operation in progress" only delay the next look. A live job's [`reconcile`] is
 //! three steps: [`observe`] reads, [`decide`] (pure, unit-tested) chooses, and the one write
 //! it may choose (the PUT) is carried out and reported by [`after_create`] (pure too).
+//!
+//! The ARM token goes only to ARM's own origin: an operation URL in the status that is not
+//! there ([`ArmClient::own_url`]) is dropped, never followed, and said in a Warning.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -19,7 +22,9 @@ use super::names::{AGENT_POOL_LABEL, POOL_KEY};
 use super::spec::{NodePoolPlan, ValidatedTrainingJob};
 use super::state::PoolState;
 use crate::aks::{Accepted, AgentPool, AgentPoolRequest, ArmClient, ArmError, Operation};
-use crate::api::{GpuDriver, NodePoolStatus, Provisioner, TrainingJob, TrainingJobPhase};
+use crate::api::{
+    GpuDriver, NodePoolStatus, Provisioner, TrainingJob, TrainingJobPhase, condition_reasons,
+};
 use crate::controller::set_finalizer;
 
 /// The finalizer that deletes a job's agent pool.
@@ -61,6 +66,9 @@ pub struct PoolLook {
     pub status: Option<NodePoolStatus>,
     /// Look again after this long.
     pub requeue: Option<Duration>,
+    /// Words for a Warning Event (`NodePoolOperationIgnored`): an operation URL that is not
+    /// ARM's was dropped, not followed.
+    pub warning: Option<String>,
 }
 
 impl PoolLook {
@@ -69,6 +77,7 @@ impl PoolLook {
             state: PoolState::NotNeeded,
             status: None,
             requeue: None,
+            warning: None,
         }
     }
 }
@@ -141,6 +150,7 @@ pub async fn reconcile(
                 ..old
             }),
             requeue: None,
+            warning: None,
         });
     };
     let phase = object.status.as_ref().map(|s| s.phase).unwrap_or_default();
@@ -152,7 +162,16 @@ pub async fn reconcile(
     }
     // The finalizer goes on before the pool exists, so a deleted job cannot leak it.
     set_pool_finalizer(&ctx.client, object, true).await?;
-    step(&ctx.client, arm, job, &old, gang_exists).await
+    let look = step(&ctx.client, arm, job, &old, gang_exists).await?;
+    if let Some(warning) = &look.warning {
+        ctx.warn(
+            object,
+            condition_reasons::NODE_POOL_OPERATION_IGNORED,
+            warning,
+        )
+        .await;
+    }
+    Ok(look)
 }
 
 /// One step of a live job's pool, its finalizer aside: read ARM ([`observe`]) → decide
@@ -202,6 +221,7 @@ async fn give_back(
             state: PoolState::NotNeeded,
             status: Some(old),
             requeue: None,
+            warning: None,
         });
     }
     let mut status = NodePoolStatus {
@@ -228,6 +248,7 @@ async fn give_back(
         state: PoolState::NotNeeded,
         status: Some(status),
         requeue,
+        warning: None,
     })
 }
 
@@ -242,6 +263,9 @@ pub struct PoolSeen {
     pub ready_nodes: Option<u32>,
     /// The outcome of the operation that made the pool, when it failed and one is known.
     pub operation: Option<Result<Operation, ArmError>>,
+    /// `status.nodePool.operation` when it is not on ARM's origin: not requested, to be
+    /// dropped from the status and said in a Warning.
+    pub ignored_operation: Option<String>,
 }
 
 /// Reads what [`decide`] needs; changes nothing.
@@ -265,15 +289,39 @@ async fn observe(
         Some("Succeeded") => Some(ready_nodes(client, job, name).await?),
         _ => None,
     };
-    let operation = match (state, &old.operation) {
-        (Some("Failed" | "Canceled"), Some(url)) => Some(arm.operation(url).await),
+    // The status is the job's, writable by more than this operator: only a URL on ARM's
+    // origin gets the token.
+    let (own_operation, ignored_operation) = match old.operation.as_deref() {
+        None => (None, None),
+        Some(url) => match arm.own_url(url) {
+            Some(own) => (Some(own), None),
+            None => {
+                tracing::warn!(job = %job.name, pool = name, operation = %url, "status.nodePool.operation is not on the ARM endpoint: not followed");
+                (None, Some(url.to_string()))
+            }
+        },
+    };
+    let operation = match (state, own_operation) {
+        (Some("Failed" | "Canceled"), Some(url)) => Some(arm.operation(&url).await),
         _ => None,
     };
     Ok(PoolSeen {
         pool,
         ready_nodes,
         operation,
+        ignored_operation,
     })
+}
+
+/// The words of the Warning for an operation URL that is not ARM's (cut to 200 characters).
+fn ignored_operation_warning(name: &str, url: &str, source: &str) -> String {
+    let mut shown: String = url.chars().take(200).collect();
+    if shown.len() < url.len() {
+        shown.push('…');
+    }
+    format!(
+        "the operation URL of agent pool {name} {source} ({shown}) is not on this operator's Azure Resource Manager endpoint: it was not requested (the ARM token goes only there) and is dropped from status.nodePool.operation"
+    )
 }
 
 /// What to do about a live job's pool.
@@ -298,11 +346,19 @@ pub fn decide(
         name: name.to_string(),
         ..old.clone()
     };
+    let warning = seen
+        .ignored_operation
+        .as_deref()
+        .map(|url| ignored_operation_warning(name, url, "in the job's status"));
+    if warning.is_some() {
+        status.operation = None;
+    }
     let look = |state: PoolState, status: NodePoolStatus, requeue: Option<Duration>| PoolDecision {
         look: PoolLook {
             state,
             status: Some(status),
             requeue,
+            warning: warning.clone(),
         },
         create: None,
     };
@@ -314,7 +370,11 @@ pub fn decide(
                 ..look(PoolState::NotNeeded, status, None)
             };
         }
-        Err(e) if e.is_transient() => return transient(name, &e, status),
+        Err(e) if e.is_transient() => {
+            let mut decision = transient(name, &e, status);
+            decision.look.warning = warning.clone();
+            return decision;
+        }
         Err(e) => {
             return look(
                 PoolState::Failed {
@@ -379,6 +439,10 @@ pub fn decide(
                         .unwrap_or_default();
                     format!("{code}: {message}{hint}")
                 }
+                _ if seen.ignored_operation.is_some() => format!(
+                    "{} (its operation, which would say why, was not read: the URL in the status is not Azure Resource Manager's)",
+                    current.provisioning_state
+                ),
                 _ => current.provisioning_state.clone(),
             };
             look(
@@ -409,6 +473,7 @@ fn transient(name: &str, e: &ArmError, status: NodePoolStatus) -> PoolDecision {
             },
             status: Some(status),
             requeue: Some(e.retry_after()),
+            warning: None,
         },
         create: None,
     }
@@ -438,6 +503,10 @@ pub fn after_create(
                 },
                 status: Some(status),
                 requeue: Some(Duration::from_secs(5)),
+                warning: accepted
+                    .ignored_operation
+                    .as_deref()
+                    .map(|url| ignored_operation_warning(name, url, "Azure answered")),
             }
         }
         Err(e) if e.is_transient() => transient(name, &e, status).look,
@@ -447,6 +516,7 @@ pub fn after_create(
             },
             status: Some(status),
             requeue: None,
+            warning: None,
         },
     }
 }
