@@ -45,6 +45,7 @@ fn pool(state: &str) -> Option<AgentPool> {
         count: 2,
         vm_size: "Standard_ND96asr_v4".into(),
         tags: request.tags,
+        etag: Some("etag-1".into()),
     })
 }
 
@@ -230,6 +231,52 @@ fn a_failed_pool_reports_the_operations_reason_with_a_hint() {
                 "a hint: {message}"
             );
         }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_pool_made_meanwhile_answers_412_and_is_looked_at_not_put_again() {
+    let job = job();
+    let plan = job.node_pool.clone().unwrap();
+    let name = plan.pool_name.clone().unwrap();
+    let old = NodePoolStatus::default();
+    let before = decide(&job, &plan, &name, &old, seen(Ok(None))).look;
+    let exists = ArmError::PreconditionFailed {
+        message: "The agent pool exists.".into(),
+    };
+    let look = after_create(&job, &plan, &name, before, Err(exists));
+    match &look.state {
+        PoolState::Provisioning { message } => assert!(
+            message.contains(&format!("agent pool {name} exists already"))
+                && message.contains("neither used nor deleted"),
+            "{message}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(look.requeue, Some(Duration::from_secs(2)));
+    let status = look.status.unwrap();
+    assert_eq!(status.provisioning_state, None, "nothing was made");
+    assert_eq!(status.operation, None);
+
+    // The next look finds another job's pool there: the job fails; nothing is put or deleted.
+    let other = AgentPool {
+        provisioning_state: "Creating".into(),
+        ..tagged(&[
+            ("ringmaster.dev-job", "team-b.other"),
+            (
+                "ringmaster.dev-job-uid",
+                "0b0e0000-0000-4000-8000-000000000002",
+            ),
+        ])
+    };
+    let decision = decide(&job, &plan, &name, &status, seen(Ok(Some(other))));
+    assert!(decision.create.is_none());
+    match decision.look.state {
+        PoolState::Failed { message } => assert!(
+            message.contains("is not this job's (TrainingJob team-b.other made it)"),
+            "{message}"
+        ),
         other => panic!("{other:?}"),
     }
 }

@@ -1,4 +1,5 @@
-//! A small Azure Resource Manager client for AKS agent pools: PUT, GET and DELETE of
+//! A small Azure Resource Manager client for AKS agent pools: create (PUT with
+//! `If-None-Match: *`), GET and DELETE (with `If-Match` on the eTag read) of
 //! `…/managedClusters/{cluster}/agentPools/{pool}` at one pinned api-version, and GET of a
 //! long-running operation's status.
 //!
@@ -90,6 +91,9 @@ pub struct AgentPool {
     pub vm_size: String,
     /// Tags on the pool (the job that made it, for one Ringmaster made).
     pub tags: std::collections::BTreeMap<String, String>,
+    /// The pool's eTag (`properties.eTag`), when ARM reports one: a delete sends it as
+    /// `If-Match`, so a pool replaced since it was read is not deleted.
+    pub etag: Option<String>,
 }
 
 /// A long-running operation's outcome.
@@ -132,6 +136,11 @@ pub enum ArmError {
         message: String,
         retry_after: Duration,
     },
+    /// A condition of the request did not hold (412): the pool a create (`If-None-Match: *`)
+    /// was to make exists already, or the pool a delete (`If-Match`) was to remove changed
+    /// since it was read. Nothing was written; look at the pool again.
+    #[error("the agent pool exists already or changed since it was read (412 Precondition Failed{})", if message.is_empty() { String::new() } else { format!(": {message}") })]
+    PreconditionFailed { message: String },
     /// The configured endpoint is not an `https://` (or `http://`) URL.
     #[error("the Azure Resource Manager endpoint {endpoint} is not usable: {message}")]
     Endpoint { endpoint: String, message: String },
@@ -151,6 +160,8 @@ impl ArmError {
         match self {
             ArmError::Token(_) | ArmError::Transport { .. } => true,
             ArmError::Throttled { .. } | ArmError::Busy { .. } => true,
+            // Looked at again: the next look decides with what is there now.
+            ArmError::PreconditionFailed { .. } => true,
             ArmError::Endpoint { .. } => false,
             ArmError::Refused { status, .. } => *status >= 500,
         }
@@ -162,6 +173,7 @@ impl ArmError {
             ArmError::Throttled { retry_after } | ArmError::Busy { retry_after, .. } => {
                 *retry_after
             }
+            ArmError::PreconditionFailed { .. } => Duration::from_secs(2),
             _ => Duration::from_secs(15),
         }
     }
@@ -309,6 +321,7 @@ impl ArmClient {
         &self,
         method: reqwest::Method,
         url: &ArmUrl,
+        headers: &[(&str, &str)],
         body: Option<serde_json::Value>,
     ) -> Result<reqwest::Response, ArmError> {
         let token = self.tokens.token().await?;
@@ -316,6 +329,9 @@ impl ArmClient {
             .http
             .request(method, url.0.clone())
             .bearer_auth(token.secret());
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
         if let Some(body) = body {
             request = request.json(&body);
         }
@@ -355,6 +371,9 @@ impl ArmClient {
                 message: if message.is_empty() { code } else { message },
                 retry_after: retry_after.unwrap_or(Duration::from_secs(15)),
             },
+            412 => ArmError::PreconditionFailed {
+                message: if message.is_empty() { code } else { message },
+            },
             _ => ArmError::Refused {
                 status,
                 code: if code.is_empty() {
@@ -370,7 +389,7 @@ impl ArmClient {
     /// The pool, or `None` when it does not exist.
     pub async fn get_pool(&self, pool: &str) -> Result<Option<AgentPool>, ArmError> {
         let response = self
-            .send(reqwest::Method::GET, &self.pool_url(pool)?, None)
+            .send(reqwest::Method::GET, &self.pool_url(pool)?, &[], None)
             .await?;
         if response.status().as_u16() == 404 {
             return Ok(None);
@@ -388,11 +407,17 @@ impl ArmClient {
             count: p["count"].as_u64().unwrap_or(0) as u32,
             vm_size: p["vmSize"].as_str().unwrap_or_default().to_string(),
             tags: serde_json::from_value(p["tags"].clone()).unwrap_or_default(),
+            etag: p["eTag"]
+                .as_str()
+                .or_else(|| value["etag"].as_str())
+                .map(str::to_string),
         }))
     }
 
-    /// Creates (or updates) the pool; returns the operation to follow.
-    pub async fn put_pool(
+    /// Creates the pool, never overwriting one: the PUT carries `If-None-Match: *`, and ARM
+    /// answers [`ArmError::PreconditionFailed`] (412) when a pool of that name exists (also
+    /// one still being made). Returns the operation to follow.
+    pub async fn create_pool(
         &self,
         pool: &str,
         request: &AgentPoolRequest,
@@ -401,16 +426,25 @@ impl ArmClient {
             .send(
                 reqwest::Method::PUT,
                 &self.pool_url(pool)?,
+                &[("if-none-match", "*")],
                 Some(request.body()),
             )
             .await?;
         Ok(self.accepted(&response))
     }
 
-    /// Deletes the pool; a pool already gone is fine.
-    pub async fn delete_pool(&self, pool: &str) -> Result<Accepted, ArmError> {
+    /// Deletes the pool; a pool already gone is fine. With `etag` (the one read with the
+    /// pool whose tags were checked) the DELETE carries `If-Match`, and a pool replaced or
+    /// changed since is not deleted ([`ArmError::PreconditionFailed`]).
+    pub async fn delete_pool(&self, pool: &str, etag: Option<&str>) -> Result<Accepted, ArmError> {
+        let if_match: Vec<(&str, &str)> = etag.map(|e| ("if-match", e)).into_iter().collect();
         let response = self
-            .send(reqwest::Method::DELETE, &self.pool_url(pool)?, None)
+            .send(
+                reqwest::Method::DELETE,
+                &self.pool_url(pool)?,
+                &if_match,
+                None,
+            )
             .await?;
         Ok(self.accepted(&response))
     }
@@ -418,7 +452,7 @@ impl ArmClient {
     /// The status of a long-running operation (from `Azure-AsyncOperation`), at a URL
     /// [`ArmClient::own_url`] let through.
     pub async fn operation(&self, url: &ArmUrl) -> Result<Operation, ArmError> {
-        let response = self.send(reqwest::Method::GET, url, None).await?;
+        let response = self.send(reqwest::Method::GET, url, &[], None).await?;
         let value: serde_json::Value = response.json().await.unwrap_or_default();
         Ok(match value["status"].as_str().unwrap_or("InProgress") {
             "Succeeded" => Operation::Succeeded,

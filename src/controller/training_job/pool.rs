@@ -8,8 +8,12 @@
 //! three steps: [`observe`] reads, [`decide`] (pure, unit-tested) chooses, and the one write
 //! it may choose (the PUT) is carried out and reported by [`after_create`] (pure too).
 //!
-//! The ARM token goes only to ARM's own origin: an operation URL in the status that is not
-//! there ([`ArmClient::own_url`]) is dropped, never followed, and said in a Warning.
+//! Pools are created, never overwritten or adopted: the PUT carries `If-None-Match: *` (a
+//! pool of that name made meanwhile, by another job or a person, answers 412 and is looked
+//! at again), and a pool is used or deleted only when its tags name this job
+//! ([`is_jobs_pool`]); a delete carries the eTag read with those tags (`If-Match`). The ARM
+//! token goes only to ARM's own origin: an operation URL in the status that is not there
+//! ([`ArmClient::own_url`]) is dropped, never followed, and said in a Warning.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -193,7 +197,7 @@ pub async fn step(
     Ok(match decision.create {
         None => decision.look,
         Some(request) => {
-            let result = arm.put_pool(name, &request).await;
+            let result = arm.create_pool(name, &request).await;
             if result.is_ok() {
                 tracing::info!(job = %job.name, pool = name, "agent pool creation accepted");
             }
@@ -509,6 +513,18 @@ pub fn after_create(
                     .map(|url| ignored_operation_warning(name, url, "Azure answered")),
             }
         }
+        // The create is never repeated blindly: the next look reads the pool, and one that
+        // is not this job's fails the job (or, being deleted, is waited out) as any other.
+        Err(ArmError::PreconditionFailed { .. }) => PoolLook {
+            state: PoolState::Provisioning {
+                message: format!(
+                    "agent pool {name} exists already: another job or a person made it, or is making it, since this job looked; whose it is is read next, and a pool that is not this job's is neither used nor deleted"
+                ),
+            },
+            status: Some(status),
+            requeue: Some(Duration::from_secs(2)),
+            warning: None,
+        },
         Err(e) if e.is_transient() => transient(name, &e, status).look,
         Err(e) => PoolLook {
             state: PoolState::Failed {
@@ -635,8 +651,9 @@ async fn release(
 }
 
 /// Deletes pool `name` when it is the job's (`namespace`/`job`, `uid`): read, its tags
-/// checked ([`is_jobs_pool`]), then deleted. One step; ARM only (the finalizer is the
-/// caller's).
+/// checked ([`is_jobs_pool`]), then deleted with `If-Match` on the eTag read with them, so
+/// a pool that another job made meanwhile under the name is not deleted. One step; ARM
+/// only (the finalizer is the caller's).
 pub async fn release_pool(
     arm: &ArmClient,
     namespace: &str,
@@ -654,7 +671,7 @@ pub async fn release_pool(
             state: "Deleting".into(),
             problem: None,
         },
-        Ok(Some(_)) => match arm.delete_pool(name).await {
+        Ok(Some(pool)) => match arm.delete_pool(name, pool.etag.as_deref()).await {
             Ok(_) => {
                 tracing::info!(job, pool = name, "agent pool deletion accepted");
                 Release::Pending {
@@ -666,7 +683,8 @@ pub async fn release_pool(
                 tracing::warn!(job, pool = name, error = %e, "deleting the agent pool; will retry");
                 Release::Pending {
                     state: format!("delete pending: {e}"),
-                    // Throttling, or a pool busy with another operation, passes by itself.
+                    // Throttling, a pool busy with another operation, or one that changed
+                    // since it was read (looked at again), passes by itself.
                     problem: (!e.is_transient())
                         .then(|| format!("deleting agent pool {name}: {e}; retried every 10 s")),
                 }
