@@ -335,3 +335,43 @@ fn an_operation_url_in_the_status_that_is_not_arms_is_dropped_with_a_warning() {
             .contains("https://elsewhere.example/op")
     );
 }
+
+#[test]
+fn a_job_keeps_the_pool_name_its_status_records() {
+    use ringmaster::controller::training_job::names::derive_pool_name;
+    let path = fixtures::root().join("config/samples/trainingjob-resnet50-nd96asr-v4.yaml");
+    let mut object = fixtures::ringmaster_objects(&path).remove(0);
+    object["metadata"]["namespace"] = json!("ml");
+    object["metadata"]["uid"] = json!("6f1c2d3e-0000-4000-8000-00000000abcd");
+    object["spec"]["nodePool"]
+        .as_object_mut()
+        .unwrap()
+        .remove("poolName");
+    let name_of = |object: &serde_json::Value| {
+        validate_value(object, None)
+            .unwrap()
+            .node_pool
+            .unwrap()
+            .pool_name
+            .unwrap()
+    };
+    // A new job: the name derived from its name and UID.
+    let derived = derive_pool_name("resnet50-imagenet", "6f1c2d3e-0000-4000-8000-00000000abcd");
+    assert_eq!(name_of(&object), derived);
+    // A job an earlier operator named its pool for (8 letters and 4 hex digits of its UID):
+    // that pool is still its pool, used and given back under that name.
+    object["status"] = json!({"phase": "Running", "nodePool": {"name": "resnet506f1c", "provisioningState": "Succeeded", "readyNodes": 2}});
+    assert_eq!(name_of(&object), "resnet506f1c");
+    let typed: ringmaster::api::TrainingJob = serde_json::from_value(object.clone()).unwrap();
+    assert_eq!(
+        ringmaster::controller::training_job::validate::aks_pool_name(&typed).as_deref(),
+        Some("resnet506f1c"),
+        "the finalizer deletes the pool under the same name"
+    );
+    // A recorded name that is not a pool name is not taken.
+    object["status"]["nodePool"]["name"] = json!("Not-A-Pool");
+    assert_eq!(name_of(&object), derived);
+    // The spec's own poolName always wins.
+    object["spec"]["nodePool"]["poolName"] = json!("mine");
+    assert_eq!(name_of(&object), "mine");
+}

@@ -726,20 +726,8 @@ pub async fn finalize(
     if !object.finalizers().iter().any(|f| f == FINALIZER) {
         return Ok(Finalized::Done);
     }
-    let name = object
-        .spec
-        .node_pool
-        .as_ref()
-        .filter(|p| p.provisioner == Provisioner::Aks)
-        .map(|p| {
-            p.pool_name.clone().unwrap_or_else(|| {
-                super::names::derive_pool_name(
-                    &object.name_any(),
-                    &object.uid().unwrap_or_default(),
-                )
-            })
-        });
-    let Some(name) = name else {
+    // The name the live job used: its status's, for a pool an earlier operator named.
+    let Some(name) = super::validate::aks_pool_name(object) else {
         // The spec names no pool of its own (any more): nothing to delete.
         set_pool_finalizer(client, object, false).await?;
         return Ok(Finalized::Done);
