@@ -27,6 +27,7 @@ fn seen(pool: Result<Option<AgentPool>, ArmError>) -> PoolSeen {
         pool,
         ready_nodes: None,
         operation: None,
+        ignored_operation: None,
     }
 }
 
@@ -44,6 +45,7 @@ fn pool(state: &str) -> Option<AgentPool> {
         count: 2,
         vm_size: "Standard_ND96asr_v4".into(),
         tags: request.tags,
+        etag: Some("etag-1".into()),
     })
 }
 
@@ -138,6 +140,7 @@ fn a_missing_pool_is_created_and_followed() {
 
     let accepted = Accepted {
         operation: Some("https://management.azure.com/op/1".into()),
+        ignored_operation: None,
     };
     let look = after_create(&job, &plan, &name, decision.look, Ok(accepted));
     assert!(
@@ -230,4 +233,145 @@ fn a_failed_pool_reports_the_operations_reason_with_a_hint() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+#[test]
+fn a_pool_made_meanwhile_answers_412_and_is_looked_at_not_put_again() {
+    let job = job();
+    let plan = job.node_pool.clone().unwrap();
+    let name = plan.pool_name.clone().unwrap();
+    let old = NodePoolStatus::default();
+    let before = decide(&job, &plan, &name, &old, seen(Ok(None))).look;
+    let exists = ArmError::PreconditionFailed {
+        message: "The agent pool exists.".into(),
+    };
+    let look = after_create(&job, &plan, &name, before, Err(exists));
+    match &look.state {
+        PoolState::Provisioning { message } => assert!(
+            message.contains(&format!("agent pool {name} exists already"))
+                && message.contains("neither used nor deleted"),
+            "{message}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(look.requeue, Some(Duration::from_secs(2)));
+    let status = look.status.unwrap();
+    assert_eq!(status.provisioning_state, None, "nothing was made");
+    assert_eq!(status.operation, None);
+
+    // The next look finds another job's pool there: the job fails; nothing is put or deleted.
+    let other = AgentPool {
+        provisioning_state: "Creating".into(),
+        ..tagged(&[
+            ("ringmaster.dev-job", "team-b.other"),
+            (
+                "ringmaster.dev-job-uid",
+                "0b0e0000-0000-4000-8000-000000000002",
+            ),
+        ])
+    };
+    let decision = decide(&job, &plan, &name, &status, seen(Ok(Some(other))));
+    assert!(decision.create.is_none());
+    match decision.look.state {
+        PoolState::Failed { message } => assert!(
+            message.contains("is not this job's (TrainingJob team-b.other made it)"),
+            "{message}"
+        ),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn an_operation_url_in_the_status_that_is_not_arms_is_dropped_with_a_warning() {
+    let job = job();
+    let plan = job.node_pool.clone().unwrap();
+    let name = plan.pool_name.clone().unwrap();
+    let old = NodePoolStatus {
+        name: name.clone(),
+        provisioning_state: Some("Failed".into()),
+        operation: Some("https://listener.example/steal".into()),
+        ..NodePoolStatus::default()
+    };
+    let tampered = PoolSeen {
+        ignored_operation: old.operation.clone(),
+        ..seen(Ok(pool("Failed")))
+    };
+    let look = decide(&job, &plan, &name, &old, tampered).look;
+    let warning = look.warning.expect("a Warning");
+    assert!(
+        warning.contains("https://listener.example/steal") && warning.contains("not requested"),
+        "{warning}"
+    );
+    assert_eq!(
+        look.status.unwrap().operation,
+        None,
+        "dropped from the status"
+    );
+    match look.state {
+        PoolState::Failed { message } => {
+            assert!(message.contains("was not read"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // Azure's own answer naming another origin: not recorded, said too.
+    let before = decide(
+        &job,
+        &plan,
+        &name,
+        &NodePoolStatus::default(),
+        seen(Ok(None)),
+    )
+    .look;
+    let accepted = Accepted {
+        operation: None,
+        ignored_operation: Some("https://elsewhere.example/op".into()),
+    };
+    let look = after_create(&job, &plan, &name, before, Ok(accepted));
+    assert_eq!(look.status.unwrap().operation, None);
+    assert!(
+        look.warning
+            .unwrap()
+            .contains("https://elsewhere.example/op")
+    );
+}
+
+#[test]
+fn a_job_keeps_the_pool_name_its_status_records() {
+    use ringmaster::controller::training_job::names::derive_pool_name;
+    let path = fixtures::root().join("config/samples/trainingjob-resnet50-nd96asr-v4.yaml");
+    let mut object = fixtures::ringmaster_objects(&path).remove(0);
+    object["metadata"]["namespace"] = json!("ml");
+    object["metadata"]["uid"] = json!("6f1c2d3e-0000-4000-8000-00000000abcd");
+    object["spec"]["nodePool"]
+        .as_object_mut()
+        .unwrap()
+        .remove("poolName");
+    let name_of = |object: &serde_json::Value| {
+        validate_value(object, None)
+            .unwrap()
+            .node_pool
+            .unwrap()
+            .pool_name
+            .unwrap()
+    };
+    // A new job: the name derived from its name and UID.
+    let derived = derive_pool_name("resnet50-imagenet", "6f1c2d3e-0000-4000-8000-00000000abcd");
+    assert_eq!(name_of(&object), derived);
+    // A job an earlier operator named its pool for (8 letters and 4 hex digits of its UID):
+    // that pool is still its pool, used and given back under that name.
+    object["status"] = json!({"phase": "Running", "nodePool": {"name": "resnet506f1c", "provisioningState": "Succeeded", "readyNodes": 2}});
+    assert_eq!(name_of(&object), "resnet506f1c");
+    let typed: ringmaster::api::TrainingJob = serde_json::from_value(object.clone()).unwrap();
+    assert_eq!(
+        ringmaster::controller::training_job::validate::aks_pool_name(&typed).as_deref(),
+        Some("resnet506f1c"),
+        "the finalizer deletes the pool under the same name"
+    );
+    // A recorded name that is not a pool name is not taken.
+    object["status"]["nodePool"]["name"] = json!("Not-A-Pool");
+    assert_eq!(name_of(&object), derived);
+    // The spec's own poolName always wins.
+    object["spec"]["nodePool"]["poolName"] = json!("mine");
+    assert_eq!(name_of(&object), "mine");
 }

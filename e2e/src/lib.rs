@@ -5,3 +5,6 @@ pub mod bench;
 pub mod cluster;
 pub mod nodes;
 pub mod simulated_aks;
+
+#[cfg(test)]
+mod pool_step_tests;

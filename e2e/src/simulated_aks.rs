@@ -6,10 +6,16 @@
 //! `Succeeded` and KWOK nodes shaped like the VM size (GPUs, RDMA, labels, taints from the
 //! request) join the local cluster. `DELETE` answers 202, the pool is `Deleting`, its nodes
 //! leave, then it is gone (404). A PUT while the pool is being made or deleted is 409
-//! `OperationNotAllowed`. Bearer tokens are checked; the api-version must be the one the
-//! operator pins. Tests can make the next PUT fail synchronously (quota, unknown size) or
-//! asynchronously (capacity), throttle the next requests with 429 + `Retry-After`, and count
-//! the PUTs each pool got.
+//! `OperationNotAllowed`. Conditional requests are honoured as ARM honours them: a PUT with
+//! `If-None-Match: *` gets 412 `PreconditionFailed` when a pool of that name exists (also
+//! one still being made or being deleted), and a PUT or DELETE with `If-Match` gets 412
+//! unless the pool's eTag (`properties.eTag`, new at each write) matches. Bearer tokens are
+//! checked; the api-version must be the one the operator pins. Tests can make the next PUT
+//! fail synchronously (quota, unknown size) or asynchronously (capacity), throttle the next
+//! requests with 429 + `Retry-After`, and count the PUTs each pool got.
+//!
+//! Started with [`SimulatedAks::start_without_cluster`] it needs no cluster: pools succeed
+//! without nodes (for tests of the ARM client and the pool step alone).
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -37,12 +43,19 @@ pub struct ArmFailure {
     pub message: String,
 }
 
-#[derive(Clone, Debug)]
-struct Pool {
-    state: String,
-    vm_size: String,
-    count: u32,
-    tags: BTreeMap<String, String>,
+/// A pool as the simulated AKS holds it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pool {
+    /// Provisioning state (`Creating`, `Succeeded`, `Failed`, `Deleting`, `Canceled`).
+    pub state: String,
+    /// VM size.
+    pub vm_size: String,
+    /// Nodes.
+    pub count: u32,
+    /// Tags of the last PUT.
+    pub tags: BTreeMap<String, String>,
+    /// eTag, new at each write.
+    pub etag: String,
 }
 
 #[derive(Default)]
@@ -51,6 +64,8 @@ struct Inner {
     operations: HashMap<String, serde_json::Value>,
     puts: HashMap<String, usize>,
     deletes: HashMap<String, usize>,
+    preconditions_failed: HashMap<String, usize>,
+    next_etag: u64,
     fail_next_put: Option<ArmFailure>,
     fail_deletes: usize,
     delete_failure: Option<ArmFailure>,
@@ -64,7 +79,8 @@ struct Shared {
     inner: Mutex<Inner>,
     token: String,
     api_version: String,
-    client: Client,
+    /// The cluster the pools' nodes join; none: pools succeed without nodes.
+    client: Option<Client>,
     create_delay: Duration,
     delete_delay: Duration,
     base_url: Mutex<String>,
@@ -103,6 +119,7 @@ fn pool_body(name: &str, pool: &Pool) -> serde_json::Value {
             "vmSize": pool.vm_size,
             "mode": "User",
             "tags": pool.tags,
+            "eTag": pool.etag,
         }
     })
 }
@@ -123,6 +140,27 @@ impl SimulatedAks {
     /// Pools take `create_delay` to be made and `delete_delay` to go.
     pub async fn start(
         client: Client,
+        token: &str,
+        api_version: &str,
+        create_delay: Duration,
+        delete_delay: Duration,
+    ) -> std::io::Result<Self> {
+        Self::serve(Some(client), token, api_version, create_delay, delete_delay).await
+    }
+
+    /// Like [`SimulatedAks::start`], without a cluster: pools succeed (or fail as told)
+    /// without nodes joining anything.
+    pub async fn start_without_cluster(
+        token: &str,
+        api_version: &str,
+        create_delay: Duration,
+        delete_delay: Duration,
+    ) -> std::io::Result<Self> {
+        Self::serve(None, token, api_version, create_delay, delete_delay).await
+    }
+
+    async fn serve(
+        client: Option<Client>,
         token: &str,
         api_version: &str,
         create_delay: Duration,
@@ -209,18 +247,39 @@ impl SimulatedAks {
             .unwrap_or(&0)
     }
 
+    /// PUTs and DELETEs of `pool` refused with 412 (`If-None-Match: *` on an existing
+    /// pool, `If-Match` on another eTag).
+    pub fn preconditions_failed(&self, pool: &str) -> usize {
+        *self
+            .shared
+            .inner
+            .lock()
+            .unwrap()
+            .preconditions_failed
+            .get(pool)
+            .unwrap_or(&0)
+    }
+
     /// A pool made outside Ringmaster (a person's, with no tags), already Succeeded. Its
     /// nodes are not added: no job may use it.
     pub fn made_by_hand(&self, name: &str, vm_size: &str, count: u32) {
-        self.shared.inner.lock().unwrap().pools.insert(
+        let mut inner = self.shared.inner.lock().unwrap();
+        let etag = inner.new_etag();
+        inner.pools.insert(
             name.into(),
             Pool {
                 state: "Succeeded".into(),
                 vm_size: vm_size.into(),
                 count,
                 tags: BTreeMap::new(),
+                etag,
             },
         );
+    }
+
+    /// Pool `name` as it is now.
+    pub fn pool(&self, name: &str) -> Option<Pool> {
+        self.shared.inner.lock().unwrap().pools.get(name).cloned()
     }
 
     /// Pools and their states.
@@ -233,6 +292,32 @@ impl SimulatedAks {
             .iter()
             .map(|(k, v)| (k.clone(), v.state.clone()))
             .collect()
+    }
+}
+
+impl Inner {
+    fn new_etag(&mut self) -> String {
+        self.next_etag += 1;
+        format!("\"etag-{}\"", self.next_etag)
+    }
+
+    /// ARM's answer to a request whose `If-None-Match` / `If-Match` does not hold for pool
+    /// `name` (counted), or `None` when it holds.
+    fn precondition(&mut self, name: &str, headers: &HeaderMap) -> Option<Response> {
+        let header = |h: &str| headers.get(h).and_then(|v| v.to_str().ok());
+        let existing = self.pools.get(name);
+        let failed = match (header("if-none-match"), header("if-match")) {
+            (Some("*"), _) if existing.is_some() => Some(format!(
+                "The agent pool {name} already exists (it is {}), and If-None-Match: * asks that it does not.",
+                existing.map(|p| p.state.as_str()).unwrap_or_default()
+            )),
+            (_, Some(tag)) if existing.is_none_or(|p| tag != "*" && tag != p.etag) => Some(
+                format!("The agent pool {name} does not have the eTag {tag} If-Match asks for."),
+            ),
+            _ => None,
+        }?;
+        *self.preconditions_failed.entry(name.into()).or_default() += 1;
+        Some(arm_error(412, "PreconditionFailed", &failed))
     }
 }
 
@@ -302,6 +387,9 @@ async fn put_pool(
     let count = p["count"].as_u64().unwrap_or(0) as u32;
     let (operation, pool) = {
         let mut inner = shared.inner.lock().unwrap();
+        if let Some(refused) = inner.precondition(&name, &headers) {
+            return refused;
+        }
         if let Some(failure) = inner.fail_next_put.take() {
             return arm_error(failure.status, &failure.code, &failure.message);
         }
@@ -343,6 +431,7 @@ async fn put_pool(
             vm_size,
             count,
             tags: serde_json::from_value(p["tags"].clone()).unwrap_or_default(),
+            etag: inner.new_etag(),
         };
         inner.pools.insert(name.clone(), pool.clone());
         let fail = inner.fail_next_async.take();
@@ -367,19 +456,27 @@ async fn put_pool(
                     "Failed",
                     serde_json::json!({"status": "Failed", "error": {"code": f.code, "message": f.message}}),
                 ),
-                (true, None) => match nodes::add(&shared2.client, &shape, count).await {
-                    Ok(_) => ("Succeeded", serde_json::json!({"status": "Succeeded"})),
-                    Err(e) => (
-                        "Failed",
-                        serde_json::json!({"status": "Failed", "error": {"code": "InternalError", "message": e.to_string()}}),
-                    ),
-                },
+                (true, None) => {
+                    let added = match &shared2.client {
+                        Some(client) => nodes::add(client, &shape, count).await.map(|_| ()),
+                        None => Ok(()),
+                    };
+                    match added {
+                        Ok(()) => ("Succeeded", serde_json::json!({"status": "Succeeded"})),
+                        Err(e) => (
+                            "Failed",
+                            serde_json::json!({"status": "Failed", "error": {"code": "InternalError", "message": e.to_string()}}),
+                        ),
+                    }
+                }
             };
             let mut inner = shared2.inner.lock().unwrap();
+            let etag = inner.new_etag();
             if let Some(pool) = inner.pools.get_mut(&name2)
                 && pool.state == "Creating"
             {
                 pool.state = state.into();
+                pool.etag = etag;
             }
             inner.operations.insert(id2, outcome);
         });
@@ -413,6 +510,9 @@ async fn delete_pool(
     }
     let id = {
         let mut inner = shared.inner.lock().unwrap();
+        if let Some(refused) = inner.precondition(&name, &headers) {
+            return refused;
+        }
         if inner.fail_deletes > 0 && inner.pools.contains_key(&name) {
             inner.fail_deletes -= 1;
             if let Some(failure) = &inner.delete_failure {
@@ -426,6 +526,10 @@ async fn delete_pool(
             return StatusCode::ACCEPTED.into_response();
         }
         pool.state = "Deleting".into();
+        let etag = inner.new_etag();
+        if let Some(pool) = inner.pools.get_mut(&name) {
+            pool.etag = etag;
+        }
         *inner.deletes.entry(name.clone()).or_default() += 1;
         inner.next_operation += 1;
         let id = format!("op{}", inner.next_operation);
@@ -437,7 +541,10 @@ async fn delete_pool(
     let (shared2, name2, id2) = (shared.clone(), name.clone(), id.clone());
     tokio::spawn(async move {
         tokio::time::sleep(shared2.delete_delay).await;
-        let removed = nodes::remove(&shared2.client, &name2).await;
+        let removed = match &shared2.client {
+            Some(client) => nodes::remove(client, &name2).await.map(|_| ()),
+            None => Ok(()),
+        };
         let mut inner = shared2.inner.lock().unwrap();
         inner.pools.remove(&name2);
         let outcome = match removed {

@@ -588,6 +588,125 @@ async fn a_restart_while_creating_makes_one_pool_and_a_deleted_job_gives_it_back
 }
 
 #[tokio::test]
+async fn two_jobs_in_two_namespaces_racing_for_one_pool_name_leave_each_others_pool_alone() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns_a = TestNamespace::new(&client, "pool-race-a").await;
+    let ns_b = TestNamespace::new(&client, "pool-race-b").await;
+    logs();
+    let token = "race-test-token";
+    let token_file = {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(token.as_bytes()).unwrap();
+        f
+    };
+    let aks = SimulatedAks::start(
+        client.clone(),
+        token,
+        API_VERSION,
+        Duration::from_secs(2),
+        Duration::from_millis(500),
+    )
+    .await
+    .unwrap();
+    // One operator per namespace (as two installs scoped to their namespaces), one Azure.
+    let _operator_a = start_operator(&client, &ns_a.name, &aks, token_file.path()).await;
+    let _operator_b = start_operator(&client, &ns_b.name, &aks, token_file.path()).await;
+    let pool = "racepool";
+    let job = |name: &str| {
+        gpu_job(name, |spec| {
+            spec["nodePool"]["poolName"] = json!(pool);
+            spec["launcher"] = json!({});
+        })
+    };
+    let (alpha, beta) = (job("alpha"), job("beta"));
+    let (a, b) = tokio::join!(
+        apply(&client, &alpha, &ns_a.name, false),
+        apply(&client, &beta, &ns_b.name, false),
+    );
+    a.unwrap();
+    b.unwrap();
+
+    // One job runs in the pool; the other fails, naming whose the pool is.
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    let phases = loop {
+        let phases = (
+            status(&client, &ns_a.name, "alpha").await["phase"].clone(),
+            status(&client, &ns_b.name, "beta").await["phase"].clone(),
+        );
+        if matches!(
+            (phases.0.as_str(), phases.1.as_str()),
+            (Some("Running"), Some("Failed")) | (Some("Failed"), Some("Running"))
+        ) {
+            break phases;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never one Running and one Failed: {phases:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let ((winner_ns, winner), (loser_ns, loser)) = if phases.0 == "Running" {
+        ((&ns_a.name, "alpha"), (&ns_b.name, "beta"))
+    } else {
+        ((&ns_b.name, "beta"), (&ns_a.name, "alpha"))
+    };
+    let st = status(&client, loser_ns, loser).await;
+    let failed = condition(&st, "Failed");
+    assert_eq!(failed["reason"], "NodePoolFailed");
+    let message = failed["message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!(
+            "agent pool {pool} exists and is not this job's (TrainingJob {winner_ns}.{winner} made it)"
+        )),
+        "{message}"
+    );
+    assert!(pods(&client, loser_ns, loser).await.is_empty());
+
+    // The pool is the winner's: its tags, its two nodes, one create.
+    let winners: Api<TrainingJob> = Api::namespaced(client.clone(), winner_ns);
+    let winner_uid = winners.get(winner).await.unwrap().uid().unwrap();
+    let made = aks.pool(pool).expect("the pool");
+    assert_eq!(
+        made.tags.get("ringmaster.dev-job-uid"),
+        Some(&winner_uid),
+        "{:?}",
+        made.tags
+    );
+    assert_eq!((made.state.as_str(), made.count), ("Succeeded", 2));
+    assert_eq!(aks.puts(pool), 1, "one create, never overwritten");
+    assert_eq!(pool_nodes(&client, pool).await.len(), 2);
+
+    // Deleting the job that lost deletes nothing of the winner's.
+    let losers: Api<TrainingJob> = Api::namespaced(client.clone(), loser_ns);
+    losers
+        .delete(loser, &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(30), "the losing job gone", || async {
+        losers.get_opt(loser).await.unwrap().is_none()
+    })
+    .await;
+    assert_eq!(aks.deletes(pool), 0);
+    assert_eq!(aks.pool(pool), Some(made), "the pool as it was");
+    assert_eq!(pool_nodes(&client, pool).await.len(), 2);
+    assert_eq!(status(&client, winner_ns, winner).await["phase"], "Running");
+
+    // The winner's own deletion gives the pool back.
+    winners
+        .delete(winner, &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(60),
+        "the winner's pool given back",
+        || async { !aks.pools().contains_key(pool) && pool_nodes(&client, pool).await.is_empty() },
+    )
+    .await;
+    assert_eq!(aks.deletes(pool), 1);
+}
+
+#[tokio::test]
 async fn invalid_vm_size_or_pool_name_is_refused_by_the_api_server() {
     let client = client().await;
     ensure_crds(&client).await;

@@ -1,6 +1,12 @@
-//! A small Azure Resource Manager client for AKS agent pools: PUT, GET and DELETE of
+//! A small Azure Resource Manager client for AKS agent pools: create (PUT with
+//! `If-None-Match: *`), GET and DELETE (with `If-Match` on the eTag read) of
 //! `…/managedClusters/{cluster}/agentPools/{pool}` at one pinned api-version, and GET of a
 //! long-running operation's status.
+//!
+//! The bearer token goes only to the configured endpoint's origin: every URL the client
+//! requests is an [`ArmUrl`], which only [`ArmClient::own_url`] makes (same scheme, host and
+//! port as the endpoint, no user info). An operation URL from a response or from a job's
+//! status that is not one is dropped, never requested; redirects are not followed.
 //!
 //! Calls do not wait or retry inside a reconcile: throttling (429) and "another operation
 //! is in progress" (409) come back as errors that carry when to try again, and the
@@ -9,6 +15,7 @@
 
 use std::time::Duration;
 
+use reqwest::Url;
 use serde::{Deserialize, Serialize};
 
 use super::token::{TokenError, TokenSource};
@@ -84,6 +91,9 @@ pub struct AgentPool {
     pub vm_size: String,
     /// Tags on the pool (the job that made it, for one Ringmaster made).
     pub tags: std::collections::BTreeMap<String, String>,
+    /// The pool's eTag (`properties.eTag`), when ARM reports one: a delete sends it as
+    /// `If-Match`, so a pool replaced since it was read is not deleted.
+    pub etag: Option<String>,
 }
 
 /// A long-running operation's outcome.
@@ -98,10 +108,14 @@ pub enum Operation {
 }
 
 /// What a PUT or DELETE started.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Accepted {
-    /// The operation to follow (`Azure-AsyncOperation`, else `Location`), when ARM gave one.
+    /// The operation to follow (`Azure-AsyncOperation`, else `Location`), when ARM gave one
+    /// on its own origin ([`ArmClient::own_url`]).
     pub operation: Option<String>,
+    /// An operation URL the response named that is not on ARM's origin: dropped, never
+    /// followed (said in a Warning).
+    pub ignored_operation: Option<String>,
 }
 
 /// Errors of ARM calls. Messages never carry the token.
@@ -122,6 +136,14 @@ pub enum ArmError {
         message: String,
         retry_after: Duration,
     },
+    /// A condition of the request did not hold (412): the pool a create (`If-None-Match: *`)
+    /// was to make exists already, or the pool a delete (`If-Match`) was to remove changed
+    /// since it was read. Nothing was written; look at the pool again.
+    #[error("the agent pool exists already or changed since it was read (412 Precondition Failed{})", if message.is_empty() { String::new() } else { format!(": {message}") })]
+    PreconditionFailed { message: String },
+    /// The configured endpoint is not an `https://` (or `http://`) URL.
+    #[error("the Azure Resource Manager endpoint {endpoint} is not usable: {message}")]
+    Endpoint { endpoint: String, message: String },
     /// ARM refused the request.
     #[error("{code}: {message}{}", hint_text(code))]
     Refused {
@@ -138,6 +160,9 @@ impl ArmError {
         match self {
             ArmError::Token(_) | ArmError::Transport { .. } => true,
             ArmError::Throttled { .. } | ArmError::Busy { .. } => true,
+            // Looked at again: the next look decides with what is there now.
+            ArmError::PreconditionFailed { .. } => true,
+            ArmError::Endpoint { .. } => false,
             ArmError::Refused { status, .. } => *status >= 500,
         }
     }
@@ -148,6 +173,7 @@ impl ArmError {
             ArmError::Throttled { retry_after } | ArmError::Busy { retry_after, .. } => {
                 *retry_after
             }
+            ArmError::PreconditionFailed { .. } => Duration::from_secs(2),
             _ => Duration::from_secs(15),
         }
     }
@@ -175,11 +201,31 @@ fn hint_text(code: &str) -> String {
     hint(code).map(|h| format!(" ({h})")).unwrap_or_default()
 }
 
+/// A URL on the configured ARM endpoint's origin: the only kind the client sends its token
+/// to. Made by [`ArmClient::own_url`] (and by the client for its own pool URLs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ArmUrl(Url);
+
+impl ArmUrl {
+    /// The URL, as sent.
+    pub fn as_str(&self) -> &str {
+        self.0.as_str()
+    }
+}
+
+impl std::fmt::Display for ArmUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0.as_str())
+    }
+}
+
 /// The client.
 #[derive(Clone, Debug)]
 pub struct ArmClient {
     http: reqwest::Client,
     config: ArmConfig,
+    /// The endpoint, parsed: its origin is where the token may go.
+    base: Url,
     tokens: TokenSource,
 }
 
@@ -195,11 +241,34 @@ struct ErrorDetail {
 }
 
 impl ArmClient {
-    /// A client for `config`, signing in with `tokens`.
+    /// A client for `config`, signing in with `tokens`. The endpoint must be an `https://`
+    /// URL (an `http://` one is taken, with a warning: the simulated AKS of the tests listens
+    /// on loopback without TLS) without user info.
     pub fn new(config: ArmConfig, tokens: TokenSource) -> Result<Self, ArmError> {
         crate::tls::install_provider();
+        let refuse = |message: &str| ArmError::Endpoint {
+            endpoint: config.endpoint.clone(),
+            message: message.to_string(),
+        };
+        let base = Url::parse(&config.endpoint).map_err(|e| refuse(&e.to_string()))?;
+        match base.scheme() {
+            "https" => {}
+            "http" => tracing::warn!(
+                endpoint = %config.endpoint,
+                "the Azure Resource Manager endpoint is not https: its token travels unencrypted (only for a local simulated AKS)"
+            ),
+            _ => return Err(refuse("not an https:// URL")),
+        }
+        if base.host().is_none() {
+            return Err(refuse("no host"));
+        }
+        if !base.username().is_empty() || base.password().is_some() {
+            return Err(refuse("user info in the URL"));
+        }
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(60))
+            // A redirect is a URL from a response: not followed (ARM does not redirect these).
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| ArmError::Transport {
                 endpoint: config.endpoint.clone(),
@@ -208,6 +277,7 @@ impl ArmClient {
         Ok(Self {
             http,
             config,
+            base,
             tokens,
         })
     }
@@ -217,25 +287,51 @@ impl ArmClient {
         &self.config
     }
 
-    fn pool_url(&self, pool: &str) -> String {
+    /// `url` when the token may go there: an absolute URL with the configured endpoint's
+    /// scheme, host and port (so `https` only, unless the endpoint itself is `http`) and no
+    /// user info. Anything else (another host or port, `http` for an `https` endpoint,
+    /// `https://management.azure.com@elsewhere/`, a relative URL) is `None`.
+    pub fn own_url(&self, url: &str) -> Option<ArmUrl> {
+        let url = Url::parse(url).ok()?;
+        let base = &self.base;
+        let same_origin = url.scheme() == base.scheme()
+            && url.host().is_some()
+            && url.host() == base.host()
+            && url.port_or_known_default() == base.port_or_known_default();
+        let no_user_info = url.username().is_empty() && url.password().is_none();
+        (same_origin && no_user_info).then_some(ArmUrl(url))
+    }
+
+    fn pool_url(&self, pool: &str) -> Result<ArmUrl, ArmError> {
         let c = &self.config;
-        format!(
+        let url = format!(
             "{}/subscriptions/{}/resourceGroups/{}/providers/Microsoft.ContainerService/managedClusters/{}/agentPools/{pool}?api-version={API_VERSION}",
             c.endpoint.trim_end_matches('/'),
             c.subscription,
             c.resource_group,
             c.cluster
-        )
+        );
+        self.own_url(&url).ok_or_else(|| ArmError::Endpoint {
+            endpoint: c.endpoint.clone(),
+            message: format!("agent pool {pool}'s URL is not on the endpoint"),
+        })
     }
 
     async fn send(
         &self,
         method: reqwest::Method,
-        url: &str,
+        url: &ArmUrl,
+        headers: &[(&str, &str)],
         body: Option<serde_json::Value>,
     ) -> Result<reqwest::Response, ArmError> {
         let token = self.tokens.token().await?;
-        let mut request = self.http.request(method, url).bearer_auth(token.secret());
+        let mut request = self
+            .http
+            .request(method, url.0.clone())
+            .bearer_auth(token.secret());
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
         if let Some(body) = body {
             request = request.json(&body);
         }
@@ -245,6 +341,14 @@ impl ArmClient {
             message: e.without_url().to_string(),
         })?;
         let status = response.status().as_u16();
+        if (300..400).contains(&status) {
+            return Err(ArmError::Refused {
+                status,
+                code: format!("HTTP{status}"),
+                message: "a redirect, not followed: the token goes only to the configured endpoint"
+                    .into(),
+            });
+        }
         if status < 400 || status == 404 {
             return Ok(response);
         }
@@ -267,6 +371,9 @@ impl ArmClient {
                 message: if message.is_empty() { code } else { message },
                 retry_after: retry_after.unwrap_or(Duration::from_secs(15)),
             },
+            412 => ArmError::PreconditionFailed {
+                message: if message.is_empty() { code } else { message },
+            },
             _ => ArmError::Refused {
                 status,
                 code: if code.is_empty() {
@@ -282,7 +389,7 @@ impl ArmClient {
     /// The pool, or `None` when it does not exist.
     pub async fn get_pool(&self, pool: &str) -> Result<Option<AgentPool>, ArmError> {
         let response = self
-            .send(reqwest::Method::GET, &self.pool_url(pool), None)
+            .send(reqwest::Method::GET, &self.pool_url(pool)?, &[], None)
             .await?;
         if response.status().as_u16() == 404 {
             return Ok(None);
@@ -300,11 +407,17 @@ impl ArmClient {
             count: p["count"].as_u64().unwrap_or(0) as u32,
             vm_size: p["vmSize"].as_str().unwrap_or_default().to_string(),
             tags: serde_json::from_value(p["tags"].clone()).unwrap_or_default(),
+            etag: p["eTag"]
+                .as_str()
+                .or_else(|| value["etag"].as_str())
+                .map(str::to_string),
         }))
     }
 
-    /// Creates (or updates) the pool; returns the operation to follow.
-    pub async fn put_pool(
+    /// Creates the pool, never overwriting one: the PUT carries `If-None-Match: *`, and ARM
+    /// answers [`ArmError::PreconditionFailed`] (412) when a pool of that name exists (also
+    /// one still being made). Returns the operation to follow.
+    pub async fn create_pool(
         &self,
         pool: &str,
         request: &AgentPoolRequest,
@@ -312,24 +425,34 @@ impl ArmClient {
         let response = self
             .send(
                 reqwest::Method::PUT,
-                &self.pool_url(pool),
+                &self.pool_url(pool)?,
+                &[("if-none-match", "*")],
                 Some(request.body()),
             )
             .await?;
-        Ok(accepted(&response))
+        Ok(self.accepted(&response))
     }
 
-    /// Deletes the pool; a pool already gone is fine.
-    pub async fn delete_pool(&self, pool: &str) -> Result<Accepted, ArmError> {
+    /// Deletes the pool; a pool already gone is fine. With `etag` (the one read with the
+    /// pool whose tags were checked) the DELETE carries `If-Match`, and a pool replaced or
+    /// changed since is not deleted ([`ArmError::PreconditionFailed`]).
+    pub async fn delete_pool(&self, pool: &str, etag: Option<&str>) -> Result<Accepted, ArmError> {
+        let if_match: Vec<(&str, &str)> = etag.map(|e| ("if-match", e)).into_iter().collect();
         let response = self
-            .send(reqwest::Method::DELETE, &self.pool_url(pool), None)
+            .send(
+                reqwest::Method::DELETE,
+                &self.pool_url(pool)?,
+                &if_match,
+                None,
+            )
             .await?;
-        Ok(accepted(&response))
+        Ok(self.accepted(&response))
     }
 
-    /// The status of a long-running operation (from `Azure-AsyncOperation`).
-    pub async fn operation(&self, url: &str) -> Result<Operation, ArmError> {
-        let response = self.send(reqwest::Method::GET, url, None).await?;
+    /// The status of a long-running operation (from `Azure-AsyncOperation`), at a URL
+    /// [`ArmClient::own_url`] let through.
+    pub async fn operation(&self, url: &ArmUrl) -> Result<Operation, ArmError> {
+        let response = self.send(reqwest::Method::GET, url, &[], None).await?;
         let value: serde_json::Value = response.json().await.unwrap_or_default();
         Ok(match value["status"].as_str().unwrap_or("InProgress") {
             "Succeeded" => Operation::Succeeded,
@@ -348,16 +471,32 @@ impl ArmClient {
     }
 }
 
-fn accepted(response: &reqwest::Response) -> Accepted {
-    let header = |name: &str| {
-        response
-            .headers()
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string)
-    };
-    Accepted {
-        operation: header("azure-asyncoperation").or_else(|| header("location")),
+impl ArmClient {
+    /// The operation a PUT or DELETE started, when ARM named one on its own origin.
+    fn accepted(&self, response: &reqwest::Response) -> Accepted {
+        let header = |name: &str| {
+            response
+                .headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let Some(url) = header("azure-asyncoperation").or_else(|| header("location")) else {
+            return Accepted::default();
+        };
+        match self.own_url(&url) {
+            Some(own) => Accepted {
+                operation: Some(own.to_string()),
+                ignored_operation: None,
+            },
+            None => {
+                tracing::warn!(operation = %url, endpoint = %self.config.endpoint, "an operation URL not on the ARM endpoint: not followed");
+                Accepted {
+                    operation: None,
+                    ignored_operation: Some(url),
+                }
+            }
+        }
     }
 }
 
@@ -387,6 +526,109 @@ mod tests {
             p["nodeTaints"][0],
             "ringmaster.dev/pool=rmjob1abcd:NoSchedule"
         );
+    }
+
+    fn client(endpoint: &str) -> Result<ArmClient, ArmError> {
+        ArmClient::new(
+            ArmConfig {
+                endpoint: endpoint.into(),
+                subscription: "sub".into(),
+                resource_group: "rg".into(),
+                cluster: "aks".into(),
+            },
+            TokenSource::File("/nonexistent/token".into()),
+        )
+    }
+
+    #[test]
+    fn the_token_goes_only_to_the_endpoints_origin() {
+        let arm = client("https://management.azure.com").unwrap();
+        let own = |url: &str| arm.own_url(url).map(|u| u.to_string());
+        let op = "https://management.azure.com/subscriptions/sub/providers/Microsoft.ContainerService/locations/eastus/operations/1?api-version=2025-07-01";
+        assert_eq!(own(op).as_deref(), Some(op));
+        // The same origin written differently: default port, upper case, path-less.
+        assert!(own("https://management.azure.com:443/operations/1").is_some());
+        assert!(own("HTTPS://MANAGEMENT.AZURE.COM/operations/1").is_some());
+        assert!(own("https://management.azure.com").is_some());
+        for foreign in [
+            // Another host, or one that only starts or ends like ARM's.
+            "https://evil.example/operations/1",
+            "https://evil.example",
+            "https://management.azure.com.evil.example/operations/1",
+            "https://evilmanagement.azure.com/operations/1",
+            "https://management.azure.com./operations/1",
+            // Another port; plain http to ARM's host.
+            "https://management.azure.com:8443/operations/1",
+            "http://management.azure.com/operations/1",
+            "http://management.azure.com:443/operations/1",
+            // User info: the host is the part after the @.
+            "https://management.azure.com@evil.example/",
+            "https://management.azure.com:443@evil.example/operations/1",
+            "https://user:pass@management.azure.com/operations/1",
+            "https://token@management.azure.com/operations/1",
+            // Other schemes; relative and scheme-relative URLs; not URLs.
+            "ftp://management.azure.com/operations/1",
+            "file:///etc/passwd",
+            "//evil.example/operations/1",
+            "/subscriptions/sub/operations/1",
+            "operations/1",
+            "",
+            "https://",
+            "https://[::1]/operations/1",
+            "https://127.0.0.1/operations/1",
+        ] {
+            assert_eq!(own(foreign), None, "{foreign} was let through");
+        }
+        // A backslash is a slash in a URL: the host stays ARM's.
+        assert_eq!(
+            arm.own_url("https://management.azure.com\\@evil.example/")
+                .map(|u| u.0.host_str().map(str::to_string)),
+            Some(Some("management.azure.com".into()))
+        );
+
+        // An http endpoint (the simulated AKS on loopback): http to exactly its origin.
+        let local = client("http://127.0.0.1:8081/").unwrap();
+        assert!(
+            local
+                .own_url("http://127.0.0.1:8081/operations/op1")
+                .is_some()
+        );
+        for foreign in [
+            "http://127.0.0.1:8082/operations/op1",
+            "http://127.0.0.1/operations/op1",
+            "https://127.0.0.1:8081/operations/op1",
+            "http://localhost:8081/operations/op1",
+            "http://127.0.0.1:8081@127.0.0.1:8082/operations/op1",
+            "http://[::1]:8081/operations/op1",
+        ] {
+            assert!(
+                local.own_url(foreign).is_none(),
+                "{foreign} was let through"
+            );
+        }
+        // Its own pool URLs are its own.
+        assert!(
+            arm.pool_url("pool1")
+                .unwrap()
+                .as_str()
+                .starts_with("https://management.azure.com/subscriptions/sub/resourceGroups/rg/")
+        );
+    }
+
+    #[test]
+    fn an_endpoint_that_is_not_an_http_url_is_refused() {
+        for endpoint in [
+            "management.azure.com",
+            "ftp://management.azure.com",
+            "https://user:secret@management.azure.com",
+            "",
+        ] {
+            assert!(
+                matches!(client(endpoint), Err(ArmError::Endpoint { .. })),
+                "{endpoint}"
+            );
+        }
+        assert!(client("https://management.usgovcloudapi.net/").is_ok());
     }
 
     #[test]

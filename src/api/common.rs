@@ -48,4 +48,8 @@ pub mod condition_reasons {
     pub const NODE_POOL_DELETE_FAILED: &str = "NodePoolDeleteFailed";
     /// (Event) A deleted job's agent pool was not deleted: the operator has no AKS settings.
     pub const NODE_POOL_LEFT_BEHIND: &str = "NodePoolLeftBehind";
+    /// (Event) An operation URL for a job's agent pool (in its `status.nodePool.operation`,
+    /// or in Azure's answer) is not on the operator's ARM endpoint: it was not requested
+    /// (the ARM token goes only there) and is dropped from the status.
+    pub const NODE_POOL_OPERATION_IGNORED: &str = "NodePoolOperationIgnored";
 }

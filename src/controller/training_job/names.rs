@@ -172,27 +172,54 @@ pub const POOL_KEY: &str = "ringmaster.dev/pool";
 /// AKS's label naming a node's agent pool.
 pub const AGENT_POOL_LABEL: &str = "kubernetes.azure.com/agentpool";
 
-/// An AKS agent pool name for a job: up to 8 letters and digits of its name, then 4 of its
-/// UID, so two jobs of the same name get different pools and a restarted operator derives
-/// the same name again. AKS allows `^[a-z][a-z0-9]{0,11}$`.
+/// Letters of the job's name at the start of a derived pool name.
+const POOL_PREFIX_LEN: usize = 4;
+/// Base-36 characters of the UID's hash at the end of a derived pool name.
+const POOL_HASH_LEN: u32 = 8;
+
+/// An AKS agent pool name for a job: up to 4 letters and digits of its name (starting with a
+/// letter; `tj` when it has none), then 8 base-36 characters of a hash (MD5) of its UID, so
+/// a restarted operator derives the same name again and two jobs almost never derive the
+/// same one. AKS allows `^[a-z][a-z0-9]{0,11}$` for Linux pools.
+///
+/// Entropy: 36⁸ ≈ 2.8 × 10¹² names per prefix, 41.4 bits. The chance that any two of `n`
+/// jobs with the same prefix derive the same name is about n² / (2 × 36⁸): 1.8 × 10⁻⁹ for
+/// 100 pools (AKS's limit per cluster), 1.8 × 10⁻⁵ (1 in 56,000) for 10,000. (The 4 hex
+/// digits of the UID used before gave 16 bits: 1 in 13 for 100 jobs of one prefix.) A
+/// collision cannot take another job's pool: pools are only created (`If-None-Match: *`),
+/// and used or deleted by the job their tags name; the job that finds its name taken fails.
 pub fn derive_pool_name(job_name: &str, uid: &str) -> String {
+    use md5::{Digest, Md5};
     let mut name: String = job_name
         .chars()
         .filter(char::is_ascii_alphanumeric)
         .map(|c| c.to_ascii_lowercase())
         .skip_while(|c| c.is_ascii_digit())
-        .take(8)
+        .take(POOL_PREFIX_LEN)
         .collect();
     if name.is_empty() {
         name.push_str("tj");
     }
-    name.extend(
-        uid.chars()
-            .filter(char::is_ascii_hexdigit)
-            .map(|c| c.to_ascii_lowercase())
-            .take(4),
-    );
+    let digest: [u8; 16] = Md5::digest(uid.as_bytes()).into();
+    // 128 bits reduced to 36⁸ values: the bias is below 2⁻⁸⁶.
+    let mut hash = u128::from_be_bytes(digest) % 36u128.pow(POOL_HASH_LEN);
+    let mut suffix = Vec::with_capacity(POOL_HASH_LEN as usize);
+    for _ in 0..POOL_HASH_LEN {
+        let digit = (hash % 36) as u32;
+        suffix.push(char::from_digit(digit, 36).expect("a base-36 digit"));
+        hash /= 36;
+    }
+    name.extend(suffix.into_iter().rev());
     name
+}
+
+/// Whether `name` is a valid AKS Linux agent pool name (`^[a-z][a-z0-9]{0,11}$`).
+pub fn is_valid_pool_name(name: &str) -> bool {
+    name.len() <= 12
+        && name.chars().next().is_some_and(|c| c.is_ascii_lowercase())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
 }
 
 #[cfg(test)]
@@ -201,12 +228,6 @@ mod tests {
 
     #[test]
     fn derived_pool_names_are_valid_for_aks() {
-        let valid = |s: &str| {
-            s.len() <= 12
-                && s.chars().next().is_some_and(|c| c.is_ascii_lowercase())
-                && s.chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
-        };
         for (name, uid) in [
             ("resnet50-ib", "3f2a9c4e-0000-4000-8000-000000000000"),
             ("123-numbers-first", "ABCDEF12-3456"),
@@ -215,12 +236,34 @@ mod tests {
             ("a-very-long-training-job-name", "deadbeef"),
         ] {
             let pool = derive_pool_name(name, uid);
-            assert!(valid(&pool), "{name} → {pool}");
+            assert!(is_valid_pool_name(&pool), "{name} → {pool}");
         }
-        assert_eq!(derive_pool_name("resnet50-ib", "3f2a9c4e"), "resnet503f2a");
+        let pool = derive_pool_name("resnet50-ib", "3f2a9c4e-0000-4000-8000-000000000000");
+        assert_eq!(pool.len(), 12);
+        assert!(pool.starts_with("resn"), "{pool}");
+        assert_eq!(
+            pool,
+            derive_pool_name("resnet50-ib", "3f2a9c4e-0000-4000-8000-000000000000"),
+            "the same name again (a restarted operator)"
+        );
+        assert!(derive_pool_name("---", "x").starts_with("tj"));
+        assert!(derive_pool_name("123abc", "x").starts_with("abc"));
         assert_ne!(
             derive_pool_name("job", "aaaa1111"),
             derive_pool_name("job", "bbbb1111")
         );
+        for invalid in ["", "Pool", "1pool", "pool-1", "waytoolongpool"] {
+            assert!(!is_valid_pool_name(invalid), "{invalid}");
+        }
+    }
+
+    #[test]
+    fn derived_pool_names_of_jobs_of_one_name_do_not_collide() {
+        // The UIDs differ only where the old rule (4 hex digits) did not look.
+        let names: std::collections::BTreeSet<String> = (0..20_000u32)
+            .map(|i| derive_pool_name("train", &format!("3f2a9c4e-0000-4000-8000-{i:012x}")))
+            .collect();
+        assert_eq!(names.len(), 20_000);
+        assert!(names.iter().all(|n| n.starts_with("trai") && n.len() == 12));
     }
 }

@@ -7,6 +7,13 @@
 //! "another operation in progress" only delay the next look. A live job's [`reconcile`] is
 //! three steps: [`observe`] reads, [`decide`] (pure, unit-tested) chooses, and the one write
 //! it may choose (the PUT) is carried out and reported by [`after_create`] (pure too).
+//!
+//! Pools are created, never overwritten or adopted: the PUT carries `If-None-Match: *` (a
+//! pool of that name made meanwhile, by another job or a person, answers 412 and is looked
+//! at again), and a pool is used or deleted only when its tags name this job
+//! ([`is_jobs_pool`]); a delete carries the eTag read with those tags (`If-Match`). The ARM
+//! token goes only to ARM's own origin: an operation URL in the status that is not there
+//! ([`ArmClient::own_url`]) is dropped, never followed, and said in a Warning.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -19,7 +26,9 @@ use super::names::{AGENT_POOL_LABEL, POOL_KEY};
 use super::spec::{NodePoolPlan, ValidatedTrainingJob};
 use super::state::PoolState;
 use crate::aks::{Accepted, AgentPool, AgentPoolRequest, ArmClient, ArmError, Operation};
-use crate::api::{GpuDriver, NodePoolStatus, Provisioner, TrainingJob, TrainingJobPhase};
+use crate::api::{
+    GpuDriver, NodePoolStatus, Provisioner, TrainingJob, TrainingJobPhase, condition_reasons,
+};
 use crate::controller::set_finalizer;
 
 /// The finalizer that deletes a job's agent pool.
@@ -61,6 +70,9 @@ pub struct PoolLook {
     pub status: Option<NodePoolStatus>,
     /// Look again after this long.
     pub requeue: Option<Duration>,
+    /// Words for a Warning Event (`NodePoolOperationIgnored`): an operation URL that is not
+    /// ARM's was dropped, not followed.
+    pub warning: Option<String>,
 }
 
 impl PoolLook {
@@ -69,6 +81,7 @@ impl PoolLook {
             state: PoolState::NotNeeded,
             status: None,
             requeue: None,
+            warning: None,
         }
     }
 }
@@ -141,6 +154,7 @@ pub async fn reconcile(
                 ..old
             }),
             requeue: None,
+            warning: None,
         });
     };
     let phase = object.status.as_ref().map(|s| s.phase).unwrap_or_default();
@@ -152,12 +166,38 @@ pub async fn reconcile(
     }
     // The finalizer goes on before the pool exists, so a deleted job cannot leak it.
     set_pool_finalizer(&ctx.client, object, true).await?;
-    let seen = observe(&ctx.client, arm, job, name, &old, gang_exists).await?;
-    let decision = decide(job, pool, name, &old, seen);
+    let look = step(&ctx.client, arm, job, &old, gang_exists).await?;
+    if let Some(warning) = &look.warning {
+        ctx.warn(
+            object,
+            condition_reasons::NODE_POOL_OPERATION_IGNORED,
+            warning,
+        )
+        .await;
+    }
+    Ok(look)
+}
+
+/// One step of a live job's pool, its finalizer aside: read ARM ([`observe`]) → decide
+/// ([`decide`], pure) → the one create it may choose → its outcome ([`after_create`]).
+/// `old` is the job's `status.nodePool`. The client only lists the pool's nodes, once it
+/// has Succeeded and the gang does not exist yet.
+pub async fn step(
+    client: &Client,
+    arm: &ArmClient,
+    job: &ValidatedTrainingJob,
+    old: &NodePoolStatus,
+    gang_exists: bool,
+) -> Result<PoolLook, PoolError> {
+    let Some((pool, name)) = own_pool(job) else {
+        return Ok(PoolLook::not_needed());
+    };
+    let seen = observe(client, arm, job, name, old, gang_exists).await?;
+    let decision = decide(job, pool, name, old, seen);
     Ok(match decision.create {
         None => decision.look,
         Some(request) => {
-            let result = arm.put_pool(name, &request).await;
+            let result = arm.create_pool(name, &request).await;
             if result.is_ok() {
                 tracing::info!(job = %job.name, pool = name, "agent pool creation accepted");
             }
@@ -185,6 +225,7 @@ async fn give_back(
             state: PoolState::NotNeeded,
             status: Some(old),
             requeue: None,
+            warning: None,
         });
     }
     let mut status = NodePoolStatus {
@@ -211,6 +252,7 @@ async fn give_back(
         state: PoolState::NotNeeded,
         status: Some(status),
         requeue,
+        warning: None,
     })
 }
 
@@ -225,6 +267,9 @@ pub struct PoolSeen {
     pub ready_nodes: Option<u32>,
     /// The outcome of the operation that made the pool, when it failed and one is known.
     pub operation: Option<Result<Operation, ArmError>>,
+    /// `status.nodePool.operation` when it is not on ARM's origin: not requested, to be
+    /// dropped from the status and said in a Warning.
+    pub ignored_operation: Option<String>,
 }
 
 /// Reads what [`decide`] needs; changes nothing.
@@ -248,15 +293,39 @@ async fn observe(
         Some("Succeeded") => Some(ready_nodes(client, job, name).await?),
         _ => None,
     };
-    let operation = match (state, &old.operation) {
-        (Some("Failed" | "Canceled"), Some(url)) => Some(arm.operation(url).await),
+    // The status is the job's, writable by more than this operator: only a URL on ARM's
+    // origin gets the token.
+    let (own_operation, ignored_operation) = match old.operation.as_deref() {
+        None => (None, None),
+        Some(url) => match arm.own_url(url) {
+            Some(own) => (Some(own), None),
+            None => {
+                tracing::warn!(job = %job.name, pool = name, operation = %url, "status.nodePool.operation is not on the ARM endpoint: not followed");
+                (None, Some(url.to_string()))
+            }
+        },
+    };
+    let operation = match (state, own_operation) {
+        (Some("Failed" | "Canceled"), Some(url)) => Some(arm.operation(&url).await),
         _ => None,
     };
     Ok(PoolSeen {
         pool,
         ready_nodes,
         operation,
+        ignored_operation,
     })
+}
+
+/// The words of the Warning for an operation URL that is not ARM's (cut to 200 characters).
+fn ignored_operation_warning(name: &str, url: &str, source: &str) -> String {
+    let mut shown: String = url.chars().take(200).collect();
+    if shown.len() < url.len() {
+        shown.push('…');
+    }
+    format!(
+        "the operation URL of agent pool {name} {source} ({shown}) is not on this operator's Azure Resource Manager endpoint: it was not requested (the ARM token goes only there) and is dropped from status.nodePool.operation"
+    )
 }
 
 /// What to do about a live job's pool.
@@ -281,11 +350,19 @@ pub fn decide(
         name: name.to_string(),
         ..old.clone()
     };
+    let warning = seen
+        .ignored_operation
+        .as_deref()
+        .map(|url| ignored_operation_warning(name, url, "in the job's status"));
+    if warning.is_some() {
+        status.operation = None;
+    }
     let look = |state: PoolState, status: NodePoolStatus, requeue: Option<Duration>| PoolDecision {
         look: PoolLook {
             state,
             status: Some(status),
             requeue,
+            warning: warning.clone(),
         },
         create: None,
     };
@@ -297,7 +374,11 @@ pub fn decide(
                 ..look(PoolState::NotNeeded, status, None)
             };
         }
-        Err(e) if e.is_transient() => return transient(name, &e, status),
+        Err(e) if e.is_transient() => {
+            let mut decision = transient(name, &e, status);
+            decision.look.warning = warning.clone();
+            return decision;
+        }
         Err(e) => {
             return look(
                 PoolState::Failed {
@@ -362,6 +443,10 @@ pub fn decide(
                         .unwrap_or_default();
                     format!("{code}: {message}{hint}")
                 }
+                _ if seen.ignored_operation.is_some() => format!(
+                    "{} (its operation, which would say why, was not read: the URL in the status is not Azure Resource Manager's)",
+                    current.provisioning_state
+                ),
                 _ => current.provisioning_state.clone(),
             };
             look(
@@ -392,6 +477,7 @@ fn transient(name: &str, e: &ArmError, status: NodePoolStatus) -> PoolDecision {
             },
             status: Some(status),
             requeue: Some(e.retry_after()),
+            warning: None,
         },
         create: None,
     }
@@ -421,8 +507,24 @@ pub fn after_create(
                 },
                 status: Some(status),
                 requeue: Some(Duration::from_secs(5)),
+                warning: accepted
+                    .ignored_operation
+                    .as_deref()
+                    .map(|url| ignored_operation_warning(name, url, "Azure answered")),
             }
         }
+        // The create is never repeated blindly: the next look reads the pool, and one that
+        // is not this job's fails the job (or, being deleted, is waited out) as any other.
+        Err(ArmError::PreconditionFailed { .. }) => PoolLook {
+            state: PoolState::Provisioning {
+                message: format!(
+                    "agent pool {name} exists already: another job or a person made it, or is making it, since this job looked; whose it is is read next, and a pool that is not this job's is neither used nor deleted"
+                ),
+            },
+            status: Some(status),
+            requeue: Some(Duration::from_secs(2)),
+            warning: None,
+        },
         Err(e) if e.is_transient() => transient(name, &e, status).look,
         Err(e) => PoolLook {
             state: PoolState::Failed {
@@ -430,6 +532,7 @@ pub fn after_create(
             },
             status: Some(status),
             requeue: None,
+            warning: None,
         },
     }
 }
@@ -516,16 +619,17 @@ async fn set_pool_finalizer(
 }
 
 /// Where giving a job's pool back stands.
-enum Release {
+#[derive(Debug, PartialEq, Eq)]
+pub enum Release {
     /// Still there (being deleted, or the delete is to be retried): the state in words, and
     /// what went wrong when Azure refused or could not be asked.
     Pending {
         state: String,
         problem: Option<String>,
     },
-    /// Gone, and the finalizer released.
+    /// Gone (and, from [`finalize`] or a finished job, the finalizer released).
     Gone,
-    /// The pool of that name is not this job's: left alone, and the finalizer released.
+    /// The pool of that name is not this job's: left alone (and the finalizer released).
     NotOurs,
 }
 
@@ -537,52 +641,62 @@ async fn release(
     object: &TrainingJob,
     name: &str,
 ) -> Result<Release, PoolError> {
+    let namespace = object.namespace().unwrap_or_default();
+    let uid = object.uid().unwrap_or_default();
+    let released = release_pool(arm, &namespace, &object.name_any(), &uid, name).await;
+    if matches!(released, Release::Gone | Release::NotOurs) {
+        set_pool_finalizer(client, object, false).await?;
+    }
+    Ok(released)
+}
+
+/// Deletes pool `name` when it is the job's (`namespace`/`job`, `uid`): read, its tags
+/// checked ([`is_jobs_pool`]), then deleted with `If-Match` on the eTag read with them, so
+/// a pool that another job made meanwhile under the name is not deleted. One step; ARM
+/// only (the finalizer is the caller's).
+pub async fn release_pool(
+    arm: &ArmClient,
+    namespace: &str,
+    job: &str,
+    uid: &str,
+    name: &str,
+) -> Release {
     match arm.get_pool(name).await {
-        Ok(None) => {
-            set_pool_finalizer(client, object, false).await?;
-            Ok(Release::Gone)
+        Ok(None) => Release::Gone,
+        Ok(Some(pool)) if !is_jobs_pool(&pool, namespace, job, uid) => {
+            tracing::warn!(job, pool = name, owner = %owner_of(&pool), "agent pool is not this job's: left alone");
+            Release::NotOurs
         }
-        Ok(Some(pool))
-            if !is_jobs_pool(
-                &pool,
-                &object.namespace().unwrap_or_default(),
-                &object.name_any(),
-                &object.uid().unwrap_or_default(),
-            ) =>
-        {
-            tracing::warn!(job = %object.name_any(), pool = name, owner = %owner_of(&pool), "agent pool is not this job's: left alone");
-            set_pool_finalizer(client, object, false).await?;
-            Ok(Release::NotOurs)
-        }
-        Ok(Some(pool)) if pool.provisioning_state == "Deleting" => Ok(Release::Pending {
+        Ok(Some(pool)) if pool.provisioning_state == "Deleting" => Release::Pending {
             state: "Deleting".into(),
             problem: None,
-        }),
-        Ok(Some(_)) => match arm.delete_pool(name).await {
+        },
+        Ok(Some(pool)) => match arm.delete_pool(name, pool.etag.as_deref()).await {
             Ok(_) => {
-                tracing::info!(job = %object.name_any(), pool = name, "agent pool deletion accepted");
-                Ok(Release::Pending {
+                tracing::info!(job, pool = name, "agent pool deletion accepted");
+                Release::Pending {
                     state: "Deleting".into(),
                     problem: None,
-                })
+                }
             }
             Err(e) => {
-                tracing::warn!(job = %object.name_any(), pool = name, error = %e, "deleting the agent pool; will retry");
-                Ok(Release::Pending {
+                tracing::warn!(job, pool = name, error = %e, "deleting the agent pool; will retry");
+                Release::Pending {
                     state: format!("delete pending: {e}"),
-                    // Throttling, or a pool busy with another operation, passes by itself.
+                    // Throttling, a pool busy with another operation, or one that changed
+                    // since it was read (looked at again), passes by itself.
                     problem: (!e.is_transient())
                         .then(|| format!("deleting agent pool {name}: {e}; retried every 10 s")),
-                })
+                }
             }
         },
         Err(e) => {
-            tracing::warn!(job = %object.name_any(), pool = name, error = %e, "reading the agent pool; will retry");
-            Ok(Release::Pending {
+            tracing::warn!(job, pool = name, error = %e, "reading the agent pool; will retry");
+            Release::Pending {
                 state: format!("unknown: {e}"),
                 problem: (!e.is_transient())
                     .then(|| format!("reading agent pool {name}: {e}; retried every 10 s")),
-            })
+            }
         }
     }
 }
@@ -612,20 +726,8 @@ pub async fn finalize(
     if !object.finalizers().iter().any(|f| f == FINALIZER) {
         return Ok(Finalized::Done);
     }
-    let name = object
-        .spec
-        .node_pool
-        .as_ref()
-        .filter(|p| p.provisioner == Provisioner::Aks)
-        .map(|p| {
-            p.pool_name.clone().unwrap_or_else(|| {
-                super::names::derive_pool_name(
-                    &object.name_any(),
-                    &object.uid().unwrap_or_default(),
-                )
-            })
-        });
-    let Some(name) = name else {
+    // The name the live job used: its status's, for a pool an earlier operator named.
+    let Some(name) = super::validate::aks_pool_name(object) else {
         // The spec names no pool of its own (any more): nothing to delete.
         set_pool_finalizer(client, object, false).await?;
         return Ok(Finalized::Done);

@@ -157,7 +157,7 @@ fn with_defaults(job: &TrainingJob) -> Result<ValidatedTrainingJob, FieldErrors>
         data: spec.data_stage_ref.clone(),
         output: spec.output.clone(),
         infiniband: infiniband(job),
-        node_pool: node_pool(job, &uid),
+        node_pool: node_pool(job),
         uid,
         mpi: spec.mpi.clone(),
         launcher: spec.launcher.clone().unwrap_or_default(),
@@ -273,24 +273,44 @@ fn infiniband(job: &TrainingJob) -> Option<InfinibandSettings> {
         })
 }
 
-/// The nodes to run on, an AKS pool's name derived from the job's when none is given.
-fn node_pool(job: &TrainingJob, uid: &str) -> Option<NodePoolPlan> {
+/// The nodes to run on, with the AKS pool's name ([`aks_pool_name`]).
+fn node_pool(job: &TrainingJob) -> Option<NodePoolPlan> {
     job.spec.node_pool.as_ref().map(|pool| NodePoolPlan {
         provisioner: pool.provisioner,
         vm_size: pool.vm_size.clone(),
-        pool_name: match pool.provisioner {
-            Provisioner::Aks => Some(
-                pool.pool_name
-                    .clone()
-                    .unwrap_or_else(|| super::names::derive_pool_name(&job.name_any(), uid)),
-            ),
-            Provisioner::Existing => None,
-        },
+        pool_name: aks_pool_name(job),
         spot: pool.spot,
         delete_after_completion: pool.delete_after_completion,
         node_selector: pool.node_selector.clone().unwrap_or_default(),
         gpu_driver: pool.gpu_driver.unwrap_or(GpuDriver::Install),
     })
+}
+
+/// The name of a job's AKS agent pool (`None` without `provisioner: aks`): the spec's
+/// `poolName`; else the name its status records (`status.nodePool.name`), so a job whose pool
+/// an earlier operator named by another rule keeps that pool (and gives it back) across an
+/// upgrade; else one derived from its name and UID ([`super::names::derive_pool_name`]).
+/// A recorded name is only taken when it is a valid pool name. Which pool a name leads to
+/// is still checked by its tags: a job only uses and deletes a pool tagged with its UID.
+pub fn aks_pool_name(job: &TrainingJob) -> Option<String> {
+    let pool = job.spec.node_pool.as_ref()?;
+    if pool.provisioner != Provisioner::Aks {
+        return None;
+    }
+    let recorded = job
+        .status
+        .as_ref()
+        .and_then(|s| s.node_pool.as_ref())
+        .map(|p| p.name.as_str())
+        .filter(|name| super::names::is_valid_pool_name(name));
+    Some(
+        pool.pool_name
+            .clone()
+            .or_else(|| recorded.map(str::to_string))
+            .unwrap_or_else(|| {
+                super::names::derive_pool_name(&job.name_any(), &job.uid().unwrap_or_default())
+            }),
+    )
 }
 
 #[cfg(test)]
