@@ -4,7 +4,8 @@
 # really run: sshd answers, mpirun starts ranks over ssh, the trainer all-reduces, the stager
 # copies. cluster.sh calls `up` after the control plane and `down` before it stops.
 #
-#   e2e/node.sh up       start CoreDNS, containerd, the kubelet and kube-proxy; import the images
+#   e2e/node.sh up       start CoreDNS, containerd, the kubelet, kube-proxy and the NetworkPolicy
+#                        engine; import the images
 #   e2e/node.sh down     stop them, remove every container, mount, network and rule they made
 #
 # The node is `real-node-0`, labelled `ringmaster.dev/real-node=true` and tainted
@@ -15,6 +16,11 @@
 # Service range, no masquerading. The kubelet, CoreDNS and the tests' Azurite listen on
 # 10.244.0.1 because a pod's own network namespace cannot reach the host's loopback; the
 # kubelet also refuses a loopback node address. Every other listener stays on 127.0.0.1.
+#
+# NetworkPolicies are enforced for the node's pods by kube-network-policies (the Kubernetes
+# SIG Network's engine, built by tools/peers.sh), run as a process like kube-proxy: the first
+# packet of each connection to or from a pod a policy selects goes to it through an NFQUEUE,
+# and it accepts or drops the connection by the policies.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
@@ -229,6 +235,28 @@ EOF
     --node-ip "$gateway" --node-labels "$REAL_NODE_LABEL=true"
 }
 
+# The nftables table (family inet) kube-network-policies keeps: its default name.
+netpol_table=kube-network-policies
+
+netpol() {
+  # Upstream runs it as a DaemonSet with the in-cluster configuration; here it is a process
+  # with the cluster's kubeconfig (its patch reads $KUBECONFIG). It queues the connections of
+  # the pods policies select only, and drops them when it is not running (upstream's default,
+  # not --fail-open), as on a node where it runs. It also learns pod addresses from containerd
+  # as an NRI plugin (containerd's socket, /var/run/nri/nri.sock), before the API server has
+  # them.
+  KUBECONFIG="$kubeconfig" start kube-network-policies "$netpol_bin" --hostname-override "$node" \
+    --metrics-bind-address "127.0.0.1:$netpol_metrics"
+  # Its table is there once its informers have synced: the policies in force from then on.
+  wait_for kube-network-policies 60 nft list table inet "$netpol_table"
+}
+
+unnetpol() {
+  kill_pidfile kube-network-policies
+  # It removes its table on SIGINT only; whatever stopped it, the table goes.
+  nft delete table inet "$netpol_table" 2>/dev/null || true
+}
+
 kube_proxy() {
   start kube-proxy "$bin/kube-proxy" --kubeconfig "$kubeconfig" --hostname-override "$node" \
     --proxy-mode iptables --cluster-cidr "$subnet" --conntrack-max-per-core 0 \
@@ -241,10 +269,11 @@ up() {
     log "already up"; return 0
   fi
   local started=$SECONDS
-  need runc containernetworking-plugins catatonit debootstrap iptables conntrack socat
+  need runc containernetworking-plugins catatonit debootstrap iptables conntrack socat nftables
+  netpol_bin=$("$here/tools/peers.sh" kube-network-policies)
   local archive; archive=$(images)
   mkdir -p "$state/logs" "$state/pids"
-  log "starting the real node $node: CoreDNS, containerd, kubelet, kube-proxy"
+  log "starting the real node $node: CoreDNS, containerd, kubelet, kube-proxy, kube-network-policies"
   node_certificate
   network
   guard
@@ -255,6 +284,7 @@ up() {
   ctr images import --no-unpack=false "$archive" >/dev/null
   kubelet
   kube_proxy
+  netpol
   wait_for kubelet 60 kubectl get node "$node"
   kubectl wait --for=condition=Ready node "$node" --timeout=90s >/dev/null \
     || { tail -30 "$state/logs/kubelet.log" >&2; return 1; }
@@ -267,6 +297,7 @@ kill_pidfile() { pidfile_stop "$state/pids/$1.pid"; }
 down() {
   [ -d "$state" ] || { ip link del "$bridge" 2>/dev/null || true; return 0; }
   bin=$("$here/tools/build.sh")
+  unnetpol
   kill_pidfile kube-proxy
   "$bin/kube-proxy" --cleanup >/dev/null 2>&1 || true
   kill_pidfile kubelet

@@ -948,3 +948,182 @@ async fn a_datastage_copies_from_azurite_onto_the_node_and_a_job_trains_on_the_f
     let volumes: Api<k8s_openapi::api::core::v1::PersistentVolume> = Api::all(client.clone());
     volumes.delete(&volume, &Default::default()).await.ok();
 }
+
+/// What a TCP connection from a pod came to.
+#[derive(Debug, PartialEq)]
+enum Reach {
+    /// Connected, and the server's first bytes (sshd's banner) came back.
+    Connected,
+    /// No answer within 3 s: the SYN was dropped.
+    TimedOut,
+}
+
+/// Connects from `pod` (its bash's `/dev/tcp`) to `ip:port` and reads 7 bytes. Anything but
+/// sshd's banner or a timeout (a refusal, kubectl failing) fails the test: a policy drops.
+fn tcp_connect(ns: &str, pod: &str, ip: &str, port: u16) -> Reach {
+    let out = Command::new(tool("kubectl"))
+        .arg("--kubeconfig")
+        .arg(ringmaster_e2e::cluster::kubeconfig_path())
+        .args(["exec", "-n", ns, pod, "--", "timeout", "3", "bash", "-c"])
+        .args([
+            "exec 3<>/dev/tcp/$0/$1 && head -c 7 <&3",
+            ip,
+            &port.to_string(),
+        ])
+        .output()
+        .expect("running kubectl exec");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    match out.status.code() {
+        Some(0) if stdout == "SSH-2.0" => Reach::Connected,
+        Some(124) => Reach::TimedOut,
+        code => panic!(
+            "{pod} → {ip}:{port}: exit {code:?}, {stdout:?}, {}",
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    }
+}
+
+/// A pod on the real node in the root image, running `command`, with `labels`; made in `ns`
+/// and waited for until Ready. Its IP.
+async fn pod_on_real_node(
+    client: &kube::Client,
+    ns: &str,
+    name: &str,
+    labels: &Value,
+    command: &[&str],
+    probe_port: Option<u16>,
+) -> String {
+    let mut pod = json!({
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "nodeSelector": {REAL_NODE_LABEL: "true"},
+            "tolerations": [{"key": REAL_NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{
+                "name": "main", "image": ROOT_IMAGE, "command": command,
+                "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
+            }],
+        },
+    });
+    if let Some(port) = probe_port {
+        pod["spec"]["containers"][0]["readinessProbe"] =
+            json!({"tcpSocket": {"port": port}, "periodSeconds": 1, "failureThreshold": 2});
+    }
+    let api = Api::<Pod>::namespaced(client.clone(), ns);
+    api.create(&Default::default(), &serde_json::from_value(pod).unwrap())
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(90),
+        &format!("{ns}/{name} Ready"),
+        || async { api.get(name).await.is_ok_and(|p| ready_since(&p).is_some()) },
+    )
+    .await;
+    let pod = api.get(name).await.unwrap();
+    pod.status.and_then(|s| s.pod_ip).expect("a pod IP")
+}
+
+/// NetworkPolicies are enforced on the real node (kube-network-policies, node.sh): a policy
+/// of the shape the operator gives a job's pods (only the job's own pods may connect to
+/// them) drops a connection from another namespace's pod to a worker's sshd, while the job's
+/// own pods connect, and so does the kubelet's probe from the node; without the policy the
+/// other namespace's pod connects, before and after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_network_policy_keeps_other_namespaces_off_a_jobs_workers() {
+    let _node = REAL_NODE_IN_USE.lock().await;
+    let client = client().await;
+    let job_ns = TestNamespace::new(&client, "real-netpol").await;
+    let other_ns = TestNamespace::new(&client, "real-netpol-other").await;
+    let job_labels = json!({
+        "ringmaster.dev/job-name": "j",
+        "ringmaster.dev/job-uid": "3f1c9a52-6b1e-4d8a-9c53-2f0a7e4b8d10",
+        "app.kubernetes.io/managed-by": "ringmaster",
+    });
+    const SSH_PORT: u16 = 2222;
+    let sshd = format!("ssh-keygen -A -q && exec /usr/sbin/sshd -D -e -p {SSH_PORT}");
+    let worker_ip = pod_on_real_node(
+        &client,
+        &job_ns.name,
+        "j-worker-0",
+        &job_labels,
+        &["sh", "-c", &sshd],
+        Some(SSH_PORT),
+    )
+    .await;
+    let sleep = ["sleep", "infinity"];
+    pod_on_real_node(
+        &client,
+        &job_ns.name,
+        "j-launcher",
+        &job_labels,
+        &sleep,
+        None,
+    )
+    .await;
+    pod_on_real_node(
+        &client,
+        &other_ns.name,
+        "outsider",
+        &json!({}),
+        &sleep,
+        None,
+    )
+    .await;
+    let from_job = || tcp_connect(&job_ns.name, "j-launcher", &worker_ip, SSH_PORT);
+    let from_other = || tcp_connect(&other_ns.name, "outsider", &worker_ip, SSH_PORT);
+
+    // No policy: every pod connects.
+    assert_eq!(from_other(), Reach::Connected, "no policy yet");
+    assert_eq!(from_job(), Reach::Connected, "no policy yet");
+
+    let policies: Api<k8s_openapi::api::networking::v1::NetworkPolicy> =
+        Api::namespaced(client.clone(), &job_ns.name);
+    let policy = json!({
+        "metadata": {"name": "j"},
+        "spec": {
+            "podSelector": {"matchLabels": job_labels},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": job_labels}}]}],
+        },
+    });
+    policies
+        .create(
+            &Default::default(),
+            &serde_json::from_value(policy).unwrap(),
+        )
+        .await
+        .unwrap();
+    // The engine sees the policy within moments; from then on the other namespace's pod
+    // cannot connect, every time.
+    eventually(
+        Duration::from_secs(30),
+        "the outsider's connection dropped",
+        || async move { from_other() == Reach::TimedOut },
+    )
+    .await;
+    assert_eq!(from_job(), Reach::Connected, "the job's own pod");
+    assert_eq!(from_other(), Reach::TimedOut, "the outsider, again");
+    assert_eq!(from_job(), Reach::Connected, "the job's own pod, again");
+    // The kubelet's probe comes from the node, which the policy does not police: the worker
+    // stayed Ready (two failed probes a second apart would have made it unready by now).
+    let worker = Api::<Pod>::namespaced(client.clone(), &job_ns.name)
+        .get("j-worker-0")
+        .await
+        .unwrap();
+    assert!(
+        worker
+            .status
+            .and_then(|s| s.conditions)
+            .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True")),
+        "the worker's readiness probe failed under the policy"
+    );
+
+    // Without the policy the outsider connects again.
+    policies.delete("j", &Default::default()).await.unwrap();
+    eventually(
+        Duration::from_secs(30),
+        "the outsider connecting once the policy is gone",
+        || async move { from_other() == Reach::Connected },
+    )
+    .await;
+}

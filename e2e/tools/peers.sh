@@ -12,6 +12,9 @@
 #                                     schedules TrainingJobs' pods in its queues, and its
 #                                     controller manager (<binary>.controller-manager), whose
 #                                     queue and PodGroup controllers keep their state
+#   e2e/tools/peers.sh kube-network-policies
+#                                     the NetworkPolicy engine the real node runs (sigs.k8s.io/
+#                                     kube-network-policies), see e2e/node.sh
 # The proxy here serves these exact versions but refuses their version lists, which
 # `go install module@version` asks for, so each builds from a module of ours (its folder
 # here pins the version). MPI Operator's CRD is copied beside its binary
@@ -23,7 +26,9 @@
 # on 127.0.0.1 instead of every interface, as servers here must. Volcano builds as its own
 # main module (its replace lines are its go.mod's), save one: its API module, which its
 # published module leaves out (a nested module of its repository), comes from the proxy at
-# the version pinned below instead.
+# the version pinned below instead. kube-network-policies is patched as
+# kube-network-policies/kube-network-policies.patch says (this kernel has no nftables queue
+# expression; $KUBECONFIG).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cache=${RINGMASTER_CACHE:-$HOME/.cache/ringmaster}
@@ -52,7 +57,8 @@ case "$peer" in
   kueue) module=sigs.k8s.io/kueue package=$module/cmd/kueue ;;
   scheduler-plugins) module=sigs.k8s.io/scheduler-plugins package=$module/cmd/scheduler ;;
   volcano) module=volcano.sh/volcano package=./cmd/scheduler ;;
-  *) echo "usage: $0 mpi-operator|azcopy|kueue|scheduler-plugins|volcano" >&2; exit 2 ;;
+  kube-network-policies) module=sigs.k8s.io/kube-network-policies package=$module/cmd ;;
+  *) echo "usage: $0 mpi-operator|azcopy|kueue|scheduler-plugins|volcano|kube-network-policies" >&2; exit 2 ;;
 esac
 # Volcano v1.15.1 (DESIGN's) needs volcano.sh/apis v1.15.1, which the proxy does not serve;
 # v1.14.1 builds with the served v1.14.0.
@@ -64,6 +70,8 @@ else
 fi
 [ -n "$version" ] || { log "no version of $module in $here/$peer/go.mod"; exit 1; }
 out="$cache/bin/peers/$peer-$version"
+# A patched peer is rebuilt when its patch changes.
+[ ! -f "$here/$peer/$peer.patch" ] || out+="-$(sha256sum "$here/$peer/$peer.patch" | cut -c1-8)"
 complete() {
   [ -x "$out" ] || return 1
   { [ "$peer" != kueue ] || [ -s "$out.manifests.yaml" ]; } &&
@@ -89,6 +97,12 @@ if ! complete; then
     # Its CRD travels with the binary: bench-operator installs it.
     mkdir -p "$(dirname "$out")"
     cp "$work/src/manifests/base/kubeflow.org_mpijobs.yaml" "$out.crd.yaml"
+  fi
+  if [ "$peer" = kube-network-policies ]; then
+    source_dir=$(cd "$work" && go mod download -json "$module@$version" | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')
+    cp -r "$source_dir" "$work/src" && chmod -R u+w "$work/src"
+    (cd "$work/src" && patch -s -p1 <"$here/$peer/$peer.patch") || { log "the patch no longer applies to $version: update it"; exit 1; }
+    (cd "$work" && go mod edit -replace "$module=./src")
   fi
   if [ "$peer" = kueue ]; then
     source_dir=$(cd "$work" && go mod download -json "$module@$version" | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')

@@ -14,7 +14,7 @@ api_port=$((base + 43)) kwok_port=$((base + 47)) kcm_port=$((base + 57)) sched_p
 etcd_port=$((base + 79)) etcd_peer_port=$((base + 80))
 # node.sh: the real node.
 kubelet_healthz=$((base + 48)) kubelet_port=$((base + 50))
-proxy_metrics=$((base + 52)) proxy_healthz=$((base + 53))
+proxy_metrics=$((base + 52)) proxy_healthz=$((base + 53)) netpol_metrics=$((base + 54))
 # kueue.sh, gang-scheduler.sh, volcano.sh: the peers run beside the control plane.
 kueue_webhook_port=$((base + 61)) kueue_health_port=$((base + 62))
 gang_scheduler_port=$((base + 63))
