@@ -157,7 +157,8 @@ fn defaults_are_filled_in() {
     assert_eq!(job.mpi.ssh_port, 2222);
     let pool = job.node_pool.expect("node pool");
     let name = pool.pool_name.expect("derived pool name");
-    assert!(name.starts_with("resnet50"), "{name}");
+    // 4 letters of the job's name and 8 base-36 characters of a hash of its UID.
+    assert!(name.starts_with("resn") && name.len() == 12, "{name}");
     match job.program {
         training_job::validate::Program::Trainer(t) => {
             // 0.1 per 256 images over 16 ranks × 256.

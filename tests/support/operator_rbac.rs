@@ -138,9 +138,9 @@ pub const CLUSTER_CALLS: &[Calls] = &[
     calls(
         "",
         "secrets",
-        &["create"],
+        &["create", "get"],
         When::Always,
-        "training_job::apply: the job's SSH key",
+        "training_job::apply: the job's SSH key made; on a 409, its metadata read (its controller)",
     ),
     calls(
         "",

@@ -34,6 +34,14 @@ pub enum ApplyError {
     /// No randomness for the job's keys.
     #[error("drawing the job's SSH and rendezvous keys: {0}")]
     Random(#[source] getrandom::Error),
+    /// A Secret of the job's SSH Secret name exists that the job does not control: someone
+    /// made it first, and its keys would let them into the job's workers and ring.
+    #[error(
+        "Secret {name} exists and this job does not control it (its controller: {controller}): \
+         the job does not use another's keys; delete that Secret, or make the job under \
+         another name"
+    )]
+    ForeignSshSecret { name: String, controller: String },
     /// The operator gang-schedules, and the cluster has no PodGroup API of its scheduler.
     #[error("creating PodGroup {name}: {}", no_pod_group_api(*api))]
     NoPodGroupApi {
@@ -74,7 +82,9 @@ impl ApplyError {
                 source,
             } => crate::controller::rejection(source)
                 .map(|message| format!("{action} {kind} {name}: {message}")),
-            ApplyError::NoPodGroupApi { .. } => Some(self.to_string()),
+            ApplyError::NoPodGroupApi { .. } | ApplyError::ForeignSshSecret { .. } => {
+                Some(self.to_string())
+            }
             ApplyError::Random(_) => None,
         }
     }
@@ -114,8 +124,8 @@ pub async fn delete_pods(
 
 /// Creates the per-job SSH Secret unless it exists, with the job's SSH key and rendezvous
 /// key. Both are drawn once: re-applying new ones would lock running workers out and split
-/// a gang's ranks. Existence is learnt from the create's 409, not a read, so the operator
-/// needs no right to read Secrets.
+/// a gang's ranks. Existence is learnt from the create's 409; only then is the Secret there
+/// read, and its metadata alone ([`check_ssh_secret_owner`]).
 async fn ensure_ssh_secret(
     client: &Client,
     job: &ValidatedTrainingJob,
@@ -136,10 +146,38 @@ async fn ensure_ssh_secret(
         .await
     {
         Ok(_) => Ok(()),
-        // Made by an earlier reconcile: keep that one. (Not an earlier job's of the same name,
-        // whose Secret has another name: ChildNaming.)
-        Err(e) if is_conflict(&e) => Ok(()),
+        // Made by an earlier reconcile: keep that one, if it is this job's. (Not an earlier
+        // job's of the same name, whose Secret has another name: ChildNaming.)
+        Err(e) if is_conflict(&e) => check_ssh_secret_owner(&secrets, job, &name).await,
         Err(e) => Err(kube_error("creating", "Secret", &name)(e)),
+    }
+}
+
+/// The Secret of the job's SSH Secret name, which exists, is used only when the job controls
+/// it: one a namespace user made first (the name is known once the job exists) holds keys
+/// they chose, which would let them into the workers' sshd and the trainers' ring. Its
+/// metadata is read, never its data.
+async fn check_ssh_secret_owner(
+    secrets: &Api<Secret>,
+    job: &ValidatedTrainingJob,
+    name: &str,
+) -> Result<(), ApplyError> {
+    let meta = secrets
+        .get_metadata(name)
+        .await
+        .map_err(kube_error("reading", "Secret", name))?
+        .metadata;
+    let controller = meta
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.controller == Some(true));
+    match controller {
+        Some(owner) if owner.uid == job.uid => Ok(()),
+        other => Err(ApplyError::ForeignSshSecret {
+            name: name.to_string(),
+            controller: other.map_or("none".into(), |o| format!("{} {}", o.kind, o.name)),
+        }),
     }
 }
 

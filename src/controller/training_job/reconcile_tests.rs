@@ -22,6 +22,7 @@ use crate::controller::{Context, OperatorConfig};
 use crate::metrics::Metrics;
 
 const PODS: &str = "/api/v1/namespaces/ml/pods";
+const SECRETS: &str = "/api/v1/namespaces/ml/secrets";
 const JOB: &str = "resnet18-cpu";
 const UID: &str = "uid-1";
 
@@ -54,6 +55,7 @@ impl Request_ {
 struct FakeApi {
     job: Value,
     pods: BTreeMap<String, Value>,
+    secrets: BTreeMap<String, Value>,
     log: Vec<Request_>,
 }
 
@@ -89,8 +91,21 @@ impl FakeApi {
                 let gone = json!({"kind": "Status", "apiVersion": "v1", "status": "Success"});
                 (StatusCode::OK, gone)
             }
+            ("POST", SECRETS) => {
+                let name = body["metadata"]["name"].as_str().unwrap_or_default();
+                if self.secrets.contains_key(name) {
+                    let words = format!("secrets \"{name}\" already exists");
+                    return (StatusCode::CONFLICT, status(409, "AlreadyExists", &words));
+                }
+                self.secrets.insert(name.to_string(), body.clone());
+                (StatusCode::CREATED, body)
+            }
+            ("GET", p) if p.starts_with(SECRETS) => match self.secrets.get(&name) {
+                Some(secret) => (StatusCode::OK, secret.clone()),
+                None => (StatusCode::NOT_FOUND, status(404, "NotFound", "not found")),
+            },
             ("PATCH", p) if p.ends_with("/status") => (StatusCode::OK, self.job.clone()),
-            // Secrets, Services, Events: made as asked.
+            // Services, NetworkPolicies, Events: made as asked.
             ("POST", _) => (StatusCode::CREATED, body),
             _ => (StatusCode::NOT_FOUND, status(404, "NotFound", "not served")),
         }
@@ -166,7 +181,7 @@ fn asked(api: &Mutex<FakeApi>) -> Vec<String> {
         .collect();
     // Workers are made concurrently: their order is the pods'.
     gists.sort_by_key(|g| match g.as_str() {
-        "POST secrets" => 0,
+        "POST secrets" | "GET secrets" => 0,
         "POST services" | "POST networkpolicies" => 1,
         "POST pods" | "GET pods" => 2,
         _ => 3,
@@ -386,4 +401,85 @@ async fn a_409_from_a_pod_the_cache_does_not_hold_is_said_on_the_job_with_a_warn
         r.gist() == "POST events" && r.body["reason"] == "NameInUse" && r.body["type"] == "Warning"
     });
     assert!(warned, "a Warning Event says it too");
+}
+
+/// The name of the job's SSH Secret, as a reconcile makes it.
+async fn ssh_secret_name() -> String {
+    let (api, ctx, object) = harness(Vec::new());
+    reconcile(object, ctx).await.expect("it reconciles");
+    bodies(&api, "POST secrets")[0]["metadata"]["name"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// A Secret of the job's SSH Secret name that a namespace user made first (keys of their
+/// choosing) is not used: the job stalls naming it, with a Warning, and makes no pod.
+#[tokio::test]
+async fn an_ssh_secret_of_the_jobs_name_it_does_not_control_stalls_it_with_a_warning() {
+    let name = ssh_secret_name().await;
+    let (api, ctx, object) = harness(Vec::new());
+    let planted = json!({"apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": name, "namespace": "ml", "uid": "planted"},
+        "data": {"ssh-privatekey": "c3F1YXR0ZXI="}});
+    api.lock().unwrap().secrets.insert(name.clone(), planted);
+    let error = reconcile(object, ctx).await.expect_err("it does not go on");
+    assert!(error.to_string().contains(&name), "{error}");
+    assert_eq!(asked(&api), ["POST secrets", "GET secrets", "PATCH status"]);
+    let status = written_status(&api);
+    let stalled = status["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "Stalled")
+        .expect("a Stalled condition")
+        .clone();
+    assert_eq!(
+        (&stalled["status"], &stalled["reason"]),
+        (&json!("True"), &json!("ChildRejected"))
+    );
+    let message = stalled["message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!(
+            "Secret {name} exists and this job does not control it (its controller: none)"
+        )),
+        "{message}"
+    );
+    assert!(
+        !message.contains("c3F1YXR0ZXI="),
+        "nothing of its data: {message}"
+    );
+    let warned = api.lock().unwrap().log.iter().any(|r| {
+        r.gist() == "POST events"
+            && r.body["reason"] == "ChildRejected"
+            && r.body["type"] == "Warning"
+    });
+    assert!(warned, "a Warning Event says it too");
+}
+
+/// The job's own SSH Secret, made by an earlier reconcile the operator does not remember
+/// (a restart), is used as it is: the job goes on to its pods.
+#[tokio::test]
+async fn the_jobs_own_ssh_secret_from_before_a_restart_is_used() {
+    let name = ssh_secret_name().await;
+    let (api, ctx, object) = harness(Vec::new());
+    let own = json!({"apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": name, "namespace": "ml", "uid": "earlier",
+            "ownerReferences": [{"apiVersion": "ringmaster.dev/v1alpha1", "kind": "TrainingJob",
+                "name": JOB, "uid": UID, "controller": true}]}});
+    api.lock().unwrap().secrets.insert(name, own);
+    reconcile(object, ctx).await.expect("it reconciles");
+    assert_eq!(
+        asked(&api),
+        [
+            "POST secrets",
+            "GET secrets",
+            "POST services",
+            "POST networkpolicies",
+            "POST pods",
+            "POST pods",
+            "PATCH status"
+        ]
+    );
+    assert_eq!(written_status(&api)["phase"], "Starting");
 }
