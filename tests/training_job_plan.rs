@@ -1694,3 +1694,167 @@ fn the_secret_and_service_go_out_with_a_gangs_workers_and_a_new_spec_once() {
         });
     assert_eq!(s.plan().children, Children::Update);
 }
+
+/// `pod`, made at `made` and placed on a node at `placed` (seconds on the scenario's clock).
+fn timed(pod: Pod, made: i64, placed: Option<i64>) -> Pod {
+    let mut pod = serde_json::to_value(pod).unwrap();
+    pod["metadata"]["creationTimestamp"] = json!(at(made).0.to_string());
+    let conditions = pod["status"]["conditions"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let mut conditions: Vec<Value> = conditions
+        .into_iter()
+        .filter(|c| c["type"] != "PodScheduled" || c["status"] != "True")
+        .collect();
+    if let Some(placed) = placed {
+        conditions.push(json!({"type": "PodScheduled", "status": "True",
+                               "lastTransitionTime": at(placed).0.to_string()}));
+    }
+    pod["status"]["conditions"] = json!(conditions);
+    serde_json::from_value(pod).unwrap()
+}
+
+fn failed_condition(s: &Scenario) -> (String, String) {
+    let (status, reason, message) = s.condition(condition_types::FAILED);
+    assert_eq!(status, "True");
+    (reason, message)
+}
+
+#[test]
+fn a_gang_whose_image_cannot_be_pulled_fails_at_the_start_timeout_naming_the_cause() {
+    let mut s = Scenario::new(job(|_| {}));
+    let pulling = "waiting:ImagePullBackOff:Back-off pulling image \"registry.example/nope\"";
+    s.pods = vec![
+        timed(pod("worker", 0, 0, pulling), 0, Some(2)),
+        timed(pod("worker", 1, 0, "ready"), 0, Some(2)),
+    ];
+    s.now = at(1801);
+    let p = s.step();
+    assert_eq!(
+        p.phase,
+        Phase::Starting,
+        "30 minutes from the first placement"
+    );
+    assert!(
+        p.requeue_after.is_some_and(|d| d <= Duration::from_secs(1)),
+        "and it looks again when they are up: {:?}",
+        p.requeue_after
+    );
+    s.now = at(1802);
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Failed);
+    let (reason, message) = failed_condition(&s);
+    assert_eq!(reason, reasons::START_TIMEOUT);
+    assert!(
+        message.starts_with(
+            "the gang did not start within runPolicy.startTimeoutSeconds (1800 s): worker \
+             resnet18-cpu-worker-0 cannot start (ImagePullBackOff): Back-off pulling image"
+        ),
+        "{message}"
+    );
+    let mut deleted = p.delete_pods.clone();
+    deleted.sort();
+    assert_eq!(
+        deleted,
+        ["resnet18-cpu-worker-0", "resnet18-cpu-worker-1"],
+        "the held GPUs are let go"
+    );
+    // Finished stays finished, with its reason.
+    s.now = at(5000);
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Failed);
+    assert_eq!(failed_condition(&s).0, reasons::START_TIMEOUT);
+}
+
+#[test]
+fn waiting_for_room_on_existing_nodes_does_not_count_toward_the_start_timeout() {
+    let mut s = Scenario::new(job(|_| {}));
+    s.pods = vec![
+        timed(pod("worker", 0, 0, "unschedulable"), 0, None),
+        timed(pod("worker", 1, 0, "unschedulable"), 0, None),
+    ];
+    s.now = at(100_000);
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Starting);
+    assert_eq!(
+        s.condition(condition_types::WORKERS_READY).1,
+        reasons::UNSCHEDULABLE
+    );
+}
+
+#[test]
+fn on_its_own_node_pool_an_unschedulable_gang_times_out_from_when_it_was_made() {
+    let mut s = Scenario::new(job(|o| {
+        o["spec"]["nodePool"] = json!({"provisioner": "aks", "vmSize": "Standard_ND96asr_v4"});
+        o["spec"]["runPolicy"]["startTimeoutSeconds"] = json!(600);
+    }));
+    s.pool = PoolState::Ready {
+        message: "agent pool resn0a1b2c3d: 2 nodes Ready".into(),
+    };
+    s.pods = vec![
+        timed(pod("worker", 0, 0, "unschedulable"), 10, None),
+        timed(pod("worker", 1, 0, "ready"), 10, Some(11)),
+    ];
+    s.now = at(609);
+    assert_eq!(s.step().phase, Phase::Starting);
+    s.now = at(610);
+    assert_eq!(s.step().phase, Phase::Failed);
+    let (reason, message) = failed_condition(&s);
+    assert_eq!(reason, reasons::START_TIMEOUT);
+    assert!(
+        message.contains(
+            "(600 s): worker resnet18-cpu-worker-0 cannot be scheduled: 0/6 nodes are available"
+        ),
+        "{message}"
+    );
+}
+
+#[test]
+fn a_worker_whose_sshd_never_gets_ready_fails_the_job_at_the_start_timeout() {
+    let mut s = Scenario::new(job(|o| {
+        o["spec"]["runPolicy"]["startTimeoutSeconds"] = json!(60);
+    }));
+    s.pods = vec![
+        timed(pod("worker", 0, 0, "ready"), 0, Some(0)),
+        timed(pod("worker", 1, 0, "running"), 0, Some(0)),
+    ];
+    s.now = at(60);
+    s.step();
+    let (reason, message) = failed_condition(&s);
+    assert_eq!(reason, reasons::START_TIMEOUT);
+    assert!(
+        message.ends_with(
+            "worker resnet18-cpu-worker-1 runs but never got ready (its readiness probe: ssh \
+             with the job's key to its own name, served by its sshd)"
+        ),
+        "{message}"
+    );
+}
+
+#[test]
+fn each_gang_has_its_own_start_timeout_and_a_started_gang_has_none() {
+    let mut s = Scenario::new(job(|o| {
+        o["spec"]["runPolicy"]["startTimeoutSeconds"] = json!(60);
+    }));
+    // The first gang started long ago and runs: no start to time.
+    s.status.start_time = Some(at(0));
+    s.pods = vec![
+        timed(pod("worker", 0, 0, "ready"), 0, Some(0)),
+        timed(pod("worker", 1, 0, "ready"), 0, Some(0)),
+        timed(pod("launcher", 0, 0, "running"), 5, Some(5)),
+    ];
+    s.now = at(10_000);
+    assert_eq!(s.step().phase, Phase::Running);
+    // A restart's gang, placed at 10,000: timed from then, not from the first start.
+    s.status.restarts = 1;
+    s.pods = vec![
+        timed(pod("worker", 0, 1, "ready"), 10_000, Some(10_000)),
+        timed(pod("worker", 1, 1, "running"), 10_000, Some(10_000)),
+    ];
+    s.now = at(10_059);
+    assert_eq!(s.step().phase, Phase::Starting);
+    s.now = at(10_060);
+    assert_eq!(s.step().phase, Phase::Failed);
+    assert_eq!(failed_condition(&s).0, reasons::START_TIMEOUT);
+}

@@ -699,6 +699,18 @@ pub struct RunPolicy {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub active_deadline_seconds: Option<i64>,
+    /// Seconds each gang (the first, and each restart's) may take to start, before the job
+    /// is Failed with reason StartTimeout and what held it (a worker whose image cannot be
+    /// pulled or whose container cannot start, a worker that fits no node of the job's own
+    /// node pool, a worker whose sshd never gets ready), its pods stopped and its node pool
+    /// given back. Counted from when the gang's first worker was placed on a node (for a job
+    /// with a node pool of its own: from when its workers were made) until its launcher is
+    /// made. Waiting in a queue (Kueue, a gang scheduler, for room on existing nodes), for
+    /// data or for the node pool does not count. Default: 1800 (a large CUDA image pulled
+    /// onto a new node takes minutes; half an hour of idle GPUs is the most to lose).
+    #[serde(default = "default_start_timeout_seconds")]
+    #[schemars(range(min = 30, max = 604800))]
+    pub start_timeout_seconds: i64,
     /// Seconds after the job finished (Succeeded or Failed) until it is deleted with its
     /// children. Unset: kept until you delete it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -722,6 +734,7 @@ impl Default for RunPolicy {
         Self {
             backoff_limit: default_backoff_limit(),
             active_deadline_seconds: None,
+            start_timeout_seconds: default_start_timeout_seconds(),
             ttl_seconds_after_finished: None,
             clean_pod_policy: CleanPodPolicy::default(),
             suspend: false,
@@ -754,6 +767,10 @@ pub struct SchedulingPolicy {
 
 fn default_backoff_limit() -> i32 {
     3
+}
+
+fn default_start_timeout_seconds() -> i64 {
+    1800
 }
 
 /// Which pods are deleted when a job finishes.

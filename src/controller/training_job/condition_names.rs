@@ -83,6 +83,8 @@ pub mod reasons {
     pub const LAUNCHER_FAILED: &str = "LauncherFailed";
     /// activeDeadlineSeconds passed.
     pub const DEADLINE_EXCEEDED: &str = "DeadlineExceeded";
+    /// A gang did not start within startTimeoutSeconds.
+    pub const START_TIMEOUT: &str = "StartTimeout";
     /// The job is not finished.
     pub const NOT_FINISHED: &str = "NotFinished";
 }

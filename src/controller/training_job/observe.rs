@@ -126,6 +126,8 @@ pub struct PodState {
     pub node: Option<String>,
     /// When the API server made it.
     pub created: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    /// When the scheduler placed it on a node (its PodScheduled condition turned True).
+    pub scheduled: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
 }
 
 impl PodState {
@@ -174,6 +176,9 @@ impl PodState {
                     .map(|c| c.message.unwrap_or_default()),
             },
         };
+        let scheduled = condition("PodScheduled")
+            .filter(|c| c.status == "True")
+            .and_then(|c| c.last_transition_time);
         Self {
             name: pod.name_any(),
             uid: pod.metadata.uid.clone(),
@@ -183,6 +188,7 @@ impl PodState {
             deletion: pod.metadata.deletion_timestamp.clone(),
             node: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
             created: pod.metadata.creation_timestamp.clone(),
+            scheduled,
         }
     }
 

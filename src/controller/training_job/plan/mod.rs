@@ -176,8 +176,18 @@ impl Plan {
 pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
     use steps::*;
     let mut plan = Plan::new(inputs);
-    let steps: [fn(&mut Plan, &PlanInputs<'_>) -> Step; 10] = [
-        finished, suspend, deadline, stale, data, queue, pool, failure, backoff, progress,
+    let steps: [fn(&mut Plan, &PlanInputs<'_>) -> Step; 11] = [
+        finished,
+        suspend,
+        deadline,
+        stale,
+        data,
+        queue,
+        pool,
+        failure,
+        backoff,
+        start_timeout,
+        progress,
     ];
     for step in steps {
         if let ControlFlow::Break(()) = step(&mut plan, inputs) {

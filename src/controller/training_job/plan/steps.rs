@@ -40,6 +40,7 @@ pub fn finished(plan: &mut Plan, inputs: &PlanInputs<'_>) -> Step {
     {
         let reason = match failed.reason.as_str() {
             reasons::DEADLINE_EXCEEDED => reasons::DEADLINE_EXCEEDED,
+            reasons::START_TIMEOUT => reasons::START_TIMEOUT,
             reasons::LAUNCHER_FAILED => reasons::LAUNCHER_FAILED,
             reasons::NODE_POOL_FAILED => reasons::NODE_POOL_FAILED,
             _ => reasons::BACKOFF_LIMIT_EXCEEDED,
@@ -94,6 +95,67 @@ pub fn deadline(plan: &mut Plan, inputs: &PlanInputs<'_>) -> Step {
     }
     plan.requeue(Duration::from_secs_f64(left));
     ControlFlow::Continue(())
+}
+
+/// `runPolicy.startTimeoutSeconds`: a gang that has not started in time fails the job, with
+/// what held it. The clock runs from the gang's first worker placed on a node (made, for a
+/// job with a node pool of its own, whose pods have nowhere else to wait) until its launcher
+/// is made: waiting for room in the cluster or a queue does not count.
+pub fn start_timeout(plan: &mut Plan, inputs: &PlanInputs<'_>) -> Step {
+    let observed = inputs.observed;
+    if observed.launcher.is_some() || !observed.stale.is_empty() {
+        return ControlFlow::Continue(());
+    }
+    let own_pool = inputs.job.node_pool.is_some();
+    let workers = || {
+        observed
+            .workers
+            .iter()
+            .flatten()
+            .filter(|w| !w.is_deleting())
+    };
+    let since = workers()
+        .filter_map(|w| {
+            if own_pool {
+                w.created.as_ref()
+            } else {
+                w.scheduled.as_ref()
+            }
+        })
+        .min_by_key(|t| t.0);
+    let Some(since) = since else {
+        return ControlFlow::Continue(());
+    };
+    let limit = inputs.job.run_policy.start_timeout_seconds;
+    let left = limit as f64 - seconds_between(since, inputs.now);
+    if left > 0.0 {
+        plan.requeue(Duration::from_secs_f64(left));
+        return ControlFlow::Continue(());
+    }
+    let cause = workers()
+        .find_map(|w| blocked(names::WORKER_ROLE, w).map(|b| b.message))
+        .or_else(|| {
+            (observed.workers.iter().any(Option::is_none))
+                .then(|| "not every worker was made".into())
+        })
+        .or_else(|| workers().find(|w| !w.is_ready()).map(not_ready))
+        .unwrap_or_else(|| "the launcher was not made".into());
+    let detail =
+        format!("the gang did not start within runPolicy.startTimeoutSeconds ({limit} s): {cause}");
+    finish(plan, inputs, P::Failed, reasons::START_TIMEOUT, detail);
+    ControlFlow::Break(())
+}
+
+/// Why a worker that is not blocked is not ready, in words.
+fn not_ready(worker: &PodState) -> String {
+    match worker.life {
+        PodLife::Running { .. } => format!(
+            "worker {} runs but never got ready (its readiness probe: ssh with the job's key \
+             to its own name, served by its sshd)",
+            worker.name
+        ),
+        _ => format!("worker {} never got running", worker.name),
+    }
 }
 
 /// Pods of earlier gangs go first: new pods reuse their names.
