@@ -421,6 +421,43 @@ where
 /// the object's resourceVersion: it fails, and the reconcile is retried, when the object
 /// changed meanwhile, so other controllers' finalizers are never lost. Nothing is sent when
 /// the finalizer is already as wanted; an object already gone is fine.
+/// Removes `finalizer` from an object known by its metadata alone (one whose stored form
+/// no longer parses): a merge patch on the metadata, conditional on `meta`'s
+/// resourceVersion, whose answer is read as metadata only.
+pub(crate) async fn remove_finalizer_from_metadata<K>(
+    client: &Client,
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    finalizer: &str,
+) -> Result<(), kube::Error>
+where
+    K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + DeserializeOwned
+        + Debug,
+{
+    let current = meta.finalizers.clone().unwrap_or_default();
+    if !current.iter().any(|f| f == finalizer) {
+        return Ok(());
+    }
+    let wanted: Vec<&String> = current.iter().filter(|f| *f != finalizer).collect();
+    let api: Api<K> = Api::namespaced(
+        client.clone(),
+        meta.namespace.as_deref().unwrap_or_default(),
+    );
+    let patch = serde_json::json!({
+        "metadata": {"finalizers": wanted, "resourceVersion": meta.resource_version}
+    });
+    let name = meta.name.as_deref().unwrap_or_default();
+    match api
+        .patch_metadata(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(e) if is_not_found(&e) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
 pub(crate) async fn set_finalizer<K>(
     client: &Client,
     object: &K,

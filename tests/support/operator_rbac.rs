@@ -61,6 +61,13 @@ pub const CLUSTER_CALLS: &[Calls] = &[
     calls(
         "ringmaster.dev",
         "trainingjobs",
+        &["get"],
+        When::Always,
+        "training_job::pool::finalize_unreadable: a deleted job that no longer parses, read as stored",
+    ),
+    calls(
+        "ringmaster.dev",
+        "trainingjobs",
         &["patch"],
         When::Always,
         "training_job::pool: the node-pool finalizer (controller::set_finalizer)",

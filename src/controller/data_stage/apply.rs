@@ -103,6 +103,29 @@ pub async fn finalize(client: &Client, stage: &DataStage) -> Result<(), ApplyErr
         .map_err(kube_error("remove the finalizer from", "DataStage", &name))
 }
 
+/// [`finalize`] for a DataStage whose stored form no longer parses: its volume, named by its
+/// UID, is deleted if there is one (a stage of an existing claim has none), then the
+/// finalizer is removed from its metadata.
+pub async fn finalize_unreadable(
+    client: &Client,
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+) -> Result<(), ApplyError> {
+    let name = meta.name.clone().unwrap_or_default();
+    if !meta.finalizers.iter().flatten().any(|f| f == FINALIZER) {
+        return Ok(());
+    }
+    let volume = build::volume_name(meta.uid.as_deref().unwrap_or_default());
+    let volumes: Api<PersistentVolume> = Api::all(client.clone());
+    match volumes.delete(&volume, &Default::default()).await {
+        Ok(_) => {}
+        Err(e) if is_not_found(&e) => {}
+        Err(e) => return Err(kube_error("delete", "PersistentVolume", &volume)(e)),
+    }
+    crate::controller::remove_finalizer_from_metadata::<DataStage>(client, meta, FINALIZER)
+        .await
+        .map_err(kube_error("remove the finalizer from", "DataStage", &name))
+}
+
 /// `NotOurs` when `meta` is not of an object this DataStage controls.
 pub fn not_ours(
     kind: &'static str,

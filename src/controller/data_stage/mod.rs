@@ -62,6 +62,15 @@ pub async fn reconcile(
             .map_err(stage_error)?;
         return Ok(Action::await_change());
     }
+    if let Err(invalid) = &object.0
+        && invalid.metadata.deletion_timestamp.is_some()
+    {
+        // Its volume goes all the same: the finalizer must not hold what cannot be read.
+        apply::finalize_unreadable(&ctx.client, &invalid.metadata)
+            .await
+            .map_err(stage_error)?;
+        return Ok(Action::await_change());
+    }
     let old = object
         .0
         .as_ref()

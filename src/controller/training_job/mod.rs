@@ -45,7 +45,19 @@ pub async fn reconcile(
     }
     let _timer = ctx.metrics.reconcile_started(CONTROLLER);
     let key = object_key(object.as_ref());
+    let pool_error = |source| Error::Pool {
+        name: key.clone(),
+        source,
+    };
     let action = match &object.0 {
+        // Its pool goes all the same: the finalizer must not hold a job that cannot be read.
+        Err(invalid) if invalid.metadata.deletion_timestamp.is_some() => {
+            let finalized =
+                pool::finalize_unreadable(&ctx.client, ctx.config.arm.as_ref(), &invalid.metadata)
+                    .await
+                    .map_err(pool_error)?;
+            after_finalize(&ctx, object.as_ref(), finalized).await
+        }
         Err(invalid) => {
             let errors = FieldErrors::one(
                 "",
@@ -59,25 +71,8 @@ pub async fn reconcile(
         Ok(job) if job.meta().deletion_timestamp.is_some() => {
             let finalized = pool::finalize(&ctx.client, ctx.config.arm.as_ref(), job)
                 .await
-                .map_err(|source| Error::Pool {
-                    name: key.clone(),
-                    source,
-                })?;
-            match finalized {
-                pool::Finalized::Done => Action::await_change(),
-                pool::Finalized::Waiting => Action::requeue(std::time::Duration::from_secs(10)),
-                pool::Finalized::Stuck(problem) => {
-                    // Why the job does not go away, on it (the recorder counts repeats).
-                    ctx.warn(job, condition_reasons::NODE_POOL_DELETE_FAILED, &problem)
-                        .await;
-                    Action::requeue(std::time::Duration::from_secs(10))
-                }
-                pool::Finalized::LeftBehind(problem) => {
-                    ctx.warn(job, condition_reasons::NODE_POOL_LEFT_BEHIND, &problem)
-                        .await;
-                    Action::await_change()
-                }
-            }
+                .map_err(pool_error)?;
+            after_finalize(&ctx, job, finalized).await
         }
         Ok(job) => match validate::validate(job) {
             Err(errors) => report_invalid(&ctx, &object, &errors).await?,
@@ -86,6 +81,30 @@ pub async fn reconcile(
     };
     ctx.succeeded(&key);
     Ok(action)
+}
+
+/// What follows a deleted job's finalizer step: done, a look again while its pool is
+/// deleted, or a Warning on the job when the pool cannot be deleted or is left behind.
+async fn after_finalize<K: kube::Resource<DynamicType = ()>>(
+    ctx: &Context,
+    job: &K,
+    finalized: pool::Finalized,
+) -> Action {
+    match finalized {
+        pool::Finalized::Done => Action::await_change(),
+        pool::Finalized::Waiting => Action::requeue(std::time::Duration::from_secs(10)),
+        pool::Finalized::Stuck(problem) => {
+            // Why the job does not go away, on it (the recorder counts repeats).
+            ctx.warn(job, condition_reasons::NODE_POOL_DELETE_FAILED, &problem)
+                .await;
+            Action::requeue(std::time::Duration::from_secs(10))
+        }
+        pool::Finalized::LeftBehind(problem) => {
+            ctx.warn(job, condition_reasons::NODE_POOL_LEFT_BEHIND, &problem)
+                .await;
+            Action::await_change()
+        }
+    }
 }
 
 async fn report_invalid(

@@ -19,7 +19,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
-use kube::api::ListParams;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{ApiResource, DynamicObject, ListParams};
 use kube::{Api, Client, ResourceExt};
 
 use super::names::{AGENT_POOL_LABEL, POOL_KEY};
@@ -29,7 +30,7 @@ use crate::aks::{Accepted, AgentPool, AgentPoolRequest, ArmClient, ArmError, Ope
 use crate::api::{
     GpuDriver, NodePoolStatus, Provisioner, TrainingJob, TrainingJobPhase, condition_reasons,
 };
-use crate::controller::set_finalizer;
+use crate::controller::{remove_finalizer_from_metadata, set_finalizer};
 
 /// The finalizer that deletes a job's agent pool.
 pub const FINALIZER: &str = "ringmaster.dev/agent-pool";
@@ -749,9 +750,127 @@ pub async fn finalize(
     })
 }
 
+/// [`finalize`] for a job being deleted whose stored form no longer parses (fields of another
+/// operator's version, a hand edit): its pool is given back all the same, named from what
+/// can be read of the stored object ([`unreadable_pool_name`]), and the finalizer is removed
+/// from its metadata.
+pub async fn finalize_unreadable(
+    client: &Client,
+    arm: Option<&ArmClient>,
+    meta: &ObjectMeta,
+) -> Result<Finalized, PoolError> {
+    if !meta.finalizers.iter().flatten().any(|f| f == FINALIZER) {
+        return Ok(Finalized::Done);
+    }
+    let (namespace, job) = (
+        meta.namespace.clone().unwrap_or_default(),
+        meta.name.clone().unwrap_or_default(),
+    );
+    let uid = meta.uid.clone().unwrap_or_default();
+    let resource = ApiResource::erase::<TrainingJob>(&());
+    let raw = Api::<DynamicObject>::namespaced_with(client.clone(), &namespace, &resource)
+        .get_opt(&job)
+        .await
+        .map_err(|source| PoolError::Kube {
+            action: format!("reading TrainingJob {job} as it is stored"),
+            source,
+        })?;
+    let Some(raw) = raw else {
+        return Ok(Finalized::Done);
+    };
+    let release_finalizer = || async {
+        remove_finalizer_from_metadata::<TrainingJob>(client, meta, FINALIZER)
+            .await
+            .map_err(|source| PoolError::Kube {
+                action: format!("updating the finalizers of TrainingJob {job}"),
+                source,
+            })
+    };
+    let Some(name) = unreadable_pool_name(&raw.data, &job, &uid) else {
+        release_finalizer().await?;
+        return Ok(Finalized::Done);
+    };
+    let Some(arm) = arm else {
+        release_finalizer().await?;
+        return Ok(Finalized::LeftBehind(format!(
+            "agent pool {name} was not deleted: this operator runs without AKS settings; delete the pool in Azure if it is still there"
+        )));
+    };
+    Ok(
+        match release_pool(arm, &namespace, &job, &uid, &name).await {
+            Release::Pending { problem: None, .. } => Finalized::Waiting,
+            Release::Pending {
+                problem: Some(problem),
+                ..
+            } => Finalized::Stuck(problem),
+            Release::Gone | Release::NotOurs => {
+                release_finalizer().await?;
+                Finalized::Done
+            }
+        },
+    )
+}
+
+/// The agent pool of a stored TrainingJob read as plain JSON, as [`super::validate::aks_pool_name`]
+/// names it for a job that parses: `spec.nodePool.poolName`, else the valid name its status
+/// records, else the name derived from its name and UID; `None` without an AKS node pool.
+/// Whether the pool is the job's is still decided by its tags.
+pub fn unreadable_pool_name(raw: &serde_json::Value, job: &str, uid: &str) -> Option<String> {
+    let pool = raw["spec"]["nodePool"].as_object()?;
+    if pool.get("provisioner").and_then(|p| p.as_str()) != Some("aks") {
+        return None;
+    }
+    let valid = |v: &serde_json::Value| {
+        v.as_str()
+            .filter(|name| super::names::is_valid_pool_name(name))
+            .map(str::to_string)
+    };
+    pool.get("poolName")
+        .and_then(valid)
+        .or_else(|| valid(&raw["status"]["nodePool"]["name"]))
+        .or_else(|| Some(super::names::derive_pool_name(job, uid)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unreadable_jobs_pool_is_named_as_a_readable_ones() {
+        let raw = |pool: serde_json::Value, status: serde_json::Value| serde_json::json!({"spec": {"nodePool": pool, "workers": "two"}, "status": status});
+        let aks = serde_json::json!({"provisioner": "aks", "vmSize": 7});
+        let derived = super::super::names::derive_pool_name("resnet", "uid-1");
+        assert_eq!(
+            unreadable_pool_name(&raw(aks.clone(), serde_json::json!({})), "resnet", "uid-1"),
+            Some(derived)
+        );
+        assert_eq!(
+            unreadable_pool_name(
+                &raw(
+                    aks.clone(),
+                    serde_json::json!({"nodePool": {"name": "resnet506f1c"}})
+                ),
+                "resnet",
+                "uid-1"
+            ),
+            Some("resnet506f1c".into()),
+            "the name an earlier operator recorded"
+        );
+        let named = serde_json::json!({"provisioner": "aks", "poolName": "mypool"});
+        assert_eq!(
+            unreadable_pool_name(&raw(named, serde_json::json!({})), "resnet", "uid-1"),
+            Some("mypool".into())
+        );
+        let existing = serde_json::json!({"provisioner": "existing"});
+        assert_eq!(
+            unreadable_pool_name(&raw(existing, serde_json::json!({})), "resnet", "uid-1"),
+            None
+        );
+        assert_eq!(
+            unreadable_pool_name(&serde_json::json!({"spec": {}}), "resnet", "uid-1"),
+            None
+        );
+    }
 
     #[test]
     fn device_counts_read_quantities() {

@@ -23,6 +23,7 @@ use crate::metrics::Metrics;
 
 const PODS: &str = "/api/v1/namespaces/ml/pods";
 const SECRETS: &str = "/api/v1/namespaces/ml/secrets";
+const THE_JOB: &str = "/apis/ringmaster.dev/v1alpha1/namespaces/ml/trainingjobs/resnet18-cpu";
 const JOB: &str = "resnet18-cpu";
 const UID: &str = "uid-1";
 
@@ -105,6 +106,7 @@ impl FakeApi {
                 None => (StatusCode::NOT_FOUND, status(404, "NotFound", "not found")),
             },
             ("PATCH", p) if p.ends_with("/status") => (StatusCode::OK, self.job.clone()),
+            ("GET", THE_JOB) | ("PATCH", THE_JOB) => (StatusCode::OK, self.job.clone()),
             // Services, NetworkPolicies, Events: made as asked.
             ("POST", _) => (StatusCode::CREATED, body),
             _ => (StatusCode::NOT_FOUND, status(404, "NotFound", "not served")),
@@ -482,4 +484,60 @@ async fn the_jobs_own_ssh_secret_from_before_a_restart_is_used() {
         ]
     );
     assert_eq!(written_status(&api)["phase"], "Starting");
+}
+
+/// A job being deleted whose stored form no longer parses (here `workers: "two"`, as a
+/// newer operator's schema or a hand edit could leave it) still gets its node-pool
+/// finalizer step: read as stored, its pool named from that, and, with no AKS settings to
+/// delete it with, the finalizer removed (conditionally on the resourceVersion read) and a
+/// Warning saying the pool may be left. Before, such a job stayed in Terminating for good.
+#[tokio::test]
+async fn a_deleted_job_that_no_longer_parses_still_lets_go_of_its_pool_finalizer() {
+    let mut stored = job();
+    stored["spec"]["workers"] = json!("two");
+    stored["spec"]["nodePool"] = json!({"provisioner": "aks", "vmSize": "Standard_ND96asr_v4"});
+    stored["metadata"]["finalizers"] = json!(["ringmaster.dev/agent-pool"]);
+    stored["metadata"]["resourceVersion"] = json!("42");
+    stored["metadata"]["deletionTimestamp"] = json!("2026-11-26T01:00:00Z");
+    let api = Arc::new(Mutex::new(FakeApi {
+        job: stored.clone(),
+        ..FakeApi::default()
+    }));
+    let ctx = Arc::new(Context::new(
+        client(api.clone()),
+        Metrics::default(),
+        None,
+        OperatorConfig::default(),
+    ));
+    ctx.cache_pods(Vec::new());
+    let object: DeserializeGuard<TrainingJob> = serde_json::from_value(stored).unwrap();
+    assert!(object.0.is_err(), "the stored form does not parse");
+    reconcile(Arc::new(object), ctx)
+        .await
+        .expect("it reconciles");
+    let api = api.lock().unwrap();
+    let gists: Vec<String> = api.log.iter().map(Request_::gist).collect();
+    // (A PATCH of the object itself is named by its last path segment.)
+    assert_eq!(
+        gists,
+        ["GET trainingjobs", "PATCH resnet18-cpu", "POST events"]
+    );
+    let patch = &api.log[1].body;
+    assert_eq!(
+        patch,
+        &json!({"metadata": {"finalizers": [], "resourceVersion": "42"}})
+    );
+    let warning = &api.log[2].body;
+    assert_eq!(
+        (&warning["type"], &warning["reason"]),
+        (&json!("Warning"), &json!("NodePoolLeftBehind"))
+    );
+    let derived = crate::controller::training_job::names::derive_pool_name(JOB, UID);
+    assert!(
+        warning["note"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("agent pool {derived} was not deleted")),
+        "{warning}"
+    );
 }
