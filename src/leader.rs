@@ -87,8 +87,11 @@ where
             () = &mut controllers => break Ok(()),
             changed = leading.changed() => {
                 if changed.is_err() || !*leading.borrow_and_update() {
+                    // Stop acting at once, as controller-runtime's leaders do (they exit):
+                    // dropping the controllers drops their reconciles where they stand, so
+                    // none writes after another replica may lead. Waiting for them to finish
+                    // could take as long as a write the API server does not answer.
                     stop.cancel();
-                    controllers.await;
                     break Err(LeaderError::Lost {
                         namespace: election.namespace.clone(),
                         lease: election.lease.clone(),
