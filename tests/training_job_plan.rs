@@ -1858,3 +1858,73 @@ fn each_gang_has_its_own_start_timeout_and_a_started_gang_has_none() {
     assert_eq!(s.step().phase, Phase::Failed);
     assert_eq!(failed_condition(&s).0, reasons::START_TIMEOUT);
 }
+
+#[test]
+fn a_failed_attempt_stays_in_last_failure_after_its_pods_are_gone() {
+    let mut s = Scenario::new(job(|_| {})).pods(vec![
+        pod("worker", 0, 0, "ready"),
+        pod("worker", 1, 0, "failed:137:OOMKilled"),
+    ]);
+    s.now = at(7);
+    s.step();
+    let failure = s.status.last_failure.clone().expect("status.lastFailure");
+    assert_eq!(
+        (failure.attempt, failure.time.clone(), failure.pod.as_str()),
+        (0, at(7), "resnet18-cpu-worker-1")
+    );
+    assert!(
+        failure
+            .message
+            .starts_with("worker resnet18-cpu-worker-1 exited with code 137 (OOMKilled)"),
+        "{}",
+        failure.message
+    );
+    // Seen again before the pods go: the same failure, its time kept.
+    s.now = at(8);
+    s.step();
+    assert_eq!(s.status.last_failure.as_ref().unwrap().time, at(8 - 1));
+    // The restart deleted the pods; the next gang runs; the failure is still told.
+    s.pods.clear();
+    s.now = at(30);
+    s.step();
+    s.pods = vec![
+        pod("worker", 0, 1, "ready"),
+        pod("worker", 1, 1, "ready"),
+        pod("launcher", 0, 1, "running"),
+    ];
+    s.step();
+    assert_eq!(s.status.phase, Phase::Running);
+    assert_eq!(s.status.last_failure, Some(failure));
+}
+
+#[test]
+fn secrets_in_a_failed_launchers_output_are_redacted_everywhere_the_job_tells_it() {
+    let output = "copying https://acct.blob.core.windows.net/data/x?sv=2022-11-02&sig=AbC%2Bdef123%3D&se=2027 failed\n\
+                  DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=c2VjcmV0a2V5MTIzNDU2Nzg5MA==;\n\
+                  Authorization: Bearer eyJ0eXAiOiJKV1QiLCJhbGciOi.payload.sig";
+    let mut s = Scenario::new(job(|_| {})).pods(vec![
+        pod("worker", 0, 0, "ready"),
+        pod("worker", 1, 0, "ready"),
+        failed_launcher(1, output),
+    ]);
+    assert_eq!(s.step().phase, Phase::Failed);
+    let (_, _, condition) = s.condition(condition_types::FAILED);
+    let failure = s.status.last_failure.clone().expect("status.lastFailure");
+    for told in [&condition, &failure.message] {
+        for secret in [
+            "AbC%2Bdef123%3D",
+            "c2VjcmV0a2V5MTIzNDU2Nzg5MA==",
+            "eyJ0eXAiOiJKV1QiLCJhbGciOi",
+        ] {
+            assert!(!told.contains(secret), "{secret} in {told}");
+        }
+        assert!(told.contains("sig=<redacted>"), "{told}");
+        assert!(told.contains("AccountKey=<redacted>"), "{told}");
+        assert!(told.contains("Bearer <redacted>"), "{told}");
+        assert!(
+            told.contains("sv=2022-11-02"),
+            "what is not secret stays: {told}"
+        );
+    }
+    assert_eq!(failure.pod, "resnet18-cpu-launcher");
+}

@@ -847,6 +847,26 @@ pub struct TrainingJobStatus {
     /// What the trainer reported at the end.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub result: Option<TrainingResult>,
+    /// The last gang attempt that failed, and why: kept after the restart deletes its pods
+    /// (and their logs), until the job is deleted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure: Option<LastFailure>,
+}
+
+/// A failed gang attempt, as the job saw it end.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LastFailure {
+    /// The attempt that failed (0 for the first gang, then one more for each restart).
+    pub attempt: i32,
+    /// When the job saw it fail.
+    pub time: Time,
+    /// The pod whose end was the cause.
+    pub pod: String,
+    /// What ended it: the pod's exit code and reason, and the failing rank's error or the last
+    /// lines of the launcher's output (at most 500 bytes; values of secret-looking settings,
+    /// such as `sig=` or `AccountKey=`, and bearer tokens replaced by `<redacted>`).
+    pub message: String,
 }
 
 /// Worker pods by state.

@@ -59,6 +59,7 @@ pub fn from_plan(
     status.start_time = plan.start_time.clone();
     status.completion_time = plan.completion_time.clone();
     status.result = plan.result.clone();
+    status.last_failure = plan.last_failure.clone();
     let same_gang = plan.restarts == old.restarts;
     let workers = observed.workers.iter().flatten().filter(|_| same_gang);
     status.workers = WorkerCounts {

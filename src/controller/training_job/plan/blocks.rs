@@ -86,8 +86,32 @@ pub struct Block {
 /// A pod's exit in words: the failing rank's own error (its first 500 bytes) when the
 /// termination message holds the trainer's failure line (`ringmaster-trainer launch`
 /// leaves it), else the message's last 300 characters (the log's tail, `mpirun`'s report as
-/// often as not).
+/// often as not); secret-looking values in it redacted ([`redact`]): the words go into
+/// conditions, Events and `status.lastFailure`, which more people read than the pod's log.
 pub fn describe(pod: &PodState, exit: &Exit) -> String {
+    redact(&describe_unredacted(pod, exit))
+}
+
+/// Values of secret-looking settings (`sig=`, `AccountKey=`, `token=`, `password=`, …, as
+/// in SAS URLs and connection strings) and bearer or basic credentials, replaced by
+/// `<redacted>`.
+pub fn redact(text: &str) -> String {
+    use std::sync::LazyLock;
+    static SETTINGS: LazyLock<regex::Regex> = LazyLock::new(|| {
+        regex::Regex::new(
+            r"(?i)\b(sig|signature|accountkey|sharedaccesssignature|sharedaccesskey|token|access_token|password|passwd|secret|client_secret|apikey|api_key)(\s*[=:]\s*)[^&\s;,'\x22]+",
+        )
+        .expect("a valid pattern")
+    });
+    static CREDENTIALS: LazyLock<regex::Regex> = LazyLock::new(|| {
+        regex::Regex::new(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]{8,}")
+            .expect("a valid pattern")
+    });
+    let text = SETTINGS.replace_all(text, "$1$2<redacted>");
+    CREDENTIALS.replace_all(&text, "$1 <redacted>").into_owned()
+}
+
+fn describe_unredacted(pod: &PodState, exit: &Exit) -> String {
     let mut text = format!(
         "{} exited with code {} ({})",
         pod.name, exit.code, exit.reason

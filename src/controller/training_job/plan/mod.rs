@@ -19,7 +19,7 @@ use super::observe::{Exit, Observed, PodRef};
 use super::recent::{FRESH_FOR, RecentJob};
 use super::spec::ValidatedTrainingJob;
 use super::state::{DataState, NameHolder, PoolState, QueueState, seconds_between};
-use crate::api::{TrainingJobPhase, TrainingJobStatus, TrainingResult};
+use crate::api::{LastFailure, TrainingJobPhase, TrainingJobStatus, TrainingResult};
 use crate::controller::conditions::DesiredCondition;
 use blocks::cleanup;
 
@@ -75,6 +75,8 @@ pub struct Plan {
     pub completion_time: Option<Time>,
     /// The trainer's summary.
     pub result: Option<TrainingResult>,
+    /// The last gang attempt that failed, and why.
+    pub last_failure: Option<LastFailure>,
     /// Conditions to set.
     pub conditions: Vec<DesiredCondition>,
     /// Look again after this long even if nothing changes.
@@ -142,6 +144,7 @@ impl Plan {
             }),
             completion_time: inputs.status.completion_time.clone(),
             result: inputs.status.result.clone(),
+            last_failure: inputs.status.last_failure.clone(),
             conditions: Vec::new(),
             requeue_after: None,
             delete_job: false,

@@ -382,6 +382,7 @@ pub fn failure(plan: &mut Plan, inputs: &PlanInputs<'_>) -> Step {
     });
     // A worker's failure is the cause even when the launcher failed because of it.
     if let Some((cause, pod)) = worker_failure.or(retryable_launcher_failure) {
+        record_failure(plan, inputs, &pod.name, &cause);
         plan.about = Some(pod);
         restart(plan, inputs, &cause);
         return ControlFlow::Break(());
@@ -411,9 +412,30 @@ pub fn failure(plan: &mut Plan, inputs: &PlanInputs<'_>) -> Step {
         "launcher {} (not retried: the program's own failure)",
         describe(pod, exit)
     );
+    record_failure(plan, inputs, &pod.name, &detail);
     plan.about = Some(pod.about());
     finish(plan, inputs, P::Failed, reasons::LAUNCHER_FAILED, detail);
     ControlFlow::Break(())
+}
+
+/// `status.lastFailure`: this gang attempt failed, because `pod` ended as `cause` says. The
+/// restart that follows deletes the pods and their logs; this stays.
+fn record_failure(plan: &mut Plan, inputs: &PlanInputs<'_>, pod: &str, cause: &str) {
+    let attempt = inputs.status.restarts;
+    // The same failure seen again (the status write raced the next look) keeps its time.
+    if plan
+        .last_failure
+        .as_ref()
+        .is_some_and(|f| f.attempt == attempt && f.pod == pod)
+    {
+        return;
+    }
+    plan.last_failure = Some(crate::api::LastFailure {
+        attempt,
+        time: inputs.now.clone(),
+        pod: pod.to_string(),
+        message: ringmaster_contract::shorten(cause, 500),
+    });
 }
 
 /// A restart of the gang because of `cause`, or the job's failure once `backoffLimit`
