@@ -28,7 +28,8 @@ struct Cli {
 enum Command {
     /// Run the operator: the TrainingJob and DataStage controllers, with metrics and health
     /// endpoints. Connects with the in-cluster ServiceAccount, or $KUBECONFIG / ~/.kube/config.
-    Run(RunArgs),
+    // Boxed: the operator's settings are large beside the other commands' arguments.
+    Run(Box<RunArgs>),
     /// Copy every blob under a prefix of an Azure Blob container into a folder: parallel,
     /// resumable (files already there and intact are skipped), atomic per file. What a
     /// DataStage's Job runs; works on a workstation too. Credentials come from the
@@ -176,6 +177,15 @@ struct RunArgs {
     /// `--network-policy azure`, Cilium or Calico); elsewhere it is made and does nothing.
     #[arg(long, env = "RINGMASTER_JOB_NETWORK_POLICIES", default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     job_network_policies: bool,
+    /// What the leader does, at start and every `--orphan-pool-sweep-minutes`, with AKS
+    /// agent pools tagged as a TrainingJob's whose job no longer exists (force-removed, or
+    /// deleted while the operator had no AKS settings): `delete` them (tags and eTag
+    /// checked first), `dry-run` (log each, delete nothing), or `off`. With AKS settings only.
+    #[arg(long, env = "RINGMASTER_ORPHAN_POOL_SWEEP", value_enum, default_value_t = ringmaster::controller::training_job::sweep::SweepMode::Delete)]
+    orphan_pool_sweep: ringmaster::controller::training_job::sweep::SweepMode,
+    /// Minutes between sweeps for agent pools whose TrainingJob is gone.
+    #[arg(long, env = "RINGMASTER_ORPHAN_POOL_SWEEP_MINUTES", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    orphan_pool_sweep_minutes: u64,
     /// Run the controllers only while holding a Lease, so several replicas are safe.
     #[arg(long, env = "RINGMASTER_LEADER_ELECT")]
     leader_elect: bool,
@@ -249,7 +259,7 @@ fn main() -> ExitCode {
         Command::Run(args) => {
             telemetry::init(args.log_format);
             let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
-            match runtime.block_on(run(args)) {
+            match runtime.block_on(run(*args)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(message) => {
                     tracing::error!("{message}");
@@ -351,6 +361,10 @@ async fn run(args: RunArgs) -> Result<(), String> {
             launcher_priority_class: args.launcher_priority_class,
             data_stage_destinations: args.data_stage_destinations.unwrap_or_default(),
             job_network_policies: args.job_network_policies,
+            orphan_pool_sweep: args.orphan_pool_sweep,
+            orphan_pool_sweep_every: std::time::Duration::from_secs(
+                args.orphan_pool_sweep_minutes * 60,
+            ),
         },
     ));
     let scope = Scope {

@@ -385,3 +385,127 @@ async fn two_jobs_asking_at_once_get_one_pool_and_one_reason() {
     assert_eq!(aks.pool("race"), Some(pool));
     assert_eq!(aks.deletes("race"), 0);
 }
+
+/// The sweep for pools whose TrainingJob is gone, against the simulated AKS: of four pools
+/// the jobs made (more than a page of ARM's list, so `nextLink` is followed), the one whose
+/// job is gone and the one whose job was made anew under its name (another UID) are deleted;
+/// the one whose job exists and the one whose job could not be looked up are kept; a pool
+/// without Ringmaster's tags is never touched. A dry run deletes nothing and names the same
+/// two.
+#[tokio::test]
+async fn the_sweep_deletes_the_pools_of_jobs_that_are_gone_and_nothing_else() {
+    use ringmaster::controller::training_job::sweep::{JobSeen, SweepMode, sweep};
+    let aks = SimulatedAks::start_without_cluster(
+        TOKEN,
+        API_VERSION,
+        Duration::from_millis(50),
+        Duration::from_millis(50),
+    )
+    .await
+    .unwrap();
+    let (arm, _token_file) = arm_client(&aks);
+    let client = no_api_server();
+    let jobs = [
+        (
+            "team-a",
+            "alive",
+            "0a000000-0000-4000-8000-00000000000a",
+            "alivepool",
+        ),
+        (
+            "team-a",
+            "gone",
+            "0b000000-0000-4000-8000-00000000000b",
+            "gonepool",
+        ),
+        (
+            "team-b",
+            "remade",
+            "0c000000-0000-4000-8000-00000000000c",
+            "remadepool",
+        ),
+        (
+            "team-b",
+            "unknown",
+            "0d000000-0000-4000-8000-00000000000d",
+            "unknownpool",
+        ),
+    ];
+    for (namespace, name, uid, pool) in jobs {
+        let job = job(namespace, name, uid, Some(pool));
+        let (state, _) = step_until_settled(&client, &arm, &job, NodePoolStatus::default()).await;
+        assert!(matches!(state, PoolState::Ready { .. }), "{state:?}");
+    }
+    // A pool someone made by hand, without Ringmaster's tags.
+    let plan = job(
+        "team-c",
+        "hand",
+        "0e000000-0000-4000-8000-00000000000e",
+        Some("handpool"),
+    )
+    .node_pool
+    .clone()
+    .unwrap();
+    let seen = PoolSeen {
+        pool: Ok(None),
+        ready_nodes: None,
+        operation: None,
+        ignored_operation: None,
+    };
+    let hand = job(
+        "team-c",
+        "hand",
+        "0e000000-0000-4000-8000-00000000000e",
+        Some("handpool"),
+    );
+    let mut request = decide(&hand, &plan, "handpool", &NodePoolStatus::default(), seen)
+        .create
+        .expect("a create");
+    request.tags.clear();
+    arm.create_pool("handpool", &request).await.unwrap();
+    wait_for_state(&aks, "handpool", "Succeeded").await;
+
+    let look = |namespace: String, name: String| async move {
+        match (namespace.as_str(), name.as_str()) {
+            ("team-a", "alive") => JobSeen::Exists {
+                uid: "0a000000-0000-4000-8000-00000000000a".into(),
+            },
+            ("team-b", "remade") => JobSeen::Exists {
+                uid: "0f000000-0000-4000-8000-00000000000f".into(),
+            },
+            ("team-b", "unknown") => JobSeen::Unknown("the API server did not answer".into()),
+            _ => JobSeen::Gone,
+        }
+    };
+
+    let dry = sweep(&arm, SweepMode::DryRun, look).await.unwrap();
+    let mut named = dry.would_delete.clone();
+    named.sort();
+    assert_eq!(named, ["gonepool", "remadepool"]);
+    assert!(dry.deleted.is_empty());
+    assert_eq!(aks.pools().len(), 5, "a dry run deletes nothing");
+    assert_eq!(aks.deletes("gonepool"), 0);
+
+    let swept = sweep(&arm, SweepMode::Delete, look).await.unwrap();
+    let mut deleted = swept.deleted.clone();
+    deleted.sort();
+    assert_eq!(deleted, ["gonepool", "remadepool"]);
+    assert_eq!((swept.kept, swept.problems.len()), (2, 0));
+    for gone in ["gonepool", "remadepool"] {
+        assert_eq!(aks.deletes(gone), 1, "{gone}");
+    }
+    for kept in ["alivepool", "unknownpool", "handpool"] {
+        assert_eq!(aks.deletes(kept), 0, "{kept}");
+        assert!(aks.pool(kept).is_some(), "{kept}");
+    }
+    // Once they are gone, a sweep finds nothing more to do.
+    for _ in 0..200 {
+        if !aks.pools().contains_key("gonepool") && !aks.pools().contains_key("remadepool") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let again = sweep(&arm, SweepMode::Delete, look).await.unwrap();
+    assert!(again.deleted.is_empty(), "{again:?}");
+    assert_eq!(again.kept, 2);
+}

@@ -182,6 +182,10 @@ impl SimulatedAks {
                 "/subscriptions/{sub}/resourceGroups/{rg}/providers/Microsoft.ContainerService/managedClusters/{cluster}/agentPools/{pool}",
                 get(get_pool).put(put_pool).delete(delete_pool),
             )
+            .route(
+                "/subscriptions/{sub}/resourceGroups/{rg}/providers/Microsoft.ContainerService/managedClusters/{cluster}/agentPools",
+                get(list_pools),
+            )
             .route("/operations/{id}", get(get_operation))
             .with_state(shared.clone());
         let task = tokio::spawn(async move {
@@ -370,6 +374,40 @@ async fn get_pool(
             &format!("Agent pool {name} was not found."),
         ),
     }
+}
+
+/// `GET …/agentPools`: every pool, two to a page (ARM pages its lists; the operator follows
+/// `nextLink`), in name order.
+async fn list_pools(
+    State(shared): State<Arc<Shared>>,
+    Path((sub, rg, cluster)): Path<(String, String, String)>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+) -> Response {
+    if let Some(refused) = gate(&shared, &headers, &query) {
+        return refused;
+    }
+    const PAGE: usize = 2;
+    let page: usize = query.get("page").and_then(|p| p.parse().ok()).unwrap_or(0);
+    let inner = shared.inner.lock().unwrap();
+    let mut names: Vec<&String> = inner.pools.keys().collect();
+    names.sort();
+    let value: Vec<serde_json::Value> = names
+        .iter()
+        .skip(page * PAGE)
+        .take(PAGE)
+        .map(|name| pool_body(name, &inner.pools[*name]))
+        .collect();
+    let mut body = serde_json::json!({"value": value});
+    if names.len() > (page + 1) * PAGE {
+        let base = shared.base_url.lock().unwrap().clone();
+        body["nextLink"] = serde_json::json!(format!(
+            "{base}/subscriptions/{sub}/resourceGroups/{rg}/providers/Microsoft.ContainerService/managedClusters/{cluster}/agentPools?api-version={}&page={}",
+            shared.api_version,
+            page + 1
+        ));
+    }
+    axum::Json(body).into_response()
 }
 
 async fn put_pool(

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::{Operator, TestNamespace, apply, client, ensure_crds, eventually, pods};
 use k8s_openapi::api::core::v1::{Event, Node, Pod};
-use kube::api::{DeleteParams, ListParams};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Api, Client, ResourceExt};
 use ringmaster::aks::{ArmClient, ArmConfig, TokenSource, arm::API_VERSION};
 use ringmaster::api::TrainingJob;
@@ -704,6 +704,85 @@ async fn two_jobs_in_two_namespaces_racing_for_one_pool_name_leave_each_others_p
     )
     .await;
     assert_eq!(aks.deletes(pool), 1);
+}
+
+/// A job force-removed (its finalizer taken off by hand, as `kubectl patch` would) while the
+/// operator was down leaves its pool: nothing would ever delete it. The next operator's
+/// sweep at start finds the pool tagged with a job that is gone and deletes it; a running
+/// job's pool beside it stays.
+#[tokio::test]
+async fn a_pool_whose_job_was_force_removed_is_swept_when_the_operator_starts() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "pool-sweep").await;
+    let token = "sweep-test-token";
+    let token_file = {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(token.as_bytes()).unwrap();
+        f
+    };
+    let aks = SimulatedAks::start(
+        client.clone(),
+        token,
+        API_VERSION,
+        Duration::from_secs(1),
+        Duration::from_millis(500),
+    )
+    .await
+    .unwrap();
+    let operator = start_operator(&client, &ns.name, &aks, token_file.path()).await;
+    for name in ["kept", "removed"] {
+        apply(
+            &client,
+            &gpu_job(name, |s| s["launcher"] = json!({})),
+            &ns.name,
+            false,
+        )
+        .await
+        .unwrap();
+    }
+    let kept = wait_phase(&client, &ns.name, "kept", "Running", 90).await["nodePool"]["name"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let removed = wait_phase(&client, &ns.name, "removed", "Running", 90).await["nodePool"]["name"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    // The operator is down; the job is removed by force, its finalizer taken off.
+    operator.kill();
+    let jobs: Api<TrainingJob> = Api::namespaced(client.clone(), &ns.name);
+    jobs.patch(
+        "removed",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+    )
+    .await
+    .unwrap();
+    jobs.delete("removed", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(Duration::from_secs(30), "the job gone", || async {
+        jobs.get_opt("removed").await.unwrap().is_none()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(aks.pools().contains_key(&removed), "left behind, for now");
+    assert_eq!(aks.deletes(&removed), 0);
+
+    // The next operator sweeps at start.
+    let _operator = start_operator(&client, &ns.name, &aks, token_file.path()).await;
+    eventually(
+        Duration::from_secs(60),
+        "the orphaned pool deleted",
+        || async { !aks.pools().contains_key(&removed) },
+    )
+    .await;
+    assert_eq!(aks.deletes(&removed), 1);
+    assert_eq!(aks.deletes(&kept), 0, "the running job's pool stays");
+    assert!(aks.pools().contains_key(&kept));
+    assert_eq!(status(&client, &ns.name, "kept").await["phase"], "Running");
 }
 
 #[tokio::test]

@@ -302,6 +302,21 @@ impl ArmClient {
         (same_origin && no_user_info).then_some(ArmUrl(url))
     }
 
+    fn pools_url(&self) -> Result<ArmUrl, ArmError> {
+        let c = &self.config;
+        let url = format!(
+            "{}/subscriptions/{}/resourceGroups/{}/providers/Microsoft.ContainerService/managedClusters/{}/agentPools?api-version={API_VERSION}",
+            c.endpoint.trim_end_matches('/'),
+            c.subscription,
+            c.resource_group,
+            c.cluster
+        );
+        self.own_url(&url).ok_or_else(|| ArmError::Endpoint {
+            endpoint: c.endpoint.clone(),
+            message: "the agent pools' URL is not on the endpoint".into(),
+        })
+    }
+
     fn pool_url(&self, pool: &str) -> Result<ArmUrl, ArmError> {
         let c = &self.config;
         let url = format!(
@@ -394,24 +409,45 @@ impl ArmClient {
         if response.status().as_u16() == 404 {
             return Ok(None);
         }
-        let value: serde_json::Value = response.json().await.map_err(|e| ArmError::Transport {
+        let value = self
+            .read_json(response, &format!("agent pool {pool}"))
+            .await?;
+        Ok(Some(agent_pool(&value)))
+    }
+
+    /// Every agent pool of the cluster, by name, following ARM's `nextLink` pages (only
+    /// while they are on the configured endpoint: [`ArmClient::own_url`]).
+    pub async fn list_pools(&self) -> Result<Vec<(String, AgentPool)>, ArmError> {
+        let mut pools = Vec::new();
+        let mut next = Some(self.pools_url()?);
+        while let Some(url) = next.take() {
+            let response = self.send(reqwest::Method::GET, &url, &[], None).await?;
+            let page = self.read_json(response, "the list of agent pools").await?;
+            for value in page["value"].as_array().into_iter().flatten() {
+                let name = value["name"].as_str().unwrap_or_default().to_string();
+                pools.push((name, agent_pool(value)));
+            }
+            next = match page["nextLink"].as_str() {
+                Some(link) => Some(self.own_url(link).ok_or_else(|| ArmError::Endpoint {
+                    endpoint: self.config.endpoint.clone(),
+                    message:
+                        "the list of agent pools continues off the endpoint; not followed".into(),
+                })?),
+                None => None,
+            };
+        }
+        Ok(pools)
+    }
+
+    async fn read_json(
+        &self,
+        response: reqwest::Response,
+        what: &str,
+    ) -> Result<serde_json::Value, ArmError> {
+        response.json().await.map_err(|e| ArmError::Transport {
             endpoint: self.config.endpoint.clone(),
-            message: format!("reading agent pool {pool}: {}", e.without_url()),
-        })?;
-        let p = &value["properties"];
-        Ok(Some(AgentPool {
-            provisioning_state: p["provisioningState"]
-                .as_str()
-                .unwrap_or("Unknown")
-                .to_string(),
-            count: p["count"].as_u64().unwrap_or(0) as u32,
-            vm_size: p["vmSize"].as_str().unwrap_or_default().to_string(),
-            tags: serde_json::from_value(p["tags"].clone()).unwrap_or_default(),
-            etag: p["eTag"]
-                .as_str()
-                .or_else(|| value["etag"].as_str())
-                .map(str::to_string),
-        }))
+            message: format!("reading {what}: {}", e.without_url()),
+        })
     }
 
     /// Creates the pool, never overwriting one: the PUT carries `If-None-Match: *`, and ARM
@@ -497,6 +533,24 @@ impl ArmClient {
                 }
             }
         }
+    }
+}
+
+/// An agent pool as ARM describes it (one of a list, or one read alone).
+fn agent_pool(value: &serde_json::Value) -> AgentPool {
+    let p = &value["properties"];
+    AgentPool {
+        provisioning_state: p["provisioningState"]
+            .as_str()
+            .unwrap_or("Unknown")
+            .to_string(),
+        count: p["count"].as_u64().unwrap_or(0) as u32,
+        vm_size: p["vmSize"].as_str().unwrap_or_default().to_string(),
+        tags: serde_json::from_value(p["tags"].clone()).unwrap_or_default(),
+        etag: p["eTag"]
+            .as_str()
+            .or_else(|| value["etag"].as_str())
+            .map(str::to_string),
     }
 }
 

@@ -144,6 +144,10 @@ pub struct OperatorConfig {
     pub data_stage_destinations: data_stage::destinations::AllowedDestinations,
     /// Give each TrainingJob a NetworkPolicy that admits to its pods only its own pods.
     pub job_network_policies: bool,
+    /// What the leader does with agent pools whose TrainingJob is gone (with `arm` only).
+    pub orphan_pool_sweep: training_job::sweep::SweepMode,
+    /// How often the leader sweeps (and once at start).
+    pub orphan_pool_sweep_every: Duration,
 }
 
 /// The operator image of this version, which also runs the stager.
@@ -164,6 +168,8 @@ impl Default for OperatorConfig {
             launcher_priority_class: None,
             data_stage_destinations: Default::default(),
             job_network_policies: true,
+            orphan_pool_sweep: Default::default(),
+            orphan_pool_sweep_every: Duration::from_secs(600),
         }
     }
 }
@@ -679,6 +685,15 @@ pub async fn run(
     let stages = data_stage_controller(&ctx, &scope, watch, &shutdown);
     spawn_readiness(&ctx, (job_store.clone(), stages.store()), ready);
     spawn_phase_gauge(&ctx, job_store, shutdown.clone());
+    if let Some(arm) = ctx.config.arm.clone() {
+        tokio::spawn(training_job::sweep::run(
+            ctx.client.clone(),
+            arm,
+            ctx.config.orphan_pool_sweep,
+            ctx.config.orphan_pool_sweep_every,
+            shutdown.clone(),
+        ));
+    }
     let jobs = jobs
         .run(training_job::reconcile, error_policy, ctx.clone())
         .for_each(|result| async move { log_result(training_job::CONTROLLER, result) });

@@ -15,6 +15,7 @@ pub mod snapshot;
 pub mod spec;
 pub mod state;
 pub mod status;
+pub mod sweep;
 pub mod validate;
 
 use std::sync::Arc;
