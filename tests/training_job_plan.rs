@@ -1928,3 +1928,45 @@ fn secrets_in_a_failed_launchers_output_are_redacted_everywhere_the_job_tells_it
     }
     assert_eq!(failure.pod, "resnet18-cpu-launcher");
 }
+
+/// Azure's word on the pool does not kill a gang that runs (a failed AKS upgrade leaves the
+/// pool `Failed` while its nodes train on): NodesReady says it, the job stays Running and
+/// nothing is deleted. Should the nodes go, the pods' failure restarts the job as any node
+/// loss does. Without a gang, a failed pool still fails the job.
+#[test]
+fn a_failed_pool_under_a_running_gang_is_said_not_acted_on() {
+    let mut s = Scenario::new(job(|_| {})).pods(vec![
+        pod("worker", 0, 0, "ready"),
+        pod("worker", 1, 0, "ready"),
+        pod("launcher", 0, 0, "running"),
+    ]);
+    s.status.start_time = Some(at(0));
+    s.pool = PoolState::Failed {
+        message: "agent pool resn0a1b2c3d is Failed: UpgradeFailed".into(),
+    };
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Running);
+    assert!(p.delete_pods.is_empty(), "{:?}", p.delete_pods);
+    let (status, reason, message) = s.condition(condition_types::NODES_READY);
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("False", "NodePoolFailed")
+    );
+    assert!(
+        message.starts_with("agent pool resn0a1b2c3d is Failed: UpgradeFailed"),
+        "{message}"
+    );
+    // Its nodes go: a worker is evicted; the gang restarts, and with no gang left the failed
+    // pool fails the job.
+    s.pods = vec![
+        pod("worker", 0, 0, "evicted"),
+        pod("worker", 1, 0, "ready"),
+        pod("launcher", 0, 0, "running"),
+    ];
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Restarting);
+    s.pods.clear();
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Failed);
+    assert_eq!(s.condition(condition_types::FAILED).1, "NodePoolFailed");
+}

@@ -282,6 +282,18 @@ pub fn pool(plan: &mut Plan, inputs: &PlanInputs<'_>) -> Step {
             plan.requeue(Duration::from_secs(10));
             ControlFlow::Break(())
         }
+        // A gang that runs follows its pods and nodes, not Azure's word on the pool (a failed
+        // AKS upgrade, a refused read): the pool's state is said on NodesReady, and should its
+        // nodes go, the pods' failure restarts or fails the job as any node loss does.
+        PoolState::Failed { message } if inputs.observed.gang_exists() => {
+            plan.say(
+                condition_types::NODES_READY,
+                false,
+                reasons::NODE_POOL_FAILED,
+                format!("{message} (the job's pods run on: it follows them, not the pool's state)"),
+            );
+            ControlFlow::Continue(())
+        }
         PoolState::Failed { message } => {
             finish(
                 plan,
