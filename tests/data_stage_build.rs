@@ -121,6 +121,8 @@ fn nfs_volume_is_retained_pre_bound_and_mounted_read_write_by_the_copy_job() {
     assert_eq!(pod["serviceAccountName"], names.stager);
     assert_eq!(pod["restartPolicy"], "Never");
     assert_eq!(job["spec"]["backoffLimit"], 3);
+    // Never two stagers of one Job at once: a replacement only once the last pod stopped.
+    assert_eq!(job["spec"]["podReplacementPolicy"], "Failed");
     assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true);
     assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
 }

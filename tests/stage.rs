@@ -353,3 +353,53 @@ async fn the_termination_message_holds_the_outcome() {
         other => panic!("expected a summary, got {other:?} from {text}"),
     }
 }
+
+/// Two stagers on one destination at once (a copy Job's replacement pod while the first
+/// still runs behind a node partition, two DataStages of one folder): the second waits for
+/// the first's lock and says so, neither deletes the other's partial files, both succeed,
+/// and the tree is whole. Before the lock, the second removed the first's temporary folder
+/// at start and the first failed renaming files that were gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_stagers_on_one_destination_take_turns_and_the_tree_is_whole() {
+    let azurite = Azurite::start();
+    create_container(&azurite);
+    let files = dataset();
+    upload(&writer(&azurite), &files).await;
+    let dest = tempfile::tempdir().unwrap();
+    let sas = azurite::container_sas(azurite::KEY, CONTAINER, "rl");
+    let manifest = dest.path().join(".ringmaster-stage/manifest.jsonl");
+    let spawn = || {
+        stage_command(&azurite, dest.path())
+            .args(["--parallelism", "2"])
+            .env("AZURE_STORAGE_SAS_TOKEN", &sas)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let first = spawn();
+    // The second comes while the first is copying.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while std::fs::read_to_string(&manifest).map_or(0, |m| m.lines().count()) < 20 {
+        assert!(
+            Instant::now() < deadline,
+            "the first stager made no progress"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let second = spawn();
+    let (first, second) = (
+        first.wait_with_output().unwrap(),
+        second.wait_with_output().unwrap(),
+    );
+    let said = |o: &std::process::Output| String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(first.status.success(), "first: {}", said(&first));
+    assert!(second.status.success(), "second: {}", said(&second));
+    assert!(
+        said(&second).contains("another stager is writing"),
+        "the second waited and said so: {}",
+        said(&second)
+    );
+    assert_tree_matches(dest.path(), &files);
+    assert!(!dest.path().join(".ringmaster-stage/tmp").exists());
+}

@@ -418,8 +418,12 @@ pub async fn copy(
     let started = Instant::now();
     let listing = list(store.as_ref(), args).await?;
     let state = args.destination.join(STATE_DIR);
+    // One stager writes a destination at a time (a Job's replacement pod during a node
+    // partition, a second DataStage of the same folder): held until this copy ends.
+    let _writing = lock_destination(&state).await?;
     let tmp = state.join("tmp");
-    // Leftovers of a killed run are partial downloads: start them again.
+    // Leftovers of a killed run are partial downloads: start them again. (No other stager
+    // is writing here: the lock.)
     let _ = tokio::fs::remove_dir_all(&tmp).await;
     tokio::fs::create_dir_all(&tmp)
         .await
@@ -527,6 +531,34 @@ pub async fn copy(
 }
 
 /// Turns an I/O error on `path` into [`StageError::Write`].
+/// The lock file under the state folder that one stager at a time holds (`flock`, which
+/// Linux carries over NFS as a byte-range lock). Another stager's lock is waited for, and
+/// said on stderr.
+async fn lock_destination(state: &Path) -> Result<std::fs::File, StageError> {
+    tokio::fs::create_dir_all(state)
+        .await
+        .map_err(write_err(state))?;
+    let path = state.join("lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(write_err(&path))?;
+    match file.try_lock() {
+        Ok(()) => return Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => eprintln!(
+            "ringmaster stage: another stager is writing {}; waiting for it to finish",
+            state.parent().unwrap_or(state).display()
+        ),
+        Err(std::fs::TryLockError::Error(e)) => return Err(write_err(&path)(e)),
+    }
+    tokio::task::spawn_blocking(move || file.lock().map(|()| file))
+        .await
+        .expect("the lock task does not panic")
+        .map_err(write_err(&path))
+}
+
 fn write_err(path: &Path) -> impl FnOnce(std::io::Error) -> StageError {
     let path = path.to_path_buf();
     move |source| StageError::Write { path, source }
@@ -763,6 +795,8 @@ async fn download(
             .fetch_add(chunk.len() as u64, Ordering::Relaxed);
     }
     file.flush().await.map_err(Failure::Write)?;
+    // On disk before the rename gives it its name: a crash never leaves a named, empty file.
+    file.sync_all().await.map_err(Failure::Write)?;
     if read != meta.size {
         return Err(Failure::Read(
             format!("got {read} bytes of {}", meta.size),

@@ -329,6 +329,10 @@ pub fn job(stage: &ValidatedDataStage, inputs: &BuildInputs) -> Job {
         spec: Some(JobSpec {
             // The schema bounds it far below i32::MAX.
             backoff_limit: Some(i32::try_from(stage.backoff_limit).unwrap_or(i32::MAX)),
+            // A replacement pod only once the last one has stopped, not while it is still
+            // terminating (say, behind a node partition): never two stagers at once from one
+            // Job. (The stager's lock on the destination covers the rest.)
+            pod_replacement_policy: Some("Failed".into()),
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
                     labels: Some(labels),
