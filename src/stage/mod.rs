@@ -531,6 +531,9 @@ pub async fn copy(
 }
 
 /// Turns an I/O error on `path` into [`StageError::Write`].
+/// Linux's "no locks available" (an NFS mount without a lock manager).
+const ENOLCK: i32 = 37;
+
 /// The lock file under the state folder that one stager at a time holds (`flock`, which
 /// Linux carries over NFS as a byte-range lock). Another stager's lock is waited for, and
 /// said on stderr.
@@ -551,6 +554,16 @@ async fn lock_destination(state: &Path) -> Result<std::fs::File, StageError> {
             "ringmaster stage: another stager is writing {}; waiting for it to finish",
             state.parent().unwrap_or(state).display()
         ),
+        // An NFSv3 mount without a lock manager: copy as before, unlocked, and say so.
+        Err(std::fs::TryLockError::Error(e))
+            if e.kind() == std::io::ErrorKind::Unsupported || e.raw_os_error() == Some(ENOLCK) =>
+        {
+            eprintln!(
+                "ringmaster stage: {} cannot be locked ({e}); copying without the lock that keeps a second stager out",
+                path.display()
+            );
+            return Ok(file);
+        }
         Err(std::fs::TryLockError::Error(e)) => return Err(write_err(&path)(e)),
     }
     tokio::task::spawn_blocking(move || file.lock().map(|()| file))
