@@ -509,3 +509,50 @@ async fn the_sweep_deletes_the_pools_of_jobs_that_are_gone_and_nothing_else() {
     assert!(again.deleted.is_empty(), "{again:?}");
     assert_eq!(again.kept, 2);
 }
+
+/// An ARM that hangs does not hold a reconcile worker past the request timeout, and does
+/// not fail the job: the look that timed out is a transient "looking again" (the pool's
+/// state unknown for a moment), and the next look finds the pool Ready.
+#[tokio::test]
+async fn a_hung_arm_read_times_out_as_a_transient_look_and_the_next_look_goes_on() {
+    let aks = SimulatedAks::start_without_cluster(
+        TOKEN,
+        API_VERSION,
+        Duration::from_millis(50),
+        Duration::from_millis(50),
+    )
+    .await
+    .unwrap();
+    let (arm, _token_file) = arm_client(&aks);
+    let arm = arm.with_request_timeout(Duration::from_millis(500));
+    let client = no_api_server();
+    let job = job(
+        "team-a",
+        "hung",
+        "0a000000-0000-4000-8000-0000000000aa",
+        Some("hungpool"),
+    );
+    let (state, status) = step_until_settled(&client, &arm, &job, NodePoolStatus::default()).await;
+    assert!(matches!(state, PoolState::Ready { .. }), "{state:?}");
+
+    aks.hang_next_reads(1, Duration::from_secs(30));
+    let started = std::time::Instant::now();
+    let look = step(&client, &arm, &job, &status, true).await.unwrap();
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(5), "held for {took:?}");
+    match &look.state {
+        PoolState::Provisioning { message } => {
+            assert!(message.contains("agent pool hungpool"), "{message}")
+        }
+        other => panic!("a transient look, not {other:?}"),
+    }
+    assert!(look.requeue.is_some());
+    let again = step(&client, &arm, &job, &look.status.unwrap_or(status), true)
+        .await
+        .unwrap();
+    assert!(
+        matches!(again.state, PoolState::Ready { .. }),
+        "{:?}",
+        again.state
+    );
+}

@@ -72,6 +72,8 @@ struct Inner {
     fail_next_async: Option<ArmFailure>,
     throttle_next: usize,
     throttled: usize,
+    /// GETs of a pool that hang this long before they are answered, and how many more.
+    hang: Option<(usize, Duration)>,
     next_operation: u64,
 }
 
@@ -215,6 +217,12 @@ impl SimulatedAks {
     /// The next pool made fails while being made (its operation carries `failure`).
     pub fn fail_next_async(&self, failure: ArmFailure) {
         self.shared.inner.lock().unwrap().fail_next_async = Some(failure);
+    }
+
+    /// The next `n` GETs of a pool hang for `how_long` before they are answered (an ARM
+    /// that does not answer in time).
+    pub fn hang_next_reads(&self, n: usize, how_long: Duration) {
+        self.shared.inner.lock().unwrap().hang = Some((n, how_long));
     }
 
     /// The next `n` requests get 429 with `Retry-After: 1`.
@@ -365,6 +373,19 @@ async fn get_pool(
 ) -> Response {
     if let Some(refused) = gate(&shared, &headers, &query) {
         return refused;
+    }
+    let hang = {
+        let mut inner = shared.inner.lock().unwrap();
+        match inner.hang {
+            Some((n, how_long)) if n > 0 => {
+                inner.hang = Some((n - 1, how_long));
+                Some(how_long)
+            }
+            _ => None,
+        }
+    };
+    if let Some(how_long) = hang {
+        tokio::time::sleep(how_long).await;
     }
     match shared.inner.lock().unwrap().pools.get(&name) {
         Some(pool) => axum::Json(pool_body(&name, pool)).into_response(),

@@ -219,10 +219,18 @@ impl std::fmt::Display for ArmUrl {
     }
 }
 
+/// The longest one ARM request may take: a reconcile worker waits for it, so a hung ARM
+/// must not hold one for long. ARM answers in well under a second; a long-running operation
+/// is followed by polling, never waited for in one request. A timed-out request is transient:
+/// the job looks again later.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(20);
+
 /// The client.
 #[derive(Clone, Debug)]
 pub struct ArmClient {
     http: reqwest::Client,
+    /// The longest one request may take (its answer included).
+    timeout: Duration,
     config: ArmConfig,
     /// The endpoint, parsed: its origin is where the token may go.
     base: Url,
@@ -266,7 +274,6 @@ impl ArmClient {
             return Err(refuse("user info in the URL"));
         }
         let http = reqwest::Client::builder()
-            .timeout(Duration::from_secs(60))
             // A redirect is a URL from a response: not followed (ARM does not redirect these).
             .redirect(reqwest::redirect::Policy::none())
             .build()
@@ -276,10 +283,17 @@ impl ArmClient {
             })?;
         Ok(Self {
             http,
+            timeout: REQUEST_TIMEOUT,
             config,
             base,
             tokens,
         })
+    }
+
+    /// The same client with another per-request timeout (the tests' hung ARM).
+    pub fn with_request_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
     }
 
     /// The settings.
@@ -343,6 +357,7 @@ impl ArmClient {
         let mut request = self
             .http
             .request(method, url.0.clone())
+            .timeout(self.timeout)
             .bearer_auth(token.secret());
         for (name, value) in headers {
             request = request.header(*name, *value);
