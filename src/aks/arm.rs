@@ -316,10 +316,11 @@ impl ArmClient {
         (same_origin && no_user_info).then_some(ArmUrl(url))
     }
 
-    fn pools_url(&self) -> Result<ArmUrl, ArmError> {
+    /// The cluster's agent pools (`suffix` empty), or one of them (`suffix` `/<pool>`).
+    fn agent_pools_url(&self, suffix: &str) -> Result<ArmUrl, ArmError> {
         let c = &self.config;
         let url = format!(
-            "{}/subscriptions/{}/resourceGroups/{}/providers/Microsoft.ContainerService/managedClusters/{}/agentPools?api-version={API_VERSION}",
+            "{}/subscriptions/{}/resourceGroups/{}/providers/Microsoft.ContainerService/managedClusters/{}/agentPools{suffix}?api-version={API_VERSION}",
             c.endpoint.trim_end_matches('/'),
             c.subscription,
             c.resource_group,
@@ -327,23 +328,16 @@ impl ArmClient {
         );
         self.own_url(&url).ok_or_else(|| ArmError::Endpoint {
             endpoint: c.endpoint.clone(),
-            message: "the agent pools' URL is not on the endpoint".into(),
+            message: format!("the URL of agentPools{suffix} is not on the endpoint"),
         })
     }
 
+    fn pools_url(&self) -> Result<ArmUrl, ArmError> {
+        self.agent_pools_url("")
+    }
+
     fn pool_url(&self, pool: &str) -> Result<ArmUrl, ArmError> {
-        let c = &self.config;
-        let url = format!(
-            "{}/subscriptions/{}/resourceGroups/{}/providers/Microsoft.ContainerService/managedClusters/{}/agentPools/{pool}?api-version={API_VERSION}",
-            c.endpoint.trim_end_matches('/'),
-            c.subscription,
-            c.resource_group,
-            c.cluster
-        );
-        self.own_url(&url).ok_or_else(|| ArmError::Endpoint {
-            endpoint: c.endpoint.clone(),
-            message: format!("agent pool {pool}'s URL is not on the endpoint"),
-        })
+        self.agent_pools_url(&format!("/{pool}"))
     }
 
     async fn send(

@@ -74,43 +74,43 @@ impl FakeApi {
         });
         let name = path.rsplit('/').next().unwrap_or_default().to_string();
         match (method.as_str(), path) {
-            ("POST", PODS) => {
-                let name = body["metadata"]["name"].as_str().unwrap_or_default();
-                if self.pods.contains_key(name) {
-                    let words = format!("pods \"{name}\" already exists");
-                    return (StatusCode::CONFLICT, status(409, "AlreadyExists", &words));
-                }
-                self.pods.insert(name.to_string(), body.clone());
-                (StatusCode::CREATED, body)
-            }
-            ("GET", p) if p.starts_with(PODS) => match self.pods.get(&name) {
-                Some(pod) => (StatusCode::OK, pod.clone()),
-                None => (StatusCode::NOT_FOUND, status(404, "NotFound", "not found")),
-            },
+            ("POST", PODS) => create(&mut self.pods, "pods", body),
+            ("GET", p) if p.starts_with(PODS) => read(&self.pods, &name),
             ("DELETE", p) if p.starts_with(PODS) => {
                 self.pods.remove(&name);
                 let gone = json!({"kind": "Status", "apiVersion": "v1", "status": "Success"});
                 (StatusCode::OK, gone)
             }
-            ("POST", SECRETS) => {
-                let name = body["metadata"]["name"].as_str().unwrap_or_default();
-                if self.secrets.contains_key(name) {
-                    let words = format!("secrets \"{name}\" already exists");
-                    return (StatusCode::CONFLICT, status(409, "AlreadyExists", &words));
-                }
-                self.secrets.insert(name.to_string(), body.clone());
-                (StatusCode::CREATED, body)
-            }
-            ("GET", p) if p.starts_with(SECRETS) => match self.secrets.get(&name) {
-                Some(secret) => (StatusCode::OK, secret.clone()),
-                None => (StatusCode::NOT_FOUND, status(404, "NotFound", "not found")),
-            },
+            ("POST", SECRETS) => create(&mut self.secrets, "secrets", body),
+            ("GET", p) if p.starts_with(SECRETS) => read(&self.secrets, &name),
             ("PATCH", p) if p.ends_with("/status") => (StatusCode::OK, self.job.clone()),
             ("GET", THE_JOB) | ("PATCH", THE_JOB) => (StatusCode::OK, self.job.clone()),
             // Services, NetworkPolicies, Events: made as asked.
             ("POST", _) => (StatusCode::CREATED, body),
             _ => (StatusCode::NOT_FOUND, status(404, "NotFound", "not served")),
         }
+    }
+}
+
+/// A create into `store`: 409 when the name is taken, as the API server answers.
+fn create(store: &mut BTreeMap<String, Value>, kind: &str, body: Value) -> (StatusCode, Value) {
+    let name = body["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    if store.contains_key(&name) {
+        let words = format!("{kind} \"{name}\" already exists");
+        return (StatusCode::CONFLICT, status(409, "AlreadyExists", &words));
+    }
+    store.insert(name, body.clone());
+    (StatusCode::CREATED, body)
+}
+
+/// A read from `store`: the object, or 404.
+fn read(store: &BTreeMap<String, Value>, name: &str) -> (StatusCode, Value) {
+    match store.get(name) {
+        Some(object) => (StatusCode::OK, object.clone()),
+        None => (StatusCode::NOT_FOUND, status(404, "NotFound", "not found")),
     }
 }
 
