@@ -171,6 +171,11 @@ struct RunArgs {
     /// identity (for the simulated AKS, or a token from `az account get-access-token`).
     #[arg(long, env = "RINGMASTER_ARM_TOKEN_FILE")]
     arm_token_file: Option<PathBuf>,
+    /// Azure Resource Manager requests per second the operator allows itself, in bursts of
+    /// twice that, shared by every job; a 429 from ARM pauses them all for its Retry-After.
+    /// ARM refills a subscription's write budget at 10 per second.
+    #[arg(long, env = "RINGMASTER_ARM_REQUESTS_PER_SECOND", default_value_t = ringmaster::aks::limit::DEFAULT_REQUESTS_PER_SECOND, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    arm_requests_per_second: u32,
     /// Give each TrainingJob a NetworkPolicy that admits to its pods (sshd, the trainer's
     /// rendezvous, MPI and NCCL ports) only the same job's pods, so that no other tenant's pod
     /// reaches them. Enforced where the cluster runs a NetworkPolicy engine (AKS with
@@ -291,8 +296,10 @@ fn arm_client(args: &RunArgs) -> Result<Option<ringmaster::aks::ArmClient>, Stri
         cluster,
     };
     tracing::info!(endpoint = %config.endpoint, cluster = %config.cluster, tokens = ?tokens, "AKS agent pools enabled");
+    let per_second = std::num::NonZeroU32::new(args.arm_requests_per_second)
+        .ok_or("--arm-requests-per-second must be at least 1")?;
     ArmClient::new(config, tokens)
-        .map(Some)
+        .map(|arm| Some(arm.with_limit(ringmaster::aks::ArmLimit::new(per_second))))
         .map_err(|e| e.to_string())
 }
 

@@ -556,3 +556,232 @@ async fn a_hung_arm_read_times_out_as_a_transient_look_and_the_next_look_goes_on
         again.state
     );
 }
+
+/// A ready pool for a job that trains: the looks below are of a running gang's pool.
+async fn ready_pool(
+    aks: &SimulatedAks,
+    arm: &ArmClient,
+    name: &str,
+    uid: &str,
+    pool: &str,
+) -> (ValidatedTrainingJob, NodePoolStatus) {
+    let job = job("team-a", name, uid, Some(pool));
+    let (state, status) =
+        step_until_settled(&no_api_server(), arm, &job, NodePoolStatus::default()).await;
+    assert!(matches!(state, PoolState::Ready { .. }), "{state:?}");
+    assert!(aks.pool(pool).is_some());
+    (job, status)
+}
+
+fn failure(status: u16, code: &str, message: &str) -> ArmFailure {
+    ArmFailure {
+        status,
+        code: code.into(),
+        message: message.into(),
+    }
+}
+
+/// Bursts of ARM's 500s and of 401s (an expired token) are looks that did not work, not a
+/// verdict on the job: its pool stays, the job is told "looking again", and the first look
+/// after the burst finds the pool as it was. (Before: a 401 was a refusal that failed the
+/// job with "InvalidAuthenticationToken".)
+#[tokio::test]
+async fn bursts_of_500s_and_401s_are_transient_and_fail_nothing() {
+    let aks = SimulatedAks::start_without_cluster(
+        TOKEN,
+        API_VERSION,
+        Duration::from_millis(50),
+        Duration::from_millis(50),
+    )
+    .await
+    .unwrap();
+    let (arm, _token_file) = arm_client(&aks);
+    let client = no_api_server();
+    let uid = "0b000000-0000-4000-8000-0000000000bb";
+    let (job, status) = ready_pool(&aks, &arm, "bursty", uid, "burstpool").await;
+    for fault in [
+        failure(500, "InternalServerError", "An internal error occurred."),
+        failure(503, "ServiceUnavailable", "The service is unavailable."),
+        failure(
+            401,
+            "ExpiredAuthenticationToken",
+            "The access token expiry UTC time is earlier than current UTC time.",
+        ),
+    ] {
+        aks.fail_next_requests(3, fault.clone());
+        for _ in 0..3 {
+            let look = step(&client, &arm, &job, &status, true).await.unwrap();
+            match &look.state {
+                PoolState::Provisioning { message } => {
+                    assert!(message.contains(&fault.code), "{message}")
+                }
+                other => panic!(
+                    "a {} burst is a transient look, not {other:?}",
+                    fault.status
+                ),
+            }
+            assert!(look.requeue.is_some_and(|r| r <= Duration::from_secs(15)));
+        }
+        let after = step(&client, &arm, &job, &status, true).await.unwrap();
+        assert!(
+            matches!(after.state, PoolState::Ready { .. }),
+            "after the {} burst: {:?}",
+            fault.status,
+            after.state
+        );
+    }
+    assert_eq!(aks.deletes("burstpool"), 0, "nothing was given back");
+    assert_eq!(aks.puts("burstpool"), 1, "nor made twice");
+
+    // A burst while the pool is being made: the create is not lost or doubled.
+    let job = job_made_during_a_burst(&aks, &arm).await;
+    assert_eq!(aks.puts(&pool_name(&job)), 1);
+}
+
+async fn job_made_during_a_burst(aks: &SimulatedAks, arm: &ArmClient) -> ValidatedTrainingJob {
+    let job = job(
+        "team-a",
+        "madeinburst",
+        "0c000000-0000-4000-8000-0000000000cc",
+        Some("burstmade"),
+    );
+    aks.fail_next_requests(2, failure(500, "InternalServerError", "try again"));
+    let client = no_api_server();
+    let look = step(&client, arm, &job, &NodePoolStatus::default(), false)
+        .await
+        .unwrap();
+    assert!(
+        matches!(look.state, PoolState::Provisioning { .. }),
+        "{:?}",
+        look.state
+    );
+    let (state, _) = step_until_settled(&client, arm, &job, look.status.unwrap_or_default()).await;
+    assert!(matches!(state, PoolState::Ready { .. }), "{state:?}");
+    job
+}
+
+/// ARM throttles the subscription, not one job: after one job meets a 429, the other jobs'
+/// looks are held back by the operator until its Retry-After has passed (no request
+/// reaches ARM meanwhile), each told when it looks again, and none fails.
+#[tokio::test]
+async fn a_429_holds_back_every_jobs_arm_calls_until_its_retry_after() {
+    let aks = SimulatedAks::start_without_cluster(
+        TOKEN,
+        API_VERSION,
+        Duration::from_millis(50),
+        Duration::from_millis(50),
+    )
+    .await
+    .unwrap();
+    let (arm, _token_file) = arm_client(&aks);
+    let client = no_api_server();
+    let (first, first_status) = ready_pool(
+        &aks,
+        &arm,
+        "first",
+        "0d000000-0000-4000-8000-0000000000dd",
+        "firstpool",
+    )
+    .await;
+    let (second, second_status) = ready_pool(
+        &aks,
+        &arm,
+        "second",
+        "0e000000-0000-4000-8000-0000000000ee",
+        "secondpool",
+    )
+    .await;
+
+    aks.throttle_next(1);
+    let throttled = step(&client, &arm, &first, &first_status, true)
+        .await
+        .unwrap();
+    assert!(
+        matches!(&throttled.state, PoolState::Provisioning { message } if message.contains("429")),
+        "{:?}",
+        throttled.state
+    );
+    let reached = aks.requests();
+    let held = step(&client, &arm, &second, &second_status, true)
+        .await
+        .unwrap();
+    match &held.state {
+        PoolState::Provisioning { message } => {
+            assert!(message.contains("asked the operator to pause"), "{message}")
+        }
+        other => panic!("held back, not {other:?}"),
+    }
+    assert!(held.requeue.is_some_and(|r| r <= Duration::from_secs(1)));
+    assert_eq!(
+        aks.requests(),
+        reached,
+        "no request went to ARM while it asked for a pause"
+    );
+
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    for (job, status) in [(&first, &first_status), (&second, &second_status)] {
+        let look = step(&client, &arm, job, status, true).await.unwrap();
+        assert!(
+            matches!(look.state, PoolState::Ready { .. }),
+            "{:?}",
+            look.state
+        );
+    }
+}
+
+/// Many jobs looking at once stay within the operator's own ARM budget: the requests that
+/// reach ARM are at most the burst plus the refill, the rest are handed back at once as
+/// "looking again" (no reconcile worker waits past a second), and no job fails.
+#[tokio::test]
+async fn many_jobs_at_once_stay_within_the_operators_arm_budget() {
+    let aks = SimulatedAks::start_without_cluster(
+        TOKEN,
+        API_VERSION,
+        Duration::from_millis(50),
+        Duration::from_millis(50),
+    )
+    .await
+    .unwrap();
+    let (arm, _token_file) = arm_client(&aks);
+    let per_second = std::num::NonZeroU32::new(5).unwrap();
+    let arm = arm.with_limit(ringmaster::aks::ArmLimit::new(per_second));
+    let client = no_api_server();
+    let jobs: Vec<ValidatedTrainingJob> = (0..40)
+        .map(|i| {
+            job(
+                "team-a",
+                &format!("many{i}"),
+                &format!("0f000000-0000-4000-8000-{i:012}"),
+                Some(&format!("many{i}")),
+            )
+        })
+        .collect();
+    let fresh = NodePoolStatus::default();
+    let started = std::time::Instant::now();
+    let looks = futures::future::join_all(
+        jobs.iter()
+            .map(|job| step(&client, &arm, job, &fresh, false)),
+    )
+    .await;
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(3), "a look waited {took:?}");
+    // Burst 10, refill 5/s over at most ~1.5 s: never all 40.
+    let reached = aks.requests();
+    assert!(
+        reached <= 10 + 5 * 2 + 2,
+        "{reached} requests reached ARM at once"
+    );
+    let mut held = 0;
+    for look in looks {
+        let look = look.unwrap();
+        match &look.state {
+            PoolState::Provisioning { message } if message.contains("at their limit") => {
+                held += 1;
+                assert!(look.requeue.is_some_and(|r| r >= Duration::from_secs(1)));
+            }
+            PoolState::Provisioning { .. } | PoolState::NotNeeded => {}
+            other => panic!("no job fails for the operator's own budget: {other:?}"),
+        }
+    }
+    assert!(held >= 20, "{held} of 40 held back");
+}

@@ -72,6 +72,10 @@ struct Inner {
     fail_next_async: Option<ArmFailure>,
     throttle_next: usize,
     throttled: usize,
+    /// The next requests (any kind) answered with this failure, and how many more.
+    burst: Option<(usize, ArmFailure)>,
+    /// Requests that reached the handlers (past the listener), for rate assertions.
+    requests: usize,
     /// GETs of a pool that hang this long before they are answered, and how many more.
     hang: Option<(usize, Duration)>,
     next_operation: u64,
@@ -225,6 +229,17 @@ impl SimulatedAks {
         self.shared.inner.lock().unwrap().hang = Some((n, how_long));
     }
 
+    /// The next `n` requests, of any kind, fail at once with `failure` after passing the
+    /// token check: a burst of 500s from ARM, or of 401 `ExpiredAuthenticationToken`.
+    pub fn fail_next_requests(&self, n: usize, failure: ArmFailure) {
+        self.shared.inner.lock().unwrap().burst = Some((n, failure));
+    }
+
+    /// Requests answered so far (any kind, refused ones too).
+    pub fn requests(&self) -> usize {
+        self.shared.inner.lock().unwrap().requests
+    }
+
     /// The next `n` requests get 429 with `Retry-After: 1`.
     pub fn throttle_next(&self, n: usize) {
         self.shared.inner.lock().unwrap().throttle_next = n;
@@ -333,8 +348,10 @@ impl Inner {
     }
 }
 
-/// Auth, api-version and throttling, as ARM checks them before anything else.
+/// Auth, api-version and throttling, as ARM checks them before anything else; then the
+/// injected burst of failures, if one is due.
 fn gate(shared: &Shared, headers: &HeaderMap, query: &HashMap<String, String>) -> Option<Response> {
+    shared.inner.lock().unwrap().requests += 1;
     let expected = format!("Bearer {}", shared.token);
     if headers.get("authorization").and_then(|v| v.to_str().ok()) != Some(expected.as_str()) {
         return Some(arm_error(
@@ -358,6 +375,13 @@ fn gate(shared: &Shared, headers: &HeaderMap, query: &HashMap<String, String>) -
         response
             .headers_mut()
             .insert("retry-after", "1".parse().unwrap());
+        return Some(response);
+    }
+    if let Some((n, failure)) = inner.burst.take() {
+        let response = arm_error(failure.status, &failure.code, &failure.message);
+        if n > 1 {
+            inner.burst = Some((n - 1, failure));
+        }
         return Some(response);
     }
     None

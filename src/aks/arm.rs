@@ -10,7 +10,9 @@
 //!
 //! Calls do not wait or retry inside a reconcile: throttling (429) and "another operation
 //! is in progress" (409) come back as errors that carry when to try again, and the
-//! controller requeues. ARM's error bodies (`{"error": {"code", "message"}}`) become
+//! controller requeues. Every call first takes its turn from one rate limit shared by all
+//! jobs ([`ArmLimit`]), which a 429 pauses for everyone; a call that would wait for it
+//! longer than a second is not sent and comes back as [`ArmError::RateLimited`]. ARM's error bodies (`{"error": {"code", "message"}}`) become
 //! messages with a hint of what to do.
 
 use std::time::Duration;
@@ -18,6 +20,7 @@ use std::time::Duration;
 use reqwest::Url;
 use serde::{Deserialize, Serialize};
 
+use super::limit::{ArmLimit, Held};
 use super::token::{TokenError, TokenSource};
 
 /// The AKS API version every call uses.
@@ -130,6 +133,14 @@ pub enum ArmError {
     /// Throttled: try again after the time ARM asked for.
     #[error("Azure Resource Manager is throttling requests (429); retrying in {} s", retry_after.as_secs())]
     Throttled { retry_after: Duration },
+    /// Not sent: the operator's own ARM budget is spent (`--arm-requests-per-second`), or ARM
+    /// asked every caller to pause (an earlier 429). Try again after `retry_after`.
+    #[error("{}; retrying in {} s", if *by_arm { "Azure Resource Manager asked the operator to pause its requests (429)".to_string() } else { format!("the operator's Azure Resource Manager requests are at their limit ({per_second} per second, --arm-requests-per-second)") }, retry_after.as_secs().max(1))]
+    RateLimited {
+        retry_after: Duration,
+        by_arm: bool,
+        per_second: u32,
+    },
     /// Another operation on the pool or cluster is running (409): try again later.
     #[error("another operation on the cluster or pool is in progress ({message}); retrying in {} s", retry_after.as_secs())]
     Busy {
@@ -160,19 +171,24 @@ impl ArmError {
         match self {
             ArmError::Token(_) | ArmError::Transport { .. } => true,
             ArmError::Throttled { .. } | ArmError::Busy { .. } => true,
+            ArmError::RateLimited { .. } => true,
             // Looked at again: the next look decides with what is there now.
             ArmError::PreconditionFailed { .. } => true,
             ArmError::Endpoint { .. } => false,
-            ArmError::Refused { status, .. } => *status >= 500,
+            // 401: the token expired or was revoked mid-flight; the next call takes a new
+            // one (the identity credential renews, the token file is read again). 408: ARM
+            // timed out. 5xx: ARM's own trouble.
+            ArmError::Refused { status, .. } => matches!(status, 401 | 408 | 500..),
         }
     }
 
     /// When to try again.
     pub fn retry_after(&self) -> Duration {
         match self {
-            ArmError::Throttled { retry_after } | ArmError::Busy { retry_after, .. } => {
-                *retry_after
-            }
+            ArmError::Throttled { retry_after }
+            | ArmError::Busy { retry_after, .. }
+            | ArmError::RateLimited { retry_after, .. } => *retry_after,
+            ArmError::Refused { status: 401, .. } => Duration::from_secs(5),
             ArmError::PreconditionFailed { .. } => Duration::from_secs(2),
             _ => Duration::from_secs(15),
         }
@@ -188,6 +204,8 @@ pub fn hint(code: &str) -> Option<&'static str> {
         "this VM size is not offered for AKS in the cluster's region (or to this subscription): pick another nodePool.vmSize"
     } else if code.contains("allocation") || code.contains("capacity") {
         "Azure has no capacity for this VM size right now: try later, another region or zone, or spot"
+    } else if code.contains("authenticationtoken") {
+        "the operator's ARM token was refused (expired or revoked): a new one is taken on the next try; if this goes on, check the operator's workload identity or token file"
     } else if code.contains("authorization") || code.contains("forbidden") {
         "the operator's identity may not manage agent pools: grant it 'Azure Kubernetes Service Contributor' on the cluster"
     } else if code.contains("notfound") {
@@ -235,6 +253,8 @@ pub struct ArmClient {
     /// The endpoint, parsed: its origin is where the token may go.
     base: Url,
     tokens: TokenSource,
+    /// The request budget every clone of this client shares.
+    limit: ArmLimit,
 }
 
 #[derive(Deserialize)]
@@ -287,7 +307,14 @@ impl ArmClient {
             config,
             base,
             tokens,
+            limit: ArmLimit::default(),
         })
+    }
+
+    /// The same client under another shared request limit (`--arm-requests-per-second`).
+    pub fn with_limit(mut self, limit: ArmLimit) -> Self {
+        self.limit = limit;
+        self
     }
 
     /// The same client with another per-request timeout (the tests' hung ARM).
@@ -347,6 +374,16 @@ impl ArmClient {
         headers: &[(&str, &str)],
         body: Option<serde_json::Value>,
     ) -> Result<reqwest::Response, ArmError> {
+        self.limit.admit().await.map_err(
+            |Held {
+                 retry_after,
+                 by_arm,
+             }| ArmError::RateLimited {
+                retry_after,
+                by_arm,
+                per_second: self.limit.per_second(),
+            },
+        )?;
         let token = self.tokens.token().await?;
         let mut request = self
             .http
@@ -388,9 +425,12 @@ impl ArmClient {
             .map(|e| (e.code.unwrap_or_default(), e.message.unwrap_or_default()))
             .unwrap_or_default();
         Err(match status {
-            429 => ArmError::Throttled {
-                retry_after: retry_after.unwrap_or(Duration::from_secs(30)),
-            },
+            429 => {
+                let retry_after = retry_after.unwrap_or(Duration::from_secs(30));
+                // ARM's budget is the subscription's: every job waits, not only this one.
+                self.limit.pause(retry_after);
+                ArmError::Throttled { retry_after }
+            }
             409 => ArmError::Busy {
                 message: if message.is_empty() { code } else { message },
                 retry_after: retry_after.unwrap_or(Duration::from_secs(15)),
