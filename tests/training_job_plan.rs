@@ -11,6 +11,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use ringmaster::api::{TrainingJobPhase as Phase, TrainingJobStatus};
 use ringmaster::controller::training_job::condition_names::{condition_types, reasons};
+use ringmaster::controller::training_job::names;
 use ringmaster::controller::training_job::observe::{Observed, PodRef};
 use ringmaster::controller::training_job::plan::{self, Plan, PlanInputs};
 use ringmaster::controller::training_job::recent::RecentJob;
@@ -39,7 +40,7 @@ fn at(seconds: i64) -> Time {
 /// "evicted" or "waiting:<kubelet's reason>:<message>" (pending, its container waiting).
 fn pod(role: &str, index: u32, attempt: i32, state: &str) -> Pod {
     let name = match role {
-        "launcher" => "resnet18-cpu-launcher".to_string(),
+        "launcher" => names::launcher_pod("resnet18-cpu", attempt),
         _ => format!("resnet18-cpu-worker-{index}"),
     };
     let mut labels = json!({"ringmaster.dev/job-name": "resnet18-cpu", "ringmaster.dev/role": role, "ringmaster.dev/attempt": attempt.to_string()});
@@ -264,7 +265,11 @@ fn an_oom_killed_worker_restarts_the_gang_then_exhausts_the_backoff_limit() {
     s.pods[1].metadata.uid = Some("uid-of-worker-1".into());
     let p = s.step();
     assert_eq!((p.phase, p.restarts), (Phase::Restarting, 1));
-    assert_eq!(p.delete_pods.len(), 3);
+    assert_eq!(
+        p.delete_pods,
+        ["resnet18-cpu-worker-0", "resnet18-cpu-worker-1"],
+        "the failed launcher stays, with its log"
+    );
     // The restart's Event is about the failed worker (its related object).
     assert_eq!(
         p.about,
@@ -1969,4 +1974,127 @@ fn a_failed_pool_under_a_running_gang_is_said_not_acted_on() {
     let p = s.step();
     assert_eq!(p.phase, Phase::Failed);
     assert_eq!(s.condition(condition_types::FAILED).1, "NodePoolFailed");
+}
+
+/// A gang restart keeps the failed attempt's launcher (its own name per attempt, so the next
+/// launcher does not wait for it) and its last words in `status.lastFailure`, until a later
+/// launcher fails too (then that one is kept instead) or the job ends, when `cleanPodPolicy`
+/// decides as for the other finished pods.
+#[test]
+fn a_failed_launcher_stays_with_its_log_until_a_later_one_fails_or_the_job_ends() {
+    let log = "rank 1: lost peer 10.244.0.7\nmpirun noticed that process rank 1 with PID 0 on node worker-1 exited on signal 9 (Killed).";
+    let mut s =
+        Scenario::new(job(|o| o["spec"]["runPolicy"]["backoffLimit"] = json!(3))).pods(vec![
+            pod("worker", 0, 0, "ready"),
+            pod("worker", 1, 0, "failed:137:OOMKilled"),
+            failed_launcher(75, log),
+        ]);
+    let p = s.step();
+    assert_eq!((p.phase, p.restarts), (Phase::Restarting, 1));
+    assert_eq!(
+        p.delete_pods,
+        ["resnet18-cpu-worker-0", "resnet18-cpu-worker-1"]
+    );
+    let failure = s.status.last_failure.clone().expect("status.lastFailure");
+    assert_eq!(
+        (
+            failure.pod.as_str(),
+            failure.exit_code,
+            failure.launcher.as_deref()
+        ),
+        (
+            "resnet18-cpu-worker-1",
+            Some(137),
+            Some("resnet18-cpu-launcher")
+        )
+    );
+    assert!(
+        failure
+            .launcher_log
+            .as_deref()
+            .is_some_and(|l| l.ends_with("exited on signal 9 (Killed).")
+                && l.starts_with("rank 1: lost peer")),
+        "{:?}",
+        failure.launcher_log
+    );
+
+    // The workers are gone, the launcher stays; after the backoff the next gang is made
+    // beside it, and nothing deletes it.
+    let kept = || failed_launcher(75, log);
+    s.pods = vec![kept()];
+    s.now = at(11);
+    let p = s.step();
+    assert_eq!(
+        (p.phase, p.create_workers.clone()),
+        (Phase::Starting, vec![0, 1])
+    );
+    assert!(p.delete_pods.is_empty(), "{:?}", p.delete_pods);
+    s.pods = vec![
+        kept(),
+        pod("worker", 0, 1, "ready"),
+        pod("worker", 1, 1, "ready"),
+    ];
+    let p = s.step();
+    assert!(p.create_launcher && p.delete_pods.is_empty(), "{p:?}");
+    assert_eq!(
+        names::launcher_pod("resnet18-cpu", 1),
+        "resnet18-cpu-launcher-1"
+    );
+    s.pods.push(pod("launcher", 0, 1, "running"));
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Running);
+    assert!(p.delete_pods.is_empty(), "{:?}", p.delete_pods);
+
+    // Attempt 1's launcher is killed (retried): it is kept now, and attempt 0's goes.
+    s.pods[3] = pod("launcher", 0, 1, "failed:143:Error");
+    let p = s.step();
+    assert_eq!((p.phase, p.restarts), (Phase::Restarting, 2));
+    assert_eq!(
+        p.delete_pods,
+        [
+            "resnet18-cpu-worker-0",
+            "resnet18-cpu-worker-1",
+            "resnet18-cpu-launcher"
+        ]
+    );
+    let failure = s.status.last_failure.clone().unwrap();
+    assert_eq!(
+        (
+            failure.attempt,
+            failure.exit_code,
+            failure.launcher.as_deref()
+        ),
+        (1, Some(143), Some("resnet18-cpu-launcher-1"))
+    );
+
+    // Attempt 2 succeeds: cleanPodPolicy Running keeps finished pods, the kept one too.
+    let ready_gang = |attempt| {
+        vec![
+            pod("launcher", 0, 1, "failed:143:Error"),
+            pod("worker", 0, attempt, "ready"),
+            pod("worker", 1, attempt, "ready"),
+            pod("launcher", 0, attempt, "succeeded:"),
+        ]
+    };
+    s.pods = ready_gang(2);
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Succeeded);
+    assert_eq!(
+        p.delete_pods,
+        ["resnet18-cpu-worker-0", "resnet18-cpu-worker-1"]
+    );
+    // With cleanPodPolicy All, the kept launcher goes with the rest.
+    let mut s = Scenario::new(job(|o| {
+        o["spec"]["runPolicy"]["cleanPodPolicy"] = json!("All")
+    }));
+    s.status.restarts = 2;
+    s.pods = ready_gang(2);
+    let p = s.step();
+    assert_eq!(p.phase, Phase::Succeeded);
+    assert!(
+        p.delete_pods
+            .contains(&"resnet18-cpu-launcher-1".to_string()),
+        "{:?}",
+        p.delete_pods
+    );
 }

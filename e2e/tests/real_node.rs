@@ -181,7 +181,7 @@ async fn launcher_started_after_ready_workers(
 /// The launcher's termination message, as the trainer's summary.
 async fn launcher_summary(client: &kube::Client, ns: &str, job: &str) -> Summary {
     let launcher = Api::<Pod>::namespaced(client.clone(), ns)
-        .get(&format!("{job}-launcher"))
+        .get(&common::current_launcher(client, ns, job).await)
         .await
         .unwrap();
     let terminated = launcher
@@ -682,6 +682,20 @@ async fn a_worker_killed_mid_training_restarts_the_gang_which_goes_on_from_its_c
     );
     let summary = launcher_summary(&client, &ns.name, "kill").await;
     assert_result_is_the_trainers(&status, &summary, 30);
+    // The failed attempt is kept in the status; its launcher, when it had failed by the
+    // restart (mpirun notices the lost rank within moments), is kept with its log.
+    let failure = &status["lastFailure"];
+    assert_eq!(failure["pod"], "kill-worker-1", "{status:#}");
+    assert_eq!(failure["exitCode"], 137, "{status:#}");
+    if let Some(kept) = failure["launcher"].as_str() {
+        assert_eq!(kept, "kill-launcher");
+        let pod = Api::<Pod>::namespaced(client.clone(), &ns.name)
+            .get(kept)
+            .await
+            .expect("the failed attempt's launcher is kept");
+        assert_eq!(pod.status.and_then(|s| s.phase).as_deref(), Some("Failed"));
+        assert!(!logs(&client, &ns.name, kept).await.is_empty());
+    }
     // The restarted gang trained only what the first had not: it went on from a checkpoint
     // of this job (every 5 steps; the last step writes the model instead).
     let resumed = summary

@@ -241,9 +241,15 @@ async fn an_oom_killed_worker_restarts_the_gang_which_then_succeeds() {
         note.contains("oom-worker-1 exited with code 137 (OOMKilled)"),
         "{note}"
     );
-    // The new gang's pods carry attempt 1.
-    let launcher = pods_api.get("oom-launcher").await.unwrap();
+    // The new gang's pods carry attempt 1, and its launcher its own name.
+    let launcher = pods_api.get("oom-launcher-1").await.unwrap();
     assert_eq!(launcher.labels()["ringmaster.dev/attempt"], "1");
+    let failure = &status["lastFailure"];
+    assert_eq!(
+        (&failure["attempt"], &failure["pod"], &failure["exitCode"]),
+        (&json!(0), &json!("oom-worker-1"), &json!(137)),
+        "{status:#}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -863,10 +863,22 @@ pub struct LastFailure {
     pub time: Time,
     /// The pod whose end was the cause.
     pub pod: String,
+    /// That pod's exit code, when it exited (not when it was deleted or lost).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
     /// What ended it: the pod's exit code and reason, and the failing rank's error or the last
     /// lines of the launcher's output (at most 500 bytes; values of secret-looking settings,
     /// such as `sig=` or `AccountKey=`, and bearer tokens replaced by `<redacted>`).
     pub message: String,
+    /// The attempt's launcher pod, when it failed: it is kept (with its log, for `kubectl
+    /// logs`) while the next attempt runs, until a later launcher fails or the job ends, when
+    /// `cleanPodPolicy` decides as for the job's other finished pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub launcher: Option<String>,
+    /// The last lines of that launcher's output (mpirun's and the ranks' last words), at most
+    /// 1 KiB, redacted as `message` is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub launcher_log: Option<String>,
 }
 
 /// Worker pods by state.

@@ -407,6 +407,24 @@ pub async fn pods(client: &Client, ns: &str, job: &str) -> Vec<k8s_openapi::api:
         .items
 }
 
+/// The launcher of the job's latest gang attempt (`<job>-launcher`, then `<job>-launcher-<n>`
+/// after the n-th restart; a failed earlier one may still be there, kept with its log).
+pub async fn current_launcher(client: &Client, ns: &str, job: &str) -> String {
+    let attempt = |p: &k8s_openapi::api::core::v1::Pod| {
+        p.labels()
+            .get("ringmaster.dev/attempt")
+            .and_then(|a| a.parse::<i32>().ok())
+            .unwrap_or(-1)
+    };
+    pods(client, ns, job)
+        .await
+        .into_iter()
+        .filter(|p| p.labels().get("ringmaster.dev/role").map(String::as_str) == Some("launcher"))
+        .max_by_key(attempt)
+        .map(|p| p.name_any())
+        .unwrap_or_else(|| panic!("job {job} has no launcher"))
+}
+
 /// When the pod last became Ready, if it is.
 pub fn ready_since(pod: &k8s_openapi::api::core::v1::Pod) -> Option<k8s_openapi::jiff::Timestamp> {
     pod.status
@@ -588,9 +606,10 @@ pub async fn end_launcher(client: &Client, ns: &str, job: &str) {
 
 /// Ends a running job on KWOK nodes with `annotations` ([`launcher_exit_annotations`]).
 pub async fn end_launcher_with(client: &Client, ns: &str, job: &str, annotations: Value) {
+    let launcher = current_launcher(client, ns, job).await;
     Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client.clone(), ns)
         .patch(
-            &format!("{job}-launcher"),
+            &launcher,
             &PatchParams::default(),
             &Patch::Merge(&serde_json::json!({"metadata": {"annotations": annotations}})),
         )

@@ -233,7 +233,7 @@ fn status_after_apply(
     failed: bool,
 ) -> TrainingJobStatus {
     let mut new = status_after(seen, plan, pool);
-    let launcher = names::launcher_pod(job);
+    let launcher = names::launcher_pod(job, plan.restarts);
     let launcher_made = written.pods.contains(&launcher);
     let workers_made = written.pods.len() - usize::from(launcher_made);
     status::count_made(&mut new, workers_made, launcher_made);

@@ -108,9 +108,14 @@ pub fn worker_pod(job: &str, index: u32) -> String {
     format!("{job}-worker-{index}")
 }
 
-/// The launcher pod.
-pub fn launcher_pod(job: &str) -> String {
-    format!("{job}-launcher")
+/// The launcher pod of gang `attempt`: `<job>-launcher` for the first, `<job>-launcher-<n>`
+/// after the n-th restart. A name of its own per attempt lets the last failed launcher stay
+/// (with its log) while the next attempt runs.
+pub fn launcher_pod(job: &str, attempt: i32) -> String {
+    match attempt {
+        0 => format!("{job}-launcher"),
+        n => format!("{job}-launcher-{n}"),
+    }
 }
 
 /// The DNS name a worker is reached by: `<pod>.<service>.<namespace>.svc`.

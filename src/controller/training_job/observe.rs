@@ -214,6 +214,11 @@ impl PodState {
     pub fn is_finished(&self) -> bool {
         matches!(self.life, PodLife::Succeeded(_) | PodLife::Failed(_))
     }
+
+    /// Whether it ended in failure.
+    pub fn failed(&self) -> bool {
+        matches!(self.life, PodLife::Failed(_))
+    }
 }
 
 /// The status of a pod's own container (`worker` or `launcher`), else the first: the
@@ -387,6 +392,9 @@ pub struct Observed {
     pub workers: Vec<Option<PodState>>,
     /// The launcher of the current attempt, if it exists.
     pub launcher: Option<PodState>,
+    /// The launcher of the latest earlier attempt that failed: it stays, with its log, while
+    /// later attempts run, and goes as the job's other finished pods do (`cleanPodPolicy`).
+    pub kept_launcher: Option<PodState>,
     /// Pods of other attempts or indices no longer wanted; they are deleted.
     pub stale: Vec<PodState>,
     /// How the current gang's pods name the job's Secret and Service.
@@ -421,10 +429,27 @@ impl Observed {
                     }
                 }
                 Some(LAUNCHER_ROLE) if current => observed.launcher = Some(state),
+                Some(LAUNCHER_ROLE) if state.attempt < Some(attempt) && state.failed() => {
+                    observed.keep_launcher(state)
+                }
                 _ => observed.stale.push(state),
             }
         }
         observed
+    }
+
+    /// Keeps the latest failed launcher of an earlier attempt; an older one is stale.
+    fn keep_launcher(&mut self, launcher: PodState) {
+        match self.kept_launcher.take() {
+            Some(later) if later.attempt > launcher.attempt => {
+                self.kept_launcher = Some(later);
+                self.stale.push(launcher);
+            }
+            older => {
+                self.kept_launcher = Some(launcher);
+                self.stale.extend(older);
+            }
+        }
     }
 
     /// Every pod, current and stale.
@@ -433,6 +458,7 @@ impl Observed {
             .iter()
             .flatten()
             .chain(self.launcher.iter())
+            .chain(self.kept_launcher.iter())
             .chain(self.stale.iter())
     }
 

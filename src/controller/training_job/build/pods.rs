@@ -330,7 +330,7 @@ pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
             ),
             (names::SSH_PROGRAM_ANNOTATION.into(), ssh_program(job)),
         ])),
-        ..metadata(job, names::launcher_pod(&job.name), labels)
+        ..metadata(job, names::launcher_pod(&job.name, inputs.attempt), labels)
     };
     finish(PodRole::Launcher, meta, spec, job, inputs)
 }

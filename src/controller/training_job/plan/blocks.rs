@@ -183,10 +183,61 @@ pub fn cleanup(observed: &Observed, policy: CleanPodPolicy) -> Vec<String> {
         .collect()
 }
 
+/// What a restart deletes: every pod but the failed attempt's launcher, which stays with its
+/// log until a later attempt's launcher fails too or the job ends (then `cleanPodPolicy`
+/// decides, as for the job's other finished pods). Its name is the attempt's own, so the
+/// next launcher does not wait for it.
+pub fn restart_deletions(observed: &Observed) -> Vec<String> {
+    let failed = observed.launcher.as_ref().filter(|l| l.failed());
+    let kept = match failed {
+        Some(launcher) => Some(&launcher.name),
+        None => observed.kept_launcher.as_ref().map(|l| &l.name),
+    };
+    every_pod(observed)
+        .into_iter()
+        .filter(|name| Some(name) != kept)
+        .collect()
+}
+
+/// The end of a pod's output, at most `max` bytes on a line boundary when there is one,
+/// with secret-looking values redacted.
+pub fn log_tail(output: &str, max: usize) -> String {
+    let output = output.trim_end();
+    let mut start = output.len().saturating_sub(max);
+    while !output.is_char_boundary(start) {
+        start += 1;
+    }
+    let tail = &output[start..];
+    let tail = match tail.find('\n') {
+        Some(newline) if start > 0 && newline + 1 < tail.len() => &tail[newline + 1..],
+        _ => tail,
+    };
+    redact(tail)
+}
+
 pub fn every_pod(observed: &Observed) -> Vec<String> {
     observed
         .all()
         .filter(|p| !p.is_deleting())
         .map(|p| p.name.clone())
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_launchers_log_tail_is_bounded_on_a_line_and_redacted() {
+        let long: String = (0..200)
+            .map(|i| format!("line {i} sig=abcdef{i}\n"))
+            .collect();
+        let tail = log_tail(&long, 100);
+        assert!(tail.len() <= 100 && tail.starts_with("line "), "{tail}");
+        assert!(tail.ends_with("line 199 sig=<redacted>"), "{tail}");
+        assert!(!tail.contains("abcdef"), "{tail}");
+        assert_eq!(log_tail("short", 100), "short");
+        // A multi-byte character at the cut is not split.
+        assert_eq!(log_tail("ééé", 3), "é");
+    }
 }

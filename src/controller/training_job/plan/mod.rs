@@ -216,7 +216,7 @@ fn hold_back_unseen(plan: &mut Plan, inputs: &PlanInputs<'_>) {
     let job = &inputs.job.name;
     let worker_held_back = |i: &u32| unseen.contains(&super::names::worker_pod(job, *i));
     let launcher_held_back =
-        plan.create_launcher && unseen.contains(&super::names::launcher_pod(job));
+        plan.create_launcher && unseen.contains(&super::names::launcher_pod(job, plan.restarts));
     if launcher_held_back || plan.create_workers.iter().any(worker_held_back) {
         plan.requeue(FRESH_FOR);
     }
@@ -281,7 +281,7 @@ pub fn hold_back_names_in_use(
         }
         !taken
     });
-    let launcher = super::names::launcher_pod(job);
+    let launcher = super::names::launcher_pod(job, plan.restarts);
     if plan.create_launcher && in_use.contains_key(&launcher) {
         plan.create_launcher = false;
         // Not started: the launcher it would have been is not made.

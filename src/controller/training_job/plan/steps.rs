@@ -317,9 +317,39 @@ pub fn pool(plan: &mut Plan, inputs: &PlanInputs<'_>) -> Step {
     }
 }
 
+/// What ended a gang attempt: words for the job's conditions, the pod, and its exit code
+/// when it exited.
+struct Cause {
+    words: String,
+    pod: PodRef,
+    exit_code: Option<i32>,
+}
+
+impl Cause {
+    fn exited(
+        role: &str,
+        pod: &PodState,
+        exit: &crate::controller::training_job::observe::Exit,
+    ) -> Self {
+        Self {
+            words: format!("{role} {}", describe(pod, exit)),
+            pod: pod.about(),
+            exit_code: Some(exit.code),
+        }
+    }
+
+    fn gone(words: String, pod: PodRef) -> Self {
+        Self {
+            words,
+            pod,
+            exit_code: None,
+        }
+    }
+}
+
 /// The first worker of the current gang that failed or was deleted after the start, as the
 /// cause of a restart.
-fn worker_failure(inputs: &PlanInputs<'_>) -> Option<(String, PodRef)> {
+fn worker_failure(inputs: &PlanInputs<'_>) -> Option<Cause> {
     let started = inputs.observed.launcher.is_some();
     inputs
         .observed
@@ -328,17 +358,19 @@ fn worker_failure(inputs: &PlanInputs<'_>) -> Option<(String, PodRef)> {
         .enumerate()
         .find_map(|(i, w)| match w {
             Some(pod) => match &pod.life {
-                PodLife::Failed(exit) => {
-                    Some((format!("worker {}", describe(pod, exit)), pod.about()))
-                }
-                _ if pod.is_deleting() && started => {
-                    Some((format!("worker {} was deleted", pod.name), pod.about()))
-                }
+                PodLife::Failed(exit) => Some(Cause::exited("worker", pod, exit)),
+                _ if pod.is_deleting() && started => Some(Cause::gone(
+                    format!("worker {} was deleted", pod.name),
+                    pod.about(),
+                )),
                 _ => None,
             },
             None if started => {
                 let name = names::worker_pod(&inputs.job.name, i as u32);
-                Some((format!("worker {name} was deleted"), PodRef::named(name)))
+                Some(Cause::gone(
+                    format!("worker {name} was deleted"),
+                    PodRef::named(name),
+                ))
             }
             None => None,
         })
@@ -388,15 +420,15 @@ pub fn failure(plan: &mut Plan, inputs: &PlanInputs<'_>) -> Step {
     let launcher = launcher.filter(|_| wait.is_none());
     let retryable_launcher_failure = launcher.and_then(|(pod, ok)| match &pod.life {
         PodLife::Failed(exit) if !ok && launcher_exit_is_retryable(exit) => {
-            Some((format!("launcher {}", describe(pod, exit)), pod.about()))
+            Some(Cause::exited("launcher", pod, exit))
         }
         _ => None,
     });
     // A worker's failure is the cause even when the launcher failed because of it.
-    if let Some((cause, pod)) = worker_failure.or(retryable_launcher_failure) {
-        record_failure(plan, inputs, &pod.name, &cause);
-        plan.about = Some(pod);
-        restart(plan, inputs, &cause);
+    if let Some(cause) = worker_failure.or(retryable_launcher_failure) {
+        record_failure(plan, inputs, &cause);
+        plan.about = Some(cause.pod);
+        restart(plan, inputs, &cause.words);
         return ControlFlow::Break(());
     }
     let Some((pod, ok)) = launcher else {
@@ -420,35 +452,55 @@ pub fn failure(plan: &mut Plan, inputs: &PlanInputs<'_>) -> Step {
         finish(plan, inputs, P::Succeeded, reasons::SUCCEEDED, detail);
         return ControlFlow::Break(());
     }
-    let detail = format!(
-        "launcher {} (not retried: the program's own failure)",
-        describe(pod, exit)
+    let cause = Cause::exited("launcher", pod, exit);
+    let detail = format!("{} (not retried: the program's own failure)", cause.words);
+    record_failure(
+        plan,
+        inputs,
+        &Cause {
+            words: detail.clone(),
+            ..cause
+        },
     );
-    record_failure(plan, inputs, &pod.name, &detail);
     plan.about = Some(pod.about());
     finish(plan, inputs, P::Failed, reasons::LAUNCHER_FAILED, detail);
     ControlFlow::Break(())
 }
 
-/// `status.lastFailure`: this gang attempt failed, because `pod` ended as `cause` says. The
-/// restart that follows deletes the pods and their logs; this stays.
-fn record_failure(plan: &mut Plan, inputs: &PlanInputs<'_>, pod: &str, cause: &str) {
+/// `status.lastFailure`: this gang attempt failed, because of `cause`. The restart that
+/// follows deletes the workers and their logs; this stays, with the launcher's last words
+/// when it ended, and the launcher itself stays too ([`blocks::restart_deletions`]).
+fn record_failure(plan: &mut Plan, inputs: &PlanInputs<'_>, cause: &Cause) {
     let attempt = inputs.status.restarts;
     // The same failure seen again (the status write raced the next look) keeps its time.
     if plan
         .last_failure
         .as_ref()
-        .is_some_and(|f| f.attempt == attempt && f.pod == pod)
+        .is_some_and(|f| f.attempt == attempt && f.pod == cause.pod.name)
     {
         return;
     }
+    let launcher = inputs.observed.launcher.as_ref();
+    let launcher_exit = launcher.and_then(|l| match &l.life {
+        PodLife::Failed(exit) => Some((l, exit)),
+        _ => None,
+    });
     plan.last_failure = Some(crate::api::LastFailure {
         attempt,
         time: inputs.now.clone(),
-        pod: pod.to_string(),
-        message: ringmaster_contract::shorten(cause, 500),
+        pod: cause.pod.name.clone(),
+        exit_code: cause.exit_code,
+        message: ringmaster_contract::shorten(&cause.words, 500),
+        launcher: launcher_exit.map(|(l, _)| l.name.clone()),
+        launcher_log: launcher_exit
+            .map(|(_, exit)| blocks::log_tail(&exit.message, LAUNCHER_LOG_BYTES))
+            .filter(|tail| !tail.is_empty()),
     });
 }
+
+/// The most of a failed launcher's log kept in `status.lastFailure`: the status stays small
+/// (it is read by every watcher of the job), and mpirun's last lines fit.
+const LAUNCHER_LOG_BYTES: usize = 1024;
 
 /// A restart of the gang because of `cause`, or the job's failure once `backoffLimit`
 /// restarts are used up.
@@ -471,7 +523,7 @@ fn restart(plan: &mut Plan, inputs: &PlanInputs<'_>, cause: &str) {
     }
     plan.phase = P::Restarting;
     plan.restarts = status.restarts + 1;
-    plan.delete_pods = every_pod(inputs.observed);
+    plan.delete_pods = blocks::restart_deletions(inputs.observed);
     let wait = restart_backoff(inputs.restart_backoff, plan.restarts);
     let detail = format!(
         "{cause}; restarting the gang (restart {} of {limit}) in {} s",
