@@ -89,6 +89,16 @@ pub fn kubeconfig_path() -> PathBuf {
 
 /// A client for the local cluster, as its admin.
 pub async fn client() -> Result<Client, ClusterError> {
+    let config = config().await?;
+    Client::try_from(config).map_err(|e| ClusterError::Client {
+        path: "the local cluster's kubeconfig".into(),
+        message: e.to_string(),
+    })
+}
+
+/// The local cluster's client configuration (a test may point it elsewhere, e.g. through a
+/// proxy of its own).
+pub async fn config() -> Result<Config, ClusterError> {
     ringmaster::tls::install_provider();
     let path = locate_kubeconfig()?;
     let shown = path.display().to_string();
@@ -96,16 +106,12 @@ pub async fn client() -> Result<Client, ClusterError> {
         path: shown.clone(),
         source,
     })?;
-    let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+    Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
         .await
         .map_err(|e| ClusterError::Client {
-            path: shown.clone(),
+            path: shown,
             message: e.to_string(),
-        })?;
-    Client::try_from(config).map_err(|e| ClusterError::Client {
-        path: shown,
-        message: e.to_string(),
-    })
+        })
 }
 
 #[cfg(test)]

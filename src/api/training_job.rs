@@ -820,6 +820,11 @@ pub struct TrainingJobStatus {
     /// Where the job is in its life.
     #[serde(default)]
     pub phase: TrainingJobPhase,
+    /// The operator process that wrote this status last (`<pod>/<number drawn at its
+    /// start>`). Each write is conditional on it: a replica that lost its leadership with a
+    /// write still in flight cannot overwrite what the new leader wrote.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub written_by: Option<String>,
     /// The generation of the spec this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,

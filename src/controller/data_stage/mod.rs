@@ -198,6 +198,8 @@ async fn write(
         &old.conditions,
         &new.conditions,
         value,
+        // An apply cannot test; a DataStage's status is mostly its stager's progress, and
+        // its phase follows the copy Job, which a stale write does not change.
         super::StatusWrite::Apply,
         is_stage_warning,
     )

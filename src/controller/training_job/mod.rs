@@ -26,7 +26,7 @@ use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
 use kube::{Api, Resource, ResourceExt};
 
-use super::{Context, Error, StatusWrite, conditions, is_warning, now, object_key};
+use super::{Context, Error, Fence, StatusWrite, conditions, is_warning, now, object_key};
 use crate::api::{TrainingJob, TrainingJobPhase, TrainingJobStatus, condition_reasons};
 use crate::validation::FieldErrors;
 use build::BuildInputs;
@@ -120,18 +120,25 @@ async fn report_invalid(
         .ok()
         .and_then(|j| j.status.clone())
         .unwrap_or_default();
-    let new = status::invalid(&old, object.meta().generation, errors, &now());
+    let mut new = status::invalid(&old, object.meta().generation, errors, &now());
     if new != old {
+        let fence = fence(ctx, object);
+        new.written_by = Some(ctx.writer().to_string());
         let value = serde_json::to_value(&new).expect("status serializes");
         ctx.write_status(
             object,
             &old.conditions,
             &new.conditions,
             value,
-            StatusWrite::Replace,
+            StatusWrite::Replace(fence),
             is_warning,
         )
         .await?;
+        ctx.recent.status_written(
+            &object.uid().unwrap_or_default(),
+            &new,
+            std::time::Instant::now(),
+        );
     }
     Ok(Action::await_change())
 }
@@ -425,8 +432,14 @@ async fn write_status(
     if new == old {
         return Ok(());
     }
+    let fence = fence(ctx, object);
+    let new = &TrainingJobStatus {
+        written_by: Some(ctx.writer().to_string()),
+        ..new.clone()
+    };
     let value = serde_json::to_value(new).expect("status serializes");
-    ctx.write_status(object, &[], &[], value, StatusWrite::Replace, is_warning)
+    let how = StatusWrite::Replace(fence);
+    ctx.write_status(object, &[], &[], value, how, is_warning)
         .await?;
     ctx.recent.status_written(
         &object.uid().unwrap_or_default(),
@@ -437,6 +450,19 @@ async fn write_status(
     publish_phase_event(ctx, object, old.phase, new.phase, message, related.clone()).await;
     publish_blocked_event(ctx, object, old, new, related).await;
     Ok(())
+}
+
+/// What a status write of `object` expects to find: this process's own status when it
+/// wrote one moments ago that the cache does not show yet, else the cached one's writer.
+fn fence(ctx: &Context, object: &DeserializeGuard<TrainingJob>) -> Fence {
+    let uid = object.uid().unwrap_or_default();
+    if ctx.recent.status_unseen(&uid, std::time::Instant::now()) {
+        return Fence::WrittenBy(Some(ctx.writer().to_string()));
+    }
+    match object.0.as_ref().ok().and_then(|job| job.status.as_ref()) {
+        Some(status) => Fence::WrittenBy(status.written_by.clone()),
+        None => Fence::NoStatus,
+    }
 }
 
 /// The pod an Event's words are about, as its related object, in the job's namespace.

@@ -193,6 +193,16 @@ impl RecentWrites {
         })
     }
 
+    /// Whether a status of job `uid` was written in the last [`FRESH_FOR`] that the cache has
+    /// not shown yet ([`RecentWrites::latest_status`] forgets one it has).
+    pub fn status_unseen(&self, uid: &str, now: Instant) -> bool {
+        self.with(uid, now, |job| {
+            job.status
+                .as_ref()
+                .is_some_and(|(_, at)| now.duration_since(*at) < FRESH_FOR)
+        })
+    }
+
     /// `status` was written for job `uid`.
     pub fn status_written(&self, uid: &str, status: &TrainingJobStatus, now: Instant) {
         self.with(uid, now, |job| job.status = Some((status.clone(), now)));

@@ -200,7 +200,23 @@ fn written_status(api: &Mutex<FakeApi>) -> Value {
         .rev()
         .find(|r| r.gist() == "PATCH status")
         .expect("a status write");
-    patch.body[0]["value"].clone()
+    let ops = patch.body.as_array().expect("a JSON Patch");
+    ops.iter()
+        .find(|op| op["op"] == "add" && op["path"] == "/status")
+        .expect("the status replaced")["value"]
+        .clone()
+}
+
+/// The fence the last status write carried (its first operation, a test).
+fn written_fence(api: &Mutex<FakeApi>) -> Value {
+    let api = api.lock().unwrap();
+    let patch = api
+        .log
+        .iter()
+        .rev()
+        .find(|r| r.gist() == "PATCH status")
+        .expect("a status write");
+    patch.body[0].clone()
 }
 
 /// A pod of this job's name and worker index `index`, controlled by `controller` (kind,
@@ -245,6 +261,18 @@ async fn a_new_job_makes_its_secret_service_and_workers_then_says_it_is_starting
     let status = written_status(&api);
     assert_eq!(status["phase"], "Starting");
     assert_eq!(status["workers"]["active"], 2, "the pods made are counted");
+    // The write names its writer and holds only while the job has no status yet (a
+    // replica that lost the Lease cannot overwrite a newer leader's).
+    assert!(
+        status["writtenBy"]
+            .as_str()
+            .is_some_and(|w| w.starts_with("ringmaster/") && w.len() == "ringmaster/".len() + 8),
+        "{status}"
+    );
+    assert_eq!(
+        written_fence(&api),
+        serde_json::json!({"op": "test", "path": "/status", "value": null})
+    );
     assert!(
         api.lock()
             .unwrap()
