@@ -361,6 +361,8 @@ pub fn blob_store(args: &StageArgs) -> Result<Arc<dyn ObjectStore>, StageError> 
     let mut builder = MicrosoftAzureBuilder::new()
         .with_account(&args.account)
         .with_container_name(&args.container)
+        // Keeps each blob's Content-MD5, which the download is checked against.
+        .with_http_connector(verify::Md5Connector)
         .with_retry(RetryConfig {
             max_retries: 8,
             retry_timeout: Duration::from_secs(300),
