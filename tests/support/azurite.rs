@@ -185,6 +185,7 @@ impl Azurite {
 
     /// Sets a blob's stored Content-MD5 (Set Blob Properties, which checks nothing, unlike an
     /// upload): a blob whose stated MD5 is not its content's.
+    #[allow(dead_code)] // tests/stage.rs only
     pub fn set_content_md5(&self, container: &str, name: &str, md5_base64: &str) -> u16 {
         let sas = account_sas("racwdl");
         self.put(
