@@ -123,6 +123,9 @@ fn nfs_volume_is_retained_pre_bound_and_mounted_read_write_by_the_copy_job() {
     assert_eq!(job["spec"]["backoffLimit"], 3);
     // Never two stagers of one Job at once: a replacement only once the last pod stopped.
     assert_eq!(job["spec"]["podReplacementPolicy"], "Failed");
+    // A copy that hangs ends, two days on by default.
+    assert_eq!(job["spec"]["activeDeadlineSeconds"], 172800);
+    assert_eq!(env(c, "RINGMASTER_STAGE_MIRROR")["value"], "false");
     assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true);
     assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
 }
@@ -284,6 +287,7 @@ fn phases_follow_the_claim_and_the_job_and_keep_the_stagers_progress() {
         ClaimState::Bound,
         CopyState::Running {
             start: Some(now.clone()),
+            recheck: None,
         },
     );
     assert_eq!(copying.phase, DataStagePhase::Copying);
@@ -308,6 +312,7 @@ fn phases_follow_the_claim_and_the_job_and_keep_the_stagers_progress() {
         &copying,
         ClaimState::Bound,
         CopyState::Failed {
+            reason: status::reasons::COPY_FAILED,
             message: "pod x: listing … credential was refused".into(),
         },
     );
@@ -378,6 +383,7 @@ fn the_stager_reads_the_copy_jobs_environment_as_the_controller_meant_it() {
                 "progressInterval": 2.0,
                 "terminationMessage": "/dev/termination-log",
                 "attempts": 4,
+                "mirror": stage.mirror,
             }),
             "{file}"
         );
@@ -576,4 +582,126 @@ fn the_stage_label_fits_a_label_value_for_long_names() {
     );
     let job = value(&build::job(&long, &inputs()));
     assert_eq!(job["metadata"]["labels"]["ringmaster.dev/datastage"], label);
+}
+
+/// A copy Job's pod that cannot start (its volume cannot be mounted, its image cannot be
+/// pulled, no node takes it) fails the DataStage once `spec.startTimeoutSeconds` (600 s by
+/// default) have passed since it was made, with the cause: the kubelet's reason from the
+/// pod, a failed mount from the pod's Events (the pod's status shows only
+/// ContainerCreating). Before that, the controller looks again when the timeout is due.
+#[test]
+fn a_copy_pod_that_cannot_start_fails_the_stage_after_its_start_timeout_with_the_cause() {
+    use k8s_openapi::api::core::v1::{Event, Pod};
+    use ringmaster::controller::data_stage::start::{self, CopyPod, StartCheck};
+    let stage = imagenet();
+    assert_eq!(stage.start_timeout_seconds, 600);
+    let made = 1_800_000_000;
+    let at = |s: i64| Time(Timestamp::from_second(made + s).unwrap());
+    let pod = |phase: &str, waiting: Value, conditions: Value| -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": "imagenet-stage-x7k2p", "namespace": "ml", "uid": "pod-1",
+                         "creationTimestamp": at(0)},
+            "status": {"phase": phase, "conditions": conditions, "containerStatuses": [{
+                "name": "stage", "image": "ringmaster", "imageID": "", "ready": false,
+                "restartCount": 0, "state": {"waiting": waiting}}]}
+        }))
+        .unwrap()
+    };
+    let creating = json!({"reason": "ContainerCreating"});
+    let mount_event = |uid: &str| -> Event {
+        serde_json::from_value(json!({
+            "metadata": {"name": "imagenet-stage-x7k2p.1", "namespace": "ml"},
+            "involvedObject": {"kind": "Pod", "name": "imagenet-stage-x7k2p", "uid": uid},
+            "reason": "FailedMount", "type": "Warning", "lastTimestamp": at(300),
+            "message": "MountVolume.SetUp failed for volume \"data\" : hostPath type check failed: /srv/missing is not a directory"
+        }))
+        .unwrap()
+    };
+    let check = |pod: &Pod, events: &[Event], seconds: i64| {
+        start::check(
+            &[CopyPod::of(pod, events)],
+            &at(seconds),
+            stage.start_timeout_seconds,
+        )
+    };
+
+    // FailedMount: waiting until the timeout, then the mount's own words.
+    let mounting = pod("Pending", creating.clone(), json!([]));
+    assert_eq!(
+        check(&mounting, &[mount_event("pod-1")], 540),
+        StartCheck::Waiting(std::time::Duration::from_secs(60))
+    );
+    let StartCheck::TimedOut(message) = check(&mounting, &[mount_event("pod-1")], 601) else {
+        panic!("a pod stuck mounting past the timeout fails the stage");
+    };
+    assert!(
+        message.contains("spec.startTimeoutSeconds (600 s)")
+            && message.contains("FailedMount")
+            && message.contains("/srv/missing is not a directory"),
+        "{message}"
+    );
+    // An Event about another pod of that name (an earlier one) is not this pod's cause.
+    let StartCheck::TimedOut(message) = check(&mounting, &[mount_event("pod-0")], 601) else {
+        panic!("still timed out");
+    };
+    assert!(
+        !message.contains("FailedMount") && message.contains("never got running"),
+        "{message}"
+    );
+
+    // The kubelet's and the scheduler's reasons, read as the TrainingJob's start timeout reads them.
+    let pulling = pod(
+        "Pending",
+        json!({"reason": "ImagePullBackOff", "message": "Back-off pulling image \"ringmaster:typo\""}),
+        json!([]),
+    );
+    let StartCheck::TimedOut(message) = check(&pulling, &[], 601) else {
+        panic!("a pod that cannot pull its image fails the stage");
+    };
+    assert!(
+        message.contains("ImagePullBackOff") && message.contains("ringmaster:typo"),
+        "{message}"
+    );
+    let unschedulable = pod(
+        "Pending",
+        Value::Null,
+        json!([{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                "message": "0/3 nodes are available: 3 node(s) didn't match Pod's node affinity/selector."}]),
+    );
+    let StartCheck::TimedOut(message) = check(&unschedulable, &[], 601) else {
+        panic!("a pod no node takes fails the stage");
+    };
+    assert!(
+        message.contains("cannot be scheduled") && message.contains("0/3 nodes"),
+        "{message}"
+    );
+
+    // A pod that runs is the copy going on: the activeDeadlineSeconds times it from there.
+    let running = pod("Running", Value::Null, json!([]));
+    assert_eq!(check(&running, &[], 100_000), StartCheck::NotWaiting);
+
+    // What the DataStage says: Failed, StartTimeout with the cause, Stalled, a Warning.
+    let now = at(601);
+    let failed = status::observed(
+        &DataStageStatus::default(),
+        Some(1),
+        "imagenet-data",
+        &ClaimState::Bound,
+        &CopyState::Failed {
+            reason: status::reasons::START_TIMEOUT,
+            message: message.clone(),
+        },
+        &now,
+    );
+    assert_eq!(failed.phase, DataStagePhase::Failed);
+    let v = value(&failed);
+    assert_eq!(condition(&v, "Ready")["reason"], "StartTimeout");
+    assert_eq!(condition(&v, "Ready")["message"], message.as_str());
+    assert_eq!(condition(&v, "Stalled")["status"], "True");
+    let copied = failed
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Copied")
+        .unwrap();
+    assert!(ringmaster::controller::data_stage::is_stage_warning(copied));
 }

@@ -108,6 +108,7 @@ fn args(azurite: &Azurite, destination: &Path) -> StageArgs {
         progress: ProgressMode::None,
         progress_interval: 1.0,
         attempts: 3,
+        mirror: false,
         termination_message: None,
         print_settings: false,
     }
@@ -126,6 +127,7 @@ async fn stage(
         .with_container_name(&args.container)
         .with_endpoint(args.endpoint.clone().unwrap())
         .with_allow_http(true)
+        .with_http_connector(ringmaster::stage::verify::Md5Connector)
         .with_retry(object_store::RetryConfig {
             max_retries: 1,
             ..Default::default()
@@ -402,4 +404,250 @@ async fn two_stagers_on_one_destination_take_turns_and_the_tree_is_whole() {
     );
     assert_tree_matches(dest.path(), &files);
     assert!(!dest.path().join(".ringmaster-stage/tmp").exists());
+}
+
+/// The manifest's entries by path: (ETag, MD5).
+fn manifest_entries(destination: &Path) -> BTreeMap<String, (Option<String>, String)> {
+    let text =
+        std::fs::read_to_string(destination.join(".ringmaster-stage/manifest.jsonl")).unwrap();
+    text.lines()
+        .map(|line| {
+            let entry: ringmaster::stage::manifest::Entry = serde_json::from_str(line).unwrap();
+            (entry.path, (entry.etag, entry.md5))
+        })
+        .collect()
+}
+
+fn md5_hex(data: &[u8]) -> String {
+    use md5::{Digest, Md5};
+    Md5::digest(data)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// SIGKILL between write and rename: the stager is held (a test-only hook) once a file is
+/// written and fsynced and before its rename, and killed there. Nothing sits under the
+/// file's real name, and the rerun leaves the tree whole, every file as its blob and recorded
+/// with its MD5, and no temporary file behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_between_write_and_rename_no_partial_file_and_the_rerun_is_whole() {
+    let azurite = Azurite::start();
+    create_container(&azurite);
+    let files = dataset();
+    upload(&writer(&azurite), &files).await;
+    let dest = tempfile::tempdir().unwrap();
+    let sas = azurite::container_sas(azurite::KEY, CONTAINER, "rl");
+    let marker = dest.path().with_extension("held");
+    let mut child = stage_command(&azurite, dest.path())
+        .args(["--parallelism", "4"])
+        .env("AZURE_STORAGE_SAS_TOKEN", &sas)
+        .env(
+            ringmaster::stage::env::TEST_HOLD_BEFORE_RENAME,
+            marker.as_os_str(),
+        )
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !marker.exists() {
+        if child.try_wait().unwrap().is_some() {
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "stager ended ({}) before it held a file: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        assert!(Instant::now() < deadline, "stager held no file");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    // The held file is whole in its temporary folder, and not under any real name.
+    let held = std::path::PathBuf::from(std::fs::read_to_string(&marker).unwrap());
+    assert!(
+        held.starts_with(dest.path().join(".ringmaster-stage/tmp")),
+        "{held:?}"
+    );
+    assert!(held.exists(), "the written file waits in {held:?}");
+    assert!(
+        manifest_entries(dest.path()).len() < files.len() - 1,
+        "killed mid-copy"
+    );
+    for (name, data) in &files {
+        let local = dest.path().join(name.strip_prefix("ds/").unwrap_or(name));
+        if let Ok(got) = std::fs::read(&local) {
+            assert!(got == *data, "{name}: a file under its real name is whole");
+        }
+    }
+
+    let rerun = stage(&args(&azurite, dest.path()), Some(&sas), None)
+        .await
+        .unwrap();
+    assert!(rerun.downloaded_files > 0, "{rerun:?}");
+    assert_tree_matches(dest.path(), &files);
+    assert!(!dest.path().join(".ringmaster-stage/tmp").exists());
+    let entries = manifest_entries(dest.path());
+    for (name, data) in files.iter().filter(|(n, _)| n.starts_with("ds/")) {
+        let key = name.strip_prefix("ds/").unwrap();
+        assert_eq!(entries[key].1, md5_hex(data), "{key}");
+    }
+}
+
+/// A blob overwritten after the listing, before its download: the GET pinned to the listed
+/// ETag is refused, the blob is looked up again and fetched whole at its new version, and
+/// the manifest records that version's ETag. Before the pin the new bytes were recorded
+/// under the old ETag (and a new size failed the copy).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blob_overwritten_after_listing_is_copied_whole_at_its_new_version() {
+    let azurite = Azurite::start();
+    create_container(&azurite);
+    let mut files = BTreeMap::new();
+    for i in 0..1000 {
+        files.insert(format!("ds/a/{i:04}.bin"), vec![i as u8; 500]);
+    }
+    let old: Vec<u8> = (0..(4 << 20)).map(|b| (b % 251) as u8).collect();
+    let new: Vec<u8> = (0..(4 << 20)).map(|b| (b % 241) as u8 ^ 0x5a).collect();
+    files.insert("ds/z-big.bin".into(), old.clone());
+    let store = writer(&azurite);
+    upload(&store, &files).await;
+    let dest = tempfile::tempdir().unwrap();
+    let sas = azurite::container_sas(azurite::KEY, CONTAINER, "rl");
+    let manifest = dest.path().join(".ringmaster-stage/manifest.jsonl");
+    // One download at a time, in name order: the big blob comes last.
+    let child = stage_command(&azurite, dest.path())
+        .args(["--parallelism", "1"])
+        .env("AZURE_STORAGE_SAS_TOKEN", &sas)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    // Listed once the first file is recorded: overwrite the big blob now, same size.
+    while std::fs::read_to_string(&manifest).map_or(0, |m| m.lines().count()) < 1 {
+        assert!(Instant::now() < deadline, "the stager made no progress");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let big = ObjectPath::parse("ds/z-big.bin").unwrap();
+    store
+        .put(&big, PutPayload::from(new.clone()))
+        .await
+        .unwrap();
+    let recorded_before = std::fs::read_to_string(&manifest).unwrap().lines().count();
+    // Well before the big blob's turn (its GET, were it under way during the overwrite, could
+    // rightly return the old version whole).
+    assert!(
+        recorded_before < 900,
+        "the overwrite came late ({recorded_before} files done): too slow a machine"
+    );
+    let out = child.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}: {said}", out.status);
+    assert!(
+        said.contains("was overwritten after it was listed"),
+        "{said}"
+    );
+    let got = std::fs::read(dest.path().join("z-big.bin")).unwrap();
+    assert!(got == new, "the file is the new version, whole");
+    let now = store.head(&big).await.unwrap();
+    assert_eq!(
+        manifest_entries(dest.path())["z-big.bin"],
+        (now.e_tag, md5_hex(&new)),
+        "the manifest records the version written"
+    );
+}
+
+/// A blob whose stated Content-MD5 is not its bytes' (set with Set Blob Properties, which
+/// checks nothing): each download is refused, and the copy fails naming the blob and what to
+/// do; nothing is written under its name, and the other files are copied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_content_md5_mismatch_fails_the_copy_naming_the_blob() {
+    let azurite = Azurite::start();
+    create_container(&azurite);
+    let mut files = BTreeMap::new();
+    files.insert("ds/good.txt".to_string(), b"good".to_vec());
+    files.insert("ds/bad/liar.bin".to_string(), vec![7u8; 100_000]);
+    upload(&writer(&azurite), &files).await;
+    // MD5("hello"), not of 100,000 sevens.
+    let status = azurite.set_content_md5(CONTAINER, "ds/bad/liar.bin", "XUFAKrxLKna5cZ2REBfFkg==");
+    assert_eq!(status, 200, "Azurite set the property");
+    let dest = tempfile::tempdir().unwrap();
+    let mut args = args(&azurite, dest.path());
+    args.attempts = 2;
+    let sas = azurite::container_sas(azurite::KEY, CONTAINER, "rl");
+    let err = stage(&args, Some(&sas), None).await.unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(err, StageError::ContentMismatch { attempts: 2, .. }),
+        "{text}"
+    );
+    assert!(
+        text.contains("ds/bad/liar.bin")
+            && text.contains("5d41402abc4b2a76b9719d911017c592")
+            && text.contains(&md5_hex(&[7u8; 100_000])),
+        "{text}"
+    );
+    assert!(!dest.path().join("bad/liar.bin").exists());
+    // A blob whose stated MD5 is right passes the same check (Azurite states one for each
+    // upload).
+    assert_eq!(
+        std::fs::read(dest.path().join("good.txt")).unwrap(),
+        b"good"
+    );
+}
+
+/// Mirror mode: after a complete copy, the files copied earlier whose blobs are gone are
+/// deleted (and the folders they leave empty), with their manifest entries; a file the
+/// stager did not copy stays. Off (the default), they all stay, still on record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mirror_mode_deletes_exactly_the_files_whose_blobs_are_gone() {
+    let azurite = Azurite::start();
+    create_container(&azurite);
+    let mut files = BTreeMap::new();
+    for name in ["a.txt", "keep/b.txt", "gone/c.txt", "keep/d.txt", "e.txt"] {
+        files.insert(format!("ds/{name}"), name.as_bytes().to_vec());
+    }
+    let store = writer(&azurite);
+    upload(&store, &files).await;
+    let dest = tempfile::tempdir().unwrap();
+    let mut args = args(&azurite, dest.path());
+    let sas = azurite::container_sas(azurite::KEY, CONTAINER, "rl");
+    stage(&args, Some(&sas), None).await.unwrap();
+    std::fs::write(dest.path().join("notes-of-mine.txt"), b"mine").unwrap();
+    for gone in ["ds/gone/c.txt", "ds/keep/d.txt"] {
+        store
+            .delete(&ObjectPath::parse(gone).unwrap())
+            .await
+            .unwrap();
+        files.remove(gone);
+    }
+
+    let kept = stage(&args, Some(&sas), None).await.unwrap();
+    assert_eq!(kept.deleted_files, 0);
+    assert!(dest.path().join("gone/c.txt").exists() && dest.path().join("keep/d.txt").exists());
+    assert!(manifest_entries(dest.path()).contains_key("gone/c.txt"));
+
+    args.mirror = true;
+    let mirrored = stage(&args, Some(&sas), None).await.unwrap();
+    assert_eq!(mirrored.deleted_files, 2, "{mirrored:?}");
+    assert!(
+        !dest.path().join("gone").exists(),
+        "its empty folder goes too"
+    );
+    assert!(!dest.path().join("keep/d.txt").exists());
+    assert!(dest.path().join("keep/b.txt").exists());
+    assert!(
+        dest.path().join("notes-of-mine.txt").exists(),
+        "not the stager's"
+    );
+    let entries = manifest_entries(dest.path());
+    assert_eq!(
+        entries.keys().collect::<Vec<_>>(),
+        ["a.txt", "e.txt", "keep/b.txt"]
+    );
+    std::fs::remove_file(dest.path().join("notes-of-mine.txt")).unwrap();
+    assert_tree_matches(dest.path(), &files);
 }

@@ -224,6 +224,7 @@ async fn a_datastage_binds_copies_with_progress_and_feeds_a_waiting_training_job
         progress: ProgressMode::Log,
         progress_interval: 0.2,
         attempts: 2,
+        mirror: false,
         termination_message: None,
         print_settings: false,
     };

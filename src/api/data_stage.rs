@@ -103,6 +103,32 @@ pub struct DataStageSpec {
     #[serde(default = "default_backoff_limit")]
     #[schemars(range(min = 0, max = 100))]
     pub backoff_limit: i32,
+    /// Make the destination a mirror of the prefix: after each complete copy, the files
+    /// the stager copied earlier whose blobs are gone from the source are deleted (the
+    /// count is in the stager's summary). Files it did not copy (not in its manifest,
+    /// `.ringmaster-stage/manifest.jsonl`) are never touched. Default: false (files of
+    /// deleted blobs stay on the share).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mirror: bool,
+    /// Seconds the copy Job may run in all (its `activeDeadlineSeconds`, retries included)
+    /// before it is stopped and the DataStage is Failed with reason DeadlineExceeded. Files
+    /// copied by then stay and are skipped when the copy runs again. Read when the copy Job
+    /// is made. Default: 172800 (two days: 20 TiB at a modest 120 MiB/s, so only a copy
+    /// that hangs reaches it).
+    #[serde(default = "default_active_deadline_seconds")]
+    #[schemars(range(min = 60, max = 2592000))]
+    pub active_deadline_seconds: i64,
+    /// Seconds the copy Job's pod may take to start (counted from when it was made) before
+    /// the DataStage is Failed with what holds it: its volume cannot be mounted
+    /// (FailedMount, FailedAttachVolume), its image cannot be pulled, its container cannot
+    /// be created, or no node can take it. Separate from, and much shorter than,
+    /// activeDeadlineSeconds: a pod that cannot start does not start by waiting two days.
+    /// Default: 600 (the stager's image is small, a volume that can be mounted is mounted
+    /// in seconds, and the kubelet retries a failed mount every two minutes or so: ten
+    /// minutes covers a new node's image pull and a few mount retries).
+    #[serde(default = "default_start_timeout_seconds")]
+    #[schemars(range(min = 30, max = 86400))]
+    pub start_timeout_seconds: i64,
     /// Node labels the copy Job's pod must match: keep it on a system pool, or on the node
     /// that holds a node-local destination.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -127,6 +153,14 @@ fn default_parallelism() -> i32 {
 
 fn default_backoff_limit() -> i32 {
     3
+}
+
+fn default_active_deadline_seconds() -> i64 {
+    172_800
+}
+
+fn default_start_timeout_seconds() -> i64 {
+    600
 }
 
 /// The data's origin.

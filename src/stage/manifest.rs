@@ -58,6 +58,11 @@ impl Manifest {
         self.entries.get(path)
     }
 
+    /// Every entry, in no order.
+    pub fn entries(&self) -> impl Iterator<Item = &Entry> {
+        self.entries.values()
+    }
+
     /// Opens the manifest for appending.
     pub fn appender(&self) -> std::io::Result<Appender> {
         let file = std::fs::OpenOptions::new()

@@ -7,10 +7,18 @@
 //! into place when complete, so a reader never sees half a file and a killed run leaves no
 //! partial file under a real name. The manifest (`.ringmaster-stage/manifest.jsonl`) makes
 //! a rerun skip what is already there and intact.
+//!
+//! Each download is of one blob version: the GET is pinned to the ETag the listing gave
+//! (`If-Match`), so a blob overwritten meanwhile is fetched again whole at its new version,
+//! never spliced from two. When the blob states a Content-MD5, the bytes must hash to it, or
+//! the file is fetched again and, failing that, the copy fails naming it. With `--mirror`,
+//! files copied earlier whose blobs are gone are deleted after a complete copy.
 
 pub mod manifest;
+mod mirror;
 pub mod names;
 pub mod progress;
+pub mod verify;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -21,7 +29,7 @@ use futures::{StreamExt, TryStreamExt};
 use md5::{Digest, Md5};
 use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
 use object_store::path::Path as ObjectPath;
-use object_store::{ObjectMeta, ObjectStore, ObjectStoreExt, RetryConfig};
+use object_store::{GetOptions, ObjectMeta, ObjectStore, ObjectStoreExt, RetryConfig};
 use tokio::io::AsyncWriteExt;
 
 use manifest::{Entry, Manifest};
@@ -56,6 +64,12 @@ pub mod env {
     pub const AUTH: &str = "RINGMASTER_STAGE_AUTH";
     /// `--report-to`.
     pub const REPORT_TO: &str = "RINGMASTER_DATASTAGE";
+    /// `--mirror`.
+    pub const MIRROR: &str = "RINGMASTER_STAGE_MIRROR";
+    /// Tests only: a path. Each file is held, once written and fsynced and before it is
+    /// renamed into place, forever, after this file is created: a test kills the stager
+    /// there. Never set by the DataStage controller.
+    pub const TEST_HOLD_BEFORE_RENAME: &str = "RINGMASTER_STAGE_TEST_HOLD_BEFORE_RENAME";
 }
 
 /// What the DataStage controller asks of the stager: typed, and turned into the copy Job's
@@ -81,6 +95,8 @@ pub struct StageSettings {
     pub auth: AuthMethod,
     /// The DataStage to report progress to, `NAMESPACE/NAME`.
     pub report_to: String,
+    /// Delete files copied earlier whose blobs are gone.
+    pub mirror: bool,
 }
 
 impl StageSettings {
@@ -102,6 +118,7 @@ impl StageSettings {
                 ringmaster_contract::trainer::flag_value(self.auth),
             ),
             (env::REPORT_TO, self.report_to.clone()),
+            (env::MIRROR, self.mirror.to_string()),
         ]
     }
 }
@@ -186,6 +203,12 @@ pub struct StageArgs {
     /// ServiceAccount, which needs `patch` on `datastages/status` for that name.
     #[arg(long, env = env::REPORT_TO)]
     pub report_to: Option<String>,
+    /// After a complete copy, delete the files this stager copied earlier (they are in its
+    /// manifest) whose blobs are gone from the source, so the destination mirrors the
+    /// prefix. Files it did not copy are never touched. Off: they stay.
+    #[arg(long, env = env::MIRROR, default_value_t = false, action = clap::ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    pub mirror: bool,
     /// Where progress is shown.
     #[arg(long, value_enum, default_value_t = ProgressMode::Auto)]
     pub progress: ProgressMode,
@@ -276,6 +299,26 @@ pub enum StageError {
         attempts: u32,
         message: String,
     },
+    /// The bytes of a blob never hashed to the Content-MD5 the blob states.
+    #[error(
+        "blob {name} states Content-MD5 {expected} (hex) but its bytes hashed to {got} in each of {attempts} downloads; it was not written under its name. Its stored Content-MD5 is wrong (set by its uploader) or the blob is damaged: upload it again, or correct the property (az storage blob update --content-md5), then run again"
+    )]
+    ContentMismatch {
+        name: String,
+        expected: String,
+        got: String,
+        attempts: u32,
+    },
+    /// A blob kept changing while it was downloaded.
+    #[error(
+        "blob {name} was overwritten {times} times while it was being copied; stop writing it (or stage a prefix that is not being written) and run again"
+    )]
+    KeepsChanging { name: String, times: u32 },
+    /// A blob was deleted after it was listed.
+    #[error(
+        "blob {name} was deleted while the copy ran; run again to copy the prefix as it is now"
+    )]
+    Vanished { name: String },
     /// `--report-to` is not `NAMESPACE/NAME`.
     #[error("reporting to DataStage {0}: expected NAMESPACE/NAME")]
     ReportTarget(String),
@@ -302,6 +345,9 @@ pub struct Summary {
     pub downloaded_bytes: u64,
     /// Files already present and intact.
     pub skipped_files: u64,
+    /// Files deleted because their blobs are gone (`--mirror`).
+    #[serde(default)]
+    pub deleted_files: u64,
     /// Wall time.
     pub seconds: f64,
     /// Downloaded bytes per second.
@@ -315,6 +361,8 @@ pub fn blob_store(args: &StageArgs) -> Result<Arc<dyn ObjectStore>, StageError> 
     let mut builder = MicrosoftAzureBuilder::new()
         .with_account(&args.account)
         .with_container_name(&args.container)
+        // Keeps each blob's Content-MD5, which the download is checked against.
+        .with_http_connector(verify::Md5Connector)
         .with_retry(RetryConfig {
             max_retries: 8,
             retry_timeout: Duration::from_secs(300),
@@ -513,6 +561,15 @@ pub async fn copy(
     let fetched = fetched.map_err(|e| disk_full(e, &args.destination, &counters))?;
     let downloaded_files = fetched.len() as u64;
     entries.extend(fetched);
+    // Files copied earlier whose blobs are gone: deleted with --mirror, else kept on record
+    // (their files stay, and a later --mirror run finds them).
+    let gone = mirror::gone(&manifest, &entries);
+    let deleted_files = if args.mirror {
+        mirror::delete(&args.destination, &gone).await?
+    } else {
+        entries.extend(gone);
+        0
+    };
     entries.sort_by(|a, b| a.path.cmp(&b.path));
     manifest.compact(&entries).map_err(write_err(&state))?;
     let _ = tokio::fs::remove_dir_all(&tmp).await;
@@ -525,6 +582,7 @@ pub async fn copy(
         downloaded_files,
         downloaded_bytes: s.bytes_downloaded,
         skipped_files: skipped,
+        deleted_files,
         seconds,
         bytes_per_second: s.bytes_downloaded as f64 / seconds.max(1e-9),
     })
@@ -720,11 +778,17 @@ async fn md5_of_file(path: &Path) -> std::io::Result<String> {
     .expect("hashing task")
 }
 
-/// Downloads one blob into `tmp`, then renames it to its place; retries broken streams.
+/// How often a blob may be overwritten while it is fetched before the copy gives up on it:
+/// more is a blob being written continuously, which cannot be copied whole.
+const MAX_VERSION_CHANGES: u32 = 5;
+
+/// Downloads one blob into `tmp`, then renames it to its place. A broken stream, or bytes
+/// that do not hash to the blob's Content-MD5, is fetched again (`--attempts`); a blob
+/// overwritten since it was listed is looked up again and fetched whole at its new version.
 async fn fetch(
     store: &dyn ObjectStore,
     args: &StageArgs,
-    meta: &ObjectMeta,
+    listed: &ObjectMeta,
     local: &Path,
     tmp: &Path,
     counters: &Counters,
@@ -735,11 +799,13 @@ async fn fetch(
             .await
             .map_err(write_err(parent))?;
     }
-    let mut attempt = 0;
+    let mut meta = listed.clone();
+    let (mut attempt, mut changes) = (0, 0);
     loop {
         attempt += 1;
-        match download(store, meta, tmp, counters).await {
+        let failure = match download(store, &meta, tmp, counters).await {
             Ok(md5) => {
+                hold_before_rename(tmp).await;
                 tokio::fs::rename(tmp, &target)
                     .await
                     .map_err(write_err(&target))?;
@@ -756,31 +822,138 @@ async fn fetch(
                     source,
                 });
             }
-            Err(Failure::Read(message, read)) => {
-                // Bytes of a failed attempt are not progress.
-                counters.bytes_done.fetch_sub(read, Ordering::Relaxed);
-                counters.bytes_downloaded.fetch_sub(read, Ordering::Relaxed);
-                if attempt >= args.attempts.max(1) {
-                    return Err(StageError::Download {
-                        name: meta.location.to_string(),
-                        attempts: attempt,
-                        message,
-                    });
-                }
-                tracing::warn!(blob = %meta.location, attempt, %message, "download broke; retrying");
-                tokio::time::sleep(Duration::from_millis(200 << attempt.min(6))).await;
-            }
+            Err(failure) => failure,
+        };
+        // Bytes of a failed attempt are not progress.
+        let read = failure.read();
+        counters.bytes_done.fetch_sub(read, Ordering::Relaxed);
+        counters.bytes_downloaded.fetch_sub(read, Ordering::Relaxed);
+        if let Failure::Changed(_) = failure {
+            changes += 1;
+            attempt -= 1;
+            meta = new_version(store, &meta, changes, counters).await?;
+            continue;
         }
+        let name = meta.location.to_string();
+        if attempt >= args.attempts.max(1) {
+            return Err(failure.into_error(name, attempt));
+        }
+        tracing::warn!(blob = %name, attempt, failure = %failure.describe(), "download failed; retrying");
+        tokio::time::sleep(Duration::from_millis(200 << attempt.min(6))).await;
     }
 }
 
+/// The blob's version now, after a download pinned to `old` found it overwritten; the total
+/// to copy follows its new size.
+async fn new_version(
+    store: &dyn ObjectStore,
+    old: &ObjectMeta,
+    changes: u32,
+    counters: &Counters,
+) -> Result<ObjectMeta, StageError> {
+    let name = old.location.to_string();
+    if changes > MAX_VERSION_CHANGES {
+        return Err(StageError::KeepsChanging {
+            name,
+            times: changes,
+        });
+    }
+    let new = match store.head(&old.location).await {
+        Ok(new) => new,
+        Err(object_store::Error::NotFound { .. }) => return Err(StageError::Vanished { name }),
+        Err(e) => {
+            return Err(StageError::Download {
+                name,
+                attempts: 1,
+                message: format!("looking up its new version: {e}"),
+            });
+        }
+    };
+    eprintln!(
+        "ringmaster stage: blob {name} was overwritten after it was listed (ETag {} → {}); fetching the new version whole",
+        old.e_tag.as_deref().unwrap_or("none"),
+        new.e_tag.as_deref().unwrap_or("none")
+    );
+    counters.bytes_total.fetch_add(new.size, Ordering::Relaxed);
+    counters.bytes_total.fetch_sub(old.size, Ordering::Relaxed);
+    Ok(new)
+}
+
+/// Tests only ([`env::TEST_HOLD_BEFORE_RENAME`]): a written, fsynced file waits here forever,
+/// before its rename, once the marker file is made.
+async fn hold_before_rename(tmp: &Path) {
+    if let Some(marker) = std::env::var_os(env::TEST_HOLD_BEFORE_RENAME) {
+        let _ = std::fs::write(&marker, tmp.as_os_str().as_encoded_bytes());
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Why one download attempt failed.
 enum Failure {
     /// Reading from Blob Storage failed after `u64` bytes.
     Read(String, u64),
+    /// The blob is no longer the version listed (`If-Match` failed), after `u64` bytes.
+    Changed(u64),
+    /// The `u64` bytes read hash to `got`, not to the blob's Content-MD5 `expected`.
+    Corrupt {
+        expected: String,
+        got: String,
+        read: u64,
+    },
     /// Writing locally failed.
     Write(std::io::Error),
 }
 
+impl Failure {
+    /// Bytes counted as progress in the attempt.
+    fn read(&self) -> u64 {
+        match self {
+            Failure::Read(_, read) | Failure::Changed(read) | Failure::Corrupt { read, .. } => {
+                *read
+            }
+            Failure::Write(_) => 0,
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Failure::Read(message, _) => message.clone(),
+            Failure::Changed(_) => "the blob changed".into(),
+            Failure::Corrupt { expected, got, .. } => {
+                format!("MD5 {got} of the bytes is not the blob's Content-MD5 {expected}")
+            }
+            Failure::Write(e) => e.to_string(),
+        }
+    }
+
+    /// The error when this was the last attempt on blob `name`.
+    fn into_error(self, name: String, attempts: u32) -> StageError {
+        match self {
+            Failure::Corrupt { expected, got, .. } => StageError::ContentMismatch {
+                name,
+                expected,
+                got,
+                attempts,
+            },
+            other => StageError::Download {
+                name,
+                attempts,
+                message: other.describe(),
+            },
+        }
+    }
+}
+
+/// A failed GET or a broken stream: the blob changed (`If-Match` refused), or a read error.
+fn read_failure(error: object_store::Error, read: u64) -> Failure {
+    match error {
+        object_store::Error::Precondition { .. } => Failure::Changed(read),
+        other => Failure::Read(other.to_string(), read),
+    }
+}
+
+/// Downloads the version `meta` names (its ETag) into `tmp`, fsyncs it and checks its size
+/// and, when the blob states one, its Content-MD5; the hex MD5 of the bytes.
 async fn download(
     store: &dyn ObjectStore,
     meta: &ObjectMeta,
@@ -790,13 +963,18 @@ async fn download(
     let mut file = tokio::fs::File::create(tmp).await.map_err(Failure::Write)?;
     let mut hasher = Md5::new();
     let mut read = 0u64;
+    let options = GetOptions {
+        if_match: meta.e_tag.clone(),
+        ..GetOptions::default()
+    };
     let result = store
-        .get(&meta.location)
+        .get_opts(&meta.location, options)
         .await
-        .map_err(|e| Failure::Read(e.to_string(), 0))?;
+        .map_err(|e| read_failure(e, 0))?;
+    let stated = result.extensions.get::<verify::ContentMd5>().cloned();
     let mut stream = result.into_stream();
     while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|e| Failure::Read(e.to_string(), read))?;
+        let chunk = chunk.map_err(|e| read_failure(e, read))?;
         hasher.update(&chunk);
         file.write_all(&chunk).await.map_err(Failure::Write)?;
         read += chunk.len() as u64;
@@ -816,7 +994,13 @@ async fn download(
             read,
         ));
     }
-    Ok(hex(&hasher.finalize()))
+    let got = hex(&hasher.finalize());
+    verify::check(stated.as_ref(), &got).map_err(|expected| Failure::Corrupt {
+        expected,
+        got: got.clone(),
+        read,
+    })?;
+    Ok(got)
 }
 
 fn hex(bytes: &[u8]) -> String {

@@ -183,6 +183,21 @@ impl Azurite {
         )
     }
 
+    /// Sets a blob's stored Content-MD5 (Set Blob Properties, which checks nothing, unlike an
+    /// upload): a blob whose stated MD5 is not its content's.
+    #[allow(dead_code)] // tests/stage.rs only
+    pub fn set_content_md5(&self, container: &str, name: &str, md5_base64: &str) -> u16 {
+        let sas = account_sas("racwdl");
+        self.put(
+            &format!("{container}/{name}?comp=properties&{sas}"),
+            &[
+                ("x-ms-blob-content-md5", md5_base64),
+                ("x-ms-blob-content-type", "application/octet-stream"),
+            ],
+            b"",
+        )
+    }
+
     /// A raw HTTP/1.1 PUT to `/{account}/{path}`: no client in between that could
     /// normalise the path (the `..` test needs the dots to arrive as sent).
     fn put(&self, path: &str, headers: &[(&str, &str)], body: &[u8]) -> u16 {

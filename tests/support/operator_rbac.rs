@@ -213,6 +213,20 @@ pub const CLUSTER_CALLS: &[Calls] = &[
         "data_stage::apply::copy_state",
     ),
     calls(
+        "batch",
+        "jobs",
+        &["patch"],
+        When::Always,
+        "data_stage::apply::stop: a copy Job whose pod did not start in time is suspended",
+    ),
+    calls(
+        "",
+        "events",
+        &["list"],
+        When::Always,
+        "data_stage::apply::mount_failures: why a copy Job's pod cannot start",
+    ),
+    calls(
         "",
         "serviceaccounts",
         &["get", "create"],
@@ -368,6 +382,8 @@ pub const KINDS: &[(&str, &str)] = &[
     ("PersistentVolumeClaim", "persistentvolumeclaims"),
     ("PersistentVolume", "persistentvolumes"),
     ("Job", "jobs"),
+    // A copy pod's FailedMount Events (data_stage::apply::mount_failures).
+    ("Event", "events"),
     ("ServiceAccount", "serviceaccounts"),
     ("Role", "roles"),
     ("RoleBinding", "rolebindings"),

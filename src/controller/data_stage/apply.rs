@@ -10,13 +10,16 @@
 //! with the DataStage), and an earlier DataStage's finished Job would pass for this one's copy.
 
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::{
+    Event, PersistentVolume, PersistentVolumeClaim, Pod, ServiceAccount,
+};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-use kube::api::{ListParams, PostParams};
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, Resource, ResourceExt};
 
 use super::build::{self, BuildInputs, Names};
-use super::status::{ClaimState, CopyState, NotOurs};
+use super::start::{self, CopyPod, StartCheck};
+use super::status::{ClaimState, CopyState, NotOurs, reasons};
 use super::validate::ValidatedDataStage;
 use crate::api::DataStage;
 use crate::controller::{is_conflict, is_not_found, server_side_apply, set_finalizer};
@@ -24,6 +27,11 @@ use crate::stage::Outcome;
 
 /// The finalizer that deletes a DataStage's PersistentVolume object.
 pub const FINALIZER: &str = "ringmaster.dev/volume";
+
+/// The annotation on a copy Job the controller stopped (suspended) because its pod did not
+/// start in time: why, as the DataStage says it. The Job stays, so the DataStage stays
+/// Failed; deleting the Job starts a new copy.
+pub const STOPPED_ANNOTATION: &str = "ringmaster.dev/stopped";
 
 /// Errors applying or reading a DataStage's children.
 #[derive(Debug, thiserror::Error)]
@@ -368,6 +376,13 @@ pub async fn copy_state(
     if let Some(held) = not_ours("Job", &job.metadata, stage) {
         return Ok(CopyState::NotOurs(held));
     }
+    if let Some(message) = job.annotations().get(STOPPED_ANNOTATION) {
+        return Ok(CopyState::Failed {
+            reason: reasons::START_TIMEOUT,
+            message: message.clone(),
+        });
+    }
+    let deadline = job.spec.as_ref().and_then(|s| s.active_deadline_seconds);
     let status = job.status.unwrap_or_default();
     let condition = |type_: &str| {
         status
@@ -384,17 +399,110 @@ pub async fn copy_state(
         });
     }
     if let Some(failed) = condition("Failed") {
+        if failed.reason.as_deref() == Some("DeadlineExceeded") {
+            let seconds = deadline.map_or("?".into(), |s| s.to_string());
+            return Ok(CopyState::Failed {
+                reason: reasons::DEADLINE_EXCEEDED,
+                message: format!(
+                    "the copy did not finish within spec.activeDeadlineSeconds ({seconds} s) \
+                     and was stopped; the files copied so far stay on the share and are \
+                     skipped when it runs again: delete Job {name} to run it again"
+                ),
+            });
+        }
         let why = stager_message(client, stage, &name).await;
         let job_message = failed.message.unwrap_or_default();
         let message = match why {
             Some(why) => format!("{why} ({job_message})"),
             None => job_message,
         };
-        return Ok(CopyState::Failed { message });
+        return Ok(CopyState::Failed {
+            reason: reasons::COPY_FAILED,
+            message,
+        });
     }
-    Ok(CopyState::Running {
-        start: status.start_time,
-    })
+    watch_start(client, stage, &name, status.start_time).await
+}
+
+/// The running copy Job, timed while its pod waits to start ([`start::check`]); one that
+/// waited past `spec.startTimeoutSeconds` is stopped and the DataStage Failed.
+async fn watch_start(
+    client: &Client,
+    stage: &ValidatedDataStage,
+    job: &str,
+    start: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+) -> Result<CopyState, ApplyError> {
+    let pods = pods_of_job(client, stage, job).await?;
+    let pending = |pod: &&Pod| {
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Pending")
+            && pod.metadata.deletion_timestamp.is_none()
+    };
+    let mut events = Vec::new();
+    for pod in pods.iter().filter(pending) {
+        events.extend(mount_failures(client, stage, &pod.name_any()).await?);
+    }
+    let pods: Vec<CopyPod> = pods.iter().map(|p| CopyPod::of(p, &events)).collect();
+    match start::check(
+        &pods,
+        &crate::controller::now(),
+        stage.start_timeout_seconds,
+    ) {
+        StartCheck::NotWaiting => Ok(CopyState::Running {
+            start,
+            recheck: None,
+        }),
+        StartCheck::Waiting(left) => Ok(CopyState::Running {
+            start,
+            recheck: Some(left),
+        }),
+        StartCheck::TimedOut(cause) => {
+            let message = format!("{cause}; the Job {job} was stopped: delete it to try again");
+            stop(client, stage, job, &message).await?;
+            Ok(CopyState::Failed {
+                reason: reasons::START_TIMEOUT,
+                message,
+            })
+        }
+    }
+}
+
+/// The mount failures the kubelet reported for pod `pod` (core Events, which the events.k8s.io
+/// API serves too).
+async fn mount_failures(
+    client: &Client,
+    stage: &ValidatedDataStage,
+    pod: &str,
+) -> Result<Vec<Event>, ApplyError> {
+    let events: Api<Event> = Api::namespaced(client.clone(), &stage.namespace);
+    let selector = format!("involvedObject.kind=Pod,involvedObject.name={pod}");
+    let listed = events
+        .list(&ListParams::default().fields(&selector))
+        .await
+        .map_err(kube_error("list", "Event", &format!("of pod {pod}")))?;
+    Ok(listed
+        .items
+        .into_iter()
+        .filter(|e| start::MOUNT_FAILURE_REASONS.contains(&e.reason.as_deref().unwrap_or_default()))
+        .collect())
+}
+
+/// Stops the copy Job: suspended (the Job controller deletes its pod), with why in
+/// [`STOPPED_ANNOTATION`], which keeps the DataStage Failed.
+async fn stop(
+    client: &Client,
+    stage: &ValidatedDataStage,
+    job: &str,
+    message: &str,
+) -> Result<(), ApplyError> {
+    let jobs: Api<Job> = Api::namespaced(client.clone(), &stage.namespace);
+    let patch = serde_json::json!({
+        "metadata": { "annotations": { STOPPED_ANNOTATION: message } },
+        "spec": { "suspend": true },
+    });
+    jobs.patch(job, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map(drop)
+        .map_err(kube_error("stop", "Job", job))
 }
 
 /// The pods the Job controller made for a Job named `job` (this one's, or an earlier one's

@@ -333,6 +333,8 @@ pub fn job(stage: &ValidatedDataStage, inputs: &BuildInputs) -> Job {
             // terminating (say, behind a node partition): never two stagers at once from one
             // Job. (The stager's lock on the destination covers the rest.)
             pod_replacement_policy: Some("Failed".into()),
+            // A copy that hangs ends (DeadlineExceeded); what it copied is kept.
+            active_deadline_seconds: Some(stage.active_deadline_seconds),
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
                     labels: Some(labels),
@@ -380,6 +382,7 @@ fn stage_settings(stage: &ValidatedDataStage, auth: AuthMethod) -> StageSettings
         },
         auth,
         report_to: format!("{}/{}", stage.namespace, stage.name),
+        mirror: stage.mirror,
     }
 }
 

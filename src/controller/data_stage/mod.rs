@@ -8,6 +8,7 @@
 pub mod apply;
 pub mod build;
 pub mod destinations;
+pub mod start;
 pub mod status;
 pub mod validate;
 
@@ -133,6 +134,14 @@ pub async fn reconcile(
         }
         // Bound and no Job: the copy Job's create found one that went away again.
         (ClaimState::Bound, CopyState::NotStarted) => Action::requeue(Duration::from_secs(2)),
+        // A pod waiting to start sends nothing when its start timeout passes.
+        (
+            ClaimState::Bound,
+            CopyState::Running {
+                recheck: Some(left),
+                ..
+            },
+        ) => Action::requeue(*left + Duration::from_secs(1)),
         (ClaimState::Bound, _) => Action::await_change(),
         _ => Action::requeue(BINDING_RECHECK),
     })
@@ -219,7 +228,10 @@ pub fn is_stage_warning(condition: &Condition) -> bool {
                     status::reasons::CLAIM_NOT_FOUND | status::reasons::NAME_IN_USE
                 ) | (
                     status::types::COPIED,
-                    status::reasons::COPY_FAILED | status::reasons::NAME_IN_USE
+                    status::reasons::COPY_FAILED
+                        | status::reasons::START_TIMEOUT
+                        | status::reasons::DEADLINE_EXCEEDED
+                        | status::reasons::NAME_IN_USE
                 )
             ))
 }

@@ -36,6 +36,11 @@ pub mod reasons {
     pub const COPIED: &str = "Copied";
     /// The copy Job failed after its retries.
     pub const COPY_FAILED: &str = "CopyFailed";
+    /// The copy Job's pod did not start within `spec.startTimeoutSeconds`; the Job was
+    /// stopped.
+    pub const START_TIMEOUT: &str = "StartTimeout";
+    /// The copy Job ran past `spec.activeDeadlineSeconds`.
+    pub const DEADLINE_EXCEEDED: &str = "DeadlineExceeded";
     /// An object that is not this DataStage's has one of its children's names.
     pub const NAME_IN_USE: &str = "NameInUse";
     /// A child's name is still held by the child of an earlier DataStage of this name, which
@@ -116,15 +121,24 @@ pub enum ClaimState {
 pub enum CopyState {
     /// Not created (the claim is not bound yet).
     NotStarted,
-    /// Running since `start`.
-    Running { start: Option<Time> },
+    /// Running since `start`; its pod is waiting to start, and the start timeout is due in
+    /// `recheck` (nothing else wakes the DataStage then).
+    Running {
+        start: Option<Time>,
+        recheck: Option<std::time::Duration>,
+    },
     /// Succeeded.
     Succeeded {
         start: Option<Time>,
         completion: Option<Time>,
     },
-    /// Failed for good; `message` says why (the stager's own words when it gave any).
-    Failed { message: String },
+    /// Failed for good: `reason` ([`reasons::COPY_FAILED`], [`reasons::START_TIMEOUT`],
+    /// [`reasons::DEADLINE_EXCEEDED`]), and `message` says why (the stager's own words when
+    /// it gave any).
+    Failed {
+        reason: &'static str,
+        message: String,
+    },
     /// The Job, or the stager's ServiceAccount, Role or RoleBinding, has a name that an
     /// object not this DataStage's holds: not started.
     NotOurs(NotOurs),
@@ -188,17 +202,20 @@ pub fn observed(
                 false,
             )
         }
-        CopyState::Failed { message } => {
-            let message = format!("the copy failed: {message}");
+        CopyState::Failed { reason, message } => {
+            let message = match *reason {
+                reasons::COPY_FAILED => format!("the copy failed: {message}"),
+                _ => message.clone(),
+            };
             (
                 DataStagePhase::Failed,
-                DesiredCondition::new(types::COPIED, false, reasons::COPY_FAILED, message.clone()),
-                (false, reasons::COPY_FAILED, message),
+                DesiredCondition::new(types::COPIED, false, reason, message.clone()),
+                (false, *reason, message),
                 false,
                 true,
             )
         }
-        CopyState::Running { start } => {
+        CopyState::Running { start, .. } => {
             status.start_time = start.clone().or(status.start_time.take());
             let message = "the copy Job is running".to_string();
             (

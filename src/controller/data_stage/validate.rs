@@ -38,6 +38,12 @@ pub struct ValidatedDataStage {
     pub verify: Verification,
     /// Retries of the copy Job.
     pub backoff_limit: u32,
+    /// Delete files of blobs gone from the source.
+    pub mirror: bool,
+    /// The copy Job's `activeDeadlineSeconds`.
+    pub active_deadline_seconds: i64,
+    /// Seconds the copy Job's pod may take to start.
+    pub start_timeout_seconds: i64,
     /// Node labels the copy Job's pod must match.
     pub node_selector: std::collections::BTreeMap<String, String>,
     /// Tolerations of the copy Job's pod.
@@ -171,6 +177,9 @@ fn with_defaults(stage: &DataStage) -> Result<ValidatedDataStage, FieldErrors> {
         parallelism: as_u32(spec.parallelism),
         verify: spec.verify,
         backoff_limit: as_u32(spec.backoff_limit),
+        mirror: spec.mirror,
+        active_deadline_seconds: spec.active_deadline_seconds,
+        start_timeout_seconds: spec.start_timeout_seconds,
         node_selector: spec.node_selector.clone(),
         tolerations: spec.tolerations.clone(),
         warnings,

@@ -5,6 +5,7 @@
 //! children to write.
 
 mod blocks;
+pub use blocks::{Block, blocked};
 pub mod steps;
 
 use std::collections::BTreeMap;
