@@ -226,6 +226,7 @@ fn success_reads_the_trainers_summary_and_cleans_running_pods() {
                     parameters: 11_689_512,
                     seconds: 12.0,
                     resumed_from_step: None,
+                    resumed_from_run: None,
                 }
                 .to_line()
             ),
@@ -477,6 +478,7 @@ fn the_result_keeps_images_per_second_to_a_tenth_as_kubectl_shows_it() {
         parameters: 11_689_512,
         seconds: 12.0,
         resumed_from_step: None,
+        resumed_from_run: None,
     }
     .to_line();
     let result = plan::parse_result(&line).unwrap();
