@@ -494,6 +494,15 @@ fn the_result_says_where_a_trainer_that_started_again_went_on_from() {
     let result = plan::parse_result(line).unwrap();
     assert_eq!(result.resumed_from_step, Some(12));
     assert_eq!(result.steps, Some(20));
+    assert_eq!(result.resumed_from_run, None, "its own checkpoint");
+    // As rank 0 writes it when it went on from an earlier job's (trainer.resumeFrom).
+    let line = r#"{"event":"summary","imagesPerSecond":812.5,"steps":20,"finalLoss":2.125,"finalAccuracy":0.5,"worldSize":4,"globalBatch":64,"parameters":11689512,"seconds":12.0,"resumedFromStep":12,"resumedFromRun":"5d1c7a2e-8b4f-4e0a-9c3d-2f6e1b7a9c40"}"#;
+    let result = plan::parse_result(line).unwrap();
+    assert_eq!(result.resumed_from_step, Some(12));
+    assert_eq!(
+        result.resumed_from_run.as_deref(),
+        Some("5d1c7a2e-8b4f-4e0a-9c3d-2f6e1b7a9c40")
+    );
 }
 
 #[test]
