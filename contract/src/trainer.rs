@@ -790,7 +790,8 @@ pub enum Line {
     Summary(Summary),
     /// Why a rank stopped (its last line, on any rank that fails).
     Failed(Failure),
-    /// Training goes on from a checkpoint of this run (rank 0, before the first step).
+    /// Training goes on from a checkpoint of this run, or of the `--resume-from` run (rank 0,
+    /// before the first step).
     Resumed(Resumed),
     /// A checkpoint was written (rank 0).
     Checkpoint(CheckpointWritten),

@@ -313,12 +313,12 @@ fn newest_of_earlier_run(
     })
 }
 
+/// A checkpoint file and its metadata.
+type WithMetadata = (PathBuf, BTreeMap<String, String>);
+
 /// The checkpoints that may be `run_id`'s, with their metadata (read from their headers
 /// alone): those in its folder, and the file an older trainer wrote in the output folder.
-fn candidates(
-    output_dir: &Path,
-    run_id: Option<&str>,
-) -> Result<Vec<(PathBuf, BTreeMap<String, String>)>, ResumeError> {
+fn candidates(output_dir: &Path, run_id: Option<&str>) -> Result<Vec<WithMetadata>, ResumeError> {
     let mut paths = checkpoints_in(&run_dir(output_dir, run_id))?
         .into_iter()
         .map(|(_, path)| path)
@@ -359,7 +359,7 @@ pub fn checkpoints_in(dir: &Path) -> Result<Vec<(u64, PathBuf)>, ResumeError> {
             found.push((step, entry.path()));
         }
     }
-    found.sort_by(|a, b| b.0.cmp(&a.0));
+    found.sort_by_key(|(step, _)| std::cmp::Reverse(*step));
     Ok(found)
 }
 
