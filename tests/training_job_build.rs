@@ -1028,6 +1028,44 @@ fn the_trainer_accepts_the_command_the_operator_builds() {
     assert_eq!((parsed.seed, parsed.log_every), (7, 1));
 }
 
+/// The checkpoints to keep and the earlier run to go on from reach the trainer, as flags its
+/// own parser reads back; unset, neither is a flag, so a trainer image older than them runs
+/// the same jobs (issue 38, item 5).
+#[test]
+fn checkpoints_kept_and_the_run_to_resume_from_reach_the_trainers_command() {
+    let earlier = "5d1c7a2e-8b4f-4e0a-9c3d-2f6e1b7a9c40";
+    let job = sample("trainingjob-cpu-small.yaml", |o| {
+        o["spec"]["output"] = json!({"persistentVolumeClaim": {"claimName": "results"}});
+        o["spec"]["trainer"]["keepCheckpoints"] = json!(5);
+        o["spec"]["trainer"]["resumeFrom"] = json!(earlier);
+    });
+    let command = build::launcher_command(&job);
+    let flags = train_flags(&command);
+    for flag in [
+        "--keep-checkpoints=5".to_string(),
+        format!("--resume-from={earlier}"),
+        "--output-dir=/output/resnet18-cpu".to_string(),
+    ] {
+        assert!(flags.contains(&flag), "{flag} in {flags:?}");
+    }
+    let parsed = TrainArgs::parse_flags(flags).unwrap();
+    assert_eq!(parsed.check(&Capabilities::this_release()), Ok(()));
+    assert_eq!(
+        (parsed.keep_checkpoints, parsed.resume_from.as_deref()),
+        (5, Some(earlier))
+    );
+
+    let plain = build::launcher_command(&sample("trainingjob-cpu-small.yaml", |o| {
+        o["spec"]["output"] = json!({"persistentVolumeClaim": {"claimName": "results"}});
+    }));
+    assert!(
+        !train_flags(&plain)
+            .iter()
+            .any(|f| f.starts_with("--keep-checkpoints") || f.starts_with("--resume-from")),
+        "{plain:?}"
+    );
+}
+
 #[test]
 fn a_job_with_its_own_aks_pool_puts_workers_and_launcher_there() {
     let job = sample("trainingjob-resnet50-nd96asr-v4.yaml", |_| {});

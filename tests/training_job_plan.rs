@@ -227,6 +227,7 @@ fn success_reads_the_trainers_summary_and_cleans_running_pods() {
                     parameters: 11_689_512,
                     seconds: 12.0,
                     resumed_from_step: None,
+                    resumed_from_run: None,
                 }
                 .to_line()
             ),
@@ -482,6 +483,7 @@ fn the_result_keeps_images_per_second_to_a_tenth_as_kubectl_shows_it() {
         parameters: 11_689_512,
         seconds: 12.0,
         resumed_from_step: None,
+        resumed_from_run: None,
     }
     .to_line();
     let result = plan::parse_result(&line).unwrap();
@@ -497,6 +499,15 @@ fn the_result_says_where_a_trainer_that_started_again_went_on_from() {
     let result = plan::parse_result(line).unwrap();
     assert_eq!(result.resumed_from_step, Some(12));
     assert_eq!(result.steps, Some(20));
+    assert_eq!(result.resumed_from_run, None, "its own checkpoint");
+    // As rank 0 writes it when it went on from an earlier job's (trainer.resumeFrom).
+    let line = r#"{"event":"summary","imagesPerSecond":812.5,"steps":20,"finalLoss":2.125,"finalAccuracy":0.5,"worldSize":4,"globalBatch":64,"parameters":11689512,"seconds":12.0,"resumedFromStep":12,"resumedFromRun":"5d1c7a2e-8b4f-4e0a-9c3d-2f6e1b7a9c40"}"#;
+    let result = plan::parse_result(line).unwrap();
+    assert_eq!(result.resumed_from_step, Some(12));
+    assert_eq!(
+        result.resumed_from_run.as_deref(),
+        Some("5d1c7a2e-8b4f-4e0a-9c3d-2f6e1b7a9c40")
+    );
 }
 
 #[test]

@@ -8,7 +8,7 @@
 //! field), the trainer before it starts.
 
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::{Parser, ValueEnum};
 use serde::{Deserialize, Serialize};
@@ -168,6 +168,9 @@ pub mod defaults {
     /// Minutes of training between checkpoints: at most this much is trained again after a
     /// failure.
     pub const CHECKPOINT_MINUTES: f32 = 10.0;
+    /// Checkpoints a run keeps: the newest, and two to fall back on should it be damaged
+    /// after it was written (a share restored from a snapshot, a file removed by hand).
+    pub const KEEP_CHECKPOINTS: usize = 3;
 }
 
 /// The learning rate for a global batch when none is given: Goyal et al.'s linear scaling
@@ -252,8 +255,10 @@ pub struct TrainArgs {
     /// Seed of weights, data and shuffling.
     #[arg(long, default_value_t = defaults::SEED)]
     pub seed: u64,
-    /// Folder for the final model (`model.safetensors`) and the checkpoint training resumes
-    /// from (`checkpoint.safetensors`: weights, batch-norm statistics, momentum and the step).
+    /// Folder for the final model (`model.safetensors`) and, in `runs/<run id>/`, the run's
+    /// checkpoints (`checkpoint-<step>.safetensors`: weights, batch-norm statistics, momentum
+    /// and the step), which training resumes from. A run without --run-id keeps them in the
+    /// folder itself.
     #[arg(long)]
     pub output_dir: Option<PathBuf>,
     /// Print a progress line every this many steps.
@@ -266,19 +271,84 @@ pub struct TrainArgs {
     /// time; at most 10080, a week). Rank 0 writes it in the background while training goes on.
     #[arg(long, default_value_t = defaults::CHECKPOINT_MINUTES)]
     pub checkpoint_minutes: f32,
+    /// Checkpoints of this run to keep: an older one is deleted once a newer one is wholly
+    /// written.
+    #[arg(long, default_value_t = defaults::KEEP_CHECKPOINTS)]
+    pub keep_checkpoints: usize,
     /// Whose checkpoint this run resumes from: one written under the same id, with the same
     /// model, image size, global batch, length, optimizer settings and seed. Ringmaster sets it
     /// to the TrainingJob's UID, so a gang restarted after a failure goes on from the last
     /// checkpoint, and a job made anew under the same name starts from the beginning.
     #[arg(long, env = RUN_ID_ENV)]
     pub run_id: Option<String>,
+    /// An earlier run (its --run-id) whose newest checkpoint, in `runs/<id>/` of the output
+    /// folder, this run starts from when it has none of its own. Its model, width, classes,
+    /// image size, global batch, learning rate, momentum, weight decay and seed must be this
+    /// run's; its length and schedule may differ (to train on longer, or decay otherwise).
+    /// A checkpoint that is missing or differs stops the run, saying what differs.
+    #[arg(long)]
+    pub resume_from: Option<String>,
 }
 
 /// The longest `--checkpoint-minutes`: a week.
 pub const MAX_CHECKPOINT_MINUTES: f32 = 10080.0;
 
-/// The checkpoint a run goes on from, in `--output-dir`.
+/// The one checkpoint of a run, in `--output-dir`, as trainers before per-run checkpoints
+/// wrote it: still resumed from by the run that wrote it (a job upgraded mid-run), or named
+/// by `--resume-from`, never written.
 pub const CHECKPOINT_FILE: &str = "checkpoint.safetensors";
+
+/// The folder of `--output-dir` that holds a folder of checkpoints per run.
+pub const RUNS_DIR: &str = "runs";
+
+/// Where the run `run_id` keeps its checkpoints in `output_dir`: `runs/<run id>/`, so a job
+/// made again under the same name (another UID) never writes over the earlier run's; a run
+/// without an id, the folder itself.
+pub fn run_dir(output_dir: &Path, run_id: Option<&str>) -> PathBuf {
+    match run_id {
+        Some(id) => output_dir.join(RUNS_DIR).join(id),
+        None => output_dir.to_path_buf(),
+    }
+}
+
+/// The checkpoint of `step` in a run's folder.
+pub fn checkpoint_file(step: u64) -> String {
+    format!("checkpoint-{step}.safetensors")
+}
+
+/// The step of a checkpoint named by [`checkpoint_file`], or `None` for another name (a
+/// `.partial` file being written, the model, anything else).
+pub fn checkpoint_step(file_name: &str) -> Option<u64> {
+    let digits = file_name
+        .strip_prefix("checkpoint-")?
+        .strip_suffix(".safetensors")?;
+    // Digits only: `u64`'s parser takes a leading `+`.
+    digits
+        .bytes()
+        .all(|b| b.is_ascii_digit())
+        .then(|| digits.parse().ok())
+        .flatten()
+}
+
+/// The longest run id (`--run-id`, `--resume-from`): a Kubernetes UID has 36 characters.
+pub const MAX_RUN_ID_CHARS: usize = 128;
+
+/// Why `id` cannot name a run's folder, or `None` when it can: one path component of
+/// letters, digits, `.`, `_` and `-`, not `.` or `..`.
+pub fn run_id_problem(id: &str) -> Option<String> {
+    if id.is_empty() || id.len() > MAX_RUN_ID_CHARS {
+        return Some(format!(
+            "{id:?} is not a run id (1 to {MAX_RUN_ID_CHARS} characters)"
+        ));
+    }
+    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+    if !id.chars().all(allowed) || id == "." || id == ".." {
+        return Some(format!(
+            "{id:?} is not a run id: it names a folder of the output, so letters, digits, '.', '_' and '-' only (a TrainingJob's UID)"
+        ));
+    }
+    None
+}
 
 /// The final model, in `--output-dir`.
 pub const MODEL_FILE: &str = "model.safetensors";
@@ -340,7 +410,9 @@ impl Default for TrainArgs {
             log_every: defaults::LOG_EVERY,
             checkpoint_every: None,
             checkpoint_minutes: defaults::CHECKPOINT_MINUTES,
+            keep_checkpoints: defaults::KEEP_CHECKPOINTS,
             run_id: None,
+            resume_from: None,
         }
     }
 }
@@ -441,8 +513,14 @@ impl TrainArgs {
         if self.checkpoint_minutes != d.checkpoint_minutes {
             flag("checkpoint-minutes", self.checkpoint_minutes.to_string());
         }
+        if self.keep_checkpoints != d.keep_checkpoints {
+            flag("keep-checkpoints", self.keep_checkpoints.to_string());
+        }
         if let Some(id) = &self.run_id {
             flag("run-id", id.clone());
+        }
+        if let Some(id) = &self.resume_from {
+            flag("resume-from", id.clone());
         }
         if self.synthetic {
             out.push("--synthetic".into());
@@ -563,6 +641,23 @@ impl TrainArgs {
                 ),
             );
         }
+        if self.keep_checkpoints == 0 {
+            refuse(
+                Setting::KeepCheckpoints,
+                "must be at least 1: the newest checkpoint is what a restart goes on from".into(),
+            );
+        }
+        for id in [&self.run_id, &self.resume_from].into_iter().flatten() {
+            if let Some(problem) = run_id_problem(id) {
+                refuse(Setting::Run, problem);
+            }
+        }
+        if self.resume_from.is_some() && self.output_dir.is_none() {
+            refuse(
+                Setting::Run,
+                "--resume-from needs --output-dir: the earlier run's checkpoints are there".into(),
+            );
+        }
         if errors.is_empty() {
             Ok(())
         } else {
@@ -611,6 +706,10 @@ pub enum Setting {
     Width,
     /// `--checkpoint-every` / `--checkpoint-minutes`.
     Checkpoint,
+    /// `--keep-checkpoints`.
+    KeepCheckpoints,
+    /// `--run-id` / `--resume-from`.
+    Run,
 }
 
 impl Setting {
@@ -630,6 +729,8 @@ impl Setting {
             Setting::DatasetSize => &["--dataset-size"],
             Setting::Width => &["--width"],
             Setting::Checkpoint => &["--checkpoint-every", "--checkpoint-minutes"],
+            Setting::KeepCheckpoints => &["--keep-checkpoints"],
+            Setting::Run => &["--run-id", "--resume-from"],
         }
     }
 }
@@ -689,7 +790,8 @@ pub enum Line {
     Summary(Summary),
     /// Why a rank stopped (its last line, on any rank that fails).
     Failed(Failure),
-    /// Training goes on from a checkpoint of this run (rank 0, before the first step).
+    /// Training goes on from a checkpoint of this run, or of the `--resume-from` run (rank 0,
+    /// before the first step).
     Resumed(Resumed),
     /// A checkpoint was written (rank 0).
     Checkpoint(CheckpointWritten),
@@ -754,6 +856,9 @@ pub struct Resumed {
     pub step: u64,
     /// The checkpoint read.
     pub path: String,
+    /// The earlier run it was written by (`--resume-from`), when not this run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<String>,
 }
 
 /// A checkpoint on disk.
@@ -823,6 +928,10 @@ pub struct Summary {
     /// stopped): `steps` less this many were trained by this start.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resumed_from_step: Option<u64>,
+    /// The earlier run (`--resume-from`) whose checkpoint this start went on from, when it
+    /// was not this run's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_from_run: Option<String>,
 }
 
 impl Summary {
@@ -956,7 +1065,9 @@ mod tests {
             log_every: 1,
             checkpoint_every: Some(250),
             checkpoint_minutes: 2.5,
+            keep_checkpoints: 5,
             run_id: Some("0b7f0d6e-3c1a-4f9e-9a51-6f0c2d1e4b7a".into()),
+            resume_from: Some("5d1c7a2e-8b4f-4e0a-9c3d-2f6e1b7a9c40".into()),
         }
     }
 
@@ -1097,6 +1208,64 @@ mod tests {
     }
 
     #[test]
+    fn a_run_id_names_one_folder_and_a_run_keeps_a_checkpoint_at_least() {
+        let caps = Capabilities::this_release();
+        let refused = |args: TrainArgs| -> Vec<String> {
+            args.check(&caps)
+                .unwrap_err()
+                .iter()
+                .map(ToString::to_string)
+                .collect()
+        };
+        for id in ["../other", "a/b", "..", "", "x y"] {
+            let errors = refused(TrainArgs {
+                output_dir: Some("/output/job".into()),
+                resume_from: Some(id.into()),
+                ..TrainArgs::default()
+            });
+            assert_eq!(errors.len(), 1, "{id:?}: {errors:?}");
+            assert!(
+                errors[0].starts_with("--run-id/--resume-from: "),
+                "{errors:?}"
+            );
+        }
+        let nowhere = refused(TrainArgs {
+            resume_from: Some("uid-1".into()),
+            ..TrainArgs::default()
+        });
+        assert!(nowhere[0].contains("needs --output-dir"), "{nowhere:?}");
+        let none_kept = refused(TrainArgs {
+            keep_checkpoints: 0,
+            ..TrainArgs::default()
+        });
+        assert!(
+            none_kept[0].starts_with("--keep-checkpoints: must be at least 1"),
+            "{none_kept:?}"
+        );
+    }
+
+    #[test]
+    fn a_runs_checkpoints_are_in_its_own_folder_and_named_by_their_step() {
+        let out = Path::new("/output/job");
+        assert_eq!(
+            run_dir(out, Some("uid-1")),
+            Path::new("/output/job/runs/uid-1")
+        );
+        assert_eq!(run_dir(out, None), out);
+        assert_eq!(checkpoint_file(40), "checkpoint-40.safetensors");
+        assert_eq!(checkpoint_step("checkpoint-40.safetensors"), Some(40));
+        for other in [
+            "checkpoint-40.safetensors.partial",
+            "checkpoint-+4.safetensors",
+            "checkpoint.safetensors",
+            "model.safetensors",
+            "checkpoint-.safetensors",
+        ] {
+            assert_eq!(checkpoint_step(other), None, "{other}");
+        }
+    }
+
+    #[test]
     fn the_summary_is_found_after_other_lines() {
         let summary = Summary {
             images_per_second: 812.5,
@@ -1108,6 +1277,7 @@ mod tests {
             parameters: 11_689_512,
             seconds: 3.5,
             resumed_from_step: Some(12),
+            resumed_from_run: None,
         };
         let step = serde_json::to_string(&Line::Step(Progress {
             step: 1,

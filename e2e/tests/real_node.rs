@@ -22,7 +22,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::LogParams;
 use ringmaster::api::TrainingJobPhase;
-use ringmaster_contract::trainer::{CHECKPOINT_FILE, MODEL_FILE, Summary};
+use ringmaster_contract::trainer::{MODEL_FILE, Summary, checkpoint_file, run_dir};
 use serde_json::{Value, json};
 
 /// The trainer image node.sh imports: the Dockerfile's trainer recipe on Debian, run as
@@ -710,7 +710,6 @@ async fn a_worker_killed_mid_training_restarts_the_gang_which_goes_on_from_its_c
         Some(resumed),
         "{status:#}"
     );
-    let metadata = checkpoint_metadata(&dir.join("kill").join(CHECKPOINT_FILE));
     let uid = Api::<ringmaster::api::TrainingJob>::namespaced(client.clone(), &ns.name)
         .get("kill")
         .await
@@ -718,6 +717,9 @@ async fn a_worker_killed_mid_training_restarts_the_gang_which_goes_on_from_its_c
         .metadata
         .uid
         .unwrap();
+    // In the run's own folder (issue 38, item 5): its last checkpoint, step 25.
+    let run_dir = run_dir(&dir.join("kill"), Some(&uid));
+    let metadata = checkpoint_metadata(&run_dir.join(checkpoint_file(25)));
     assert_eq!(metadata["run"], uid, "written under the job's UID");
     assert!(
         dir.join("kill").join(MODEL_FILE).exists(),

@@ -114,6 +114,12 @@ fn immutable(field: &str) -> Rule {
     validation = Rule::new("!has(self.trainer) || !has(self.trainer.checkpointMinutes) || has(self.output)")
         .message("trainer.checkpointMinutes needs output: the checkpoints are written there")
         .field_path(".trainer.checkpointMinutes"),
+    validation = Rule::new("!has(self.trainer) || !has(self.trainer.keepCheckpoints) || has(self.output)")
+        .message("trainer.keepCheckpoints needs output: the checkpoints are kept there")
+        .field_path(".trainer.keepCheckpoints"),
+    validation = Rule::new("!has(self.trainer) || !has(self.trainer.resumeFrom) || has(self.output)")
+        .message("trainer.resumeFrom needs output: the earlier run's checkpoints are read from there")
+        .field_path(".trainer.resumeFrom"),
     validation = Rule::new("!has(self.trainer) || !has(self.trainer.precision) || self.trainer.precision != 'bf16' || self.gpusPerWorker > 0")
         .message("trainer.precision bf16 computes on GPUs only (the trainer's CUDA engine): set gpusPerWorker, or precision: fp32")
         .field_path(".trainer.precision"),
@@ -263,6 +269,29 @@ pub struct TrainerSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0.0, max = 10080.0))]
     pub checkpoint_minutes: Option<f64>,
+    /// Checkpoints the trainer keeps of this job's run, in `<output>/<job name>/runs/<job
+    /// UID>/checkpoint-<step>.safetensors`: an older one is deleted only once a newer one is
+    /// wholly written, and a job made again under the same name (another UID) never writes
+    /// over or deletes this one's. Needs `output`. Default: the trainer's, 3.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub keep_checkpoints: Option<i32>,
+    /// The UID of an earlier TrainingJob of the same name (`kubectl get trainingjob NAME -o
+    /// jsonpath='{.metadata.uid}'` before deleting it) whose newest checkpoint this job starts
+    /// from: the way to go on after deleting and making a job again to change what cannot be
+    /// changed. Read from `<output>/<job name>/runs/<UID>/`, or from the
+    /// `checkpoint.safetensors` an older release left in `<output>/<job name>/` when it is
+    /// that UID's. Taken only when this job has no checkpoint of its own: a restart of this
+    /// job goes on from its own. The model, image size, global batch (batchSize × ranks),
+    /// learning rate, momentum, weight decay and seed must be the earlier job's; `steps` or
+    /// `epochs` may differ (to train on for longer), and so may the schedule. A checkpoint
+    /// that is missing or does not fit fails the job, naming what differs. Needs `output`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(max = 36),
+        regex(pattern = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+    )]
+    pub resume_from: Option<String>,
     /// Further flags passed to `ringmaster-trainer train` as they are, after the ones
     /// Ringmaster sets (model, device, precision, batch and image size, steps or epochs,
     /// learning rate and its warm-up, data and output folders), which they cannot repeat. Checked with the
@@ -936,4 +965,8 @@ pub struct TrainingResult {
     /// checkpoint in the output folder (after a gang restart, or a readmission).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resumed_from_step: Option<i64>,
+    /// The earlier job's UID (`trainer.resumeFrom`) whose checkpoint the last start went on
+    /// from; absent when it went on from this job's own, or started from step 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_from_run: Option<String>,
 }

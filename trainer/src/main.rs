@@ -50,8 +50,8 @@ enum Command {
         json: bool,
     },
     /// Train a ResNet, data-parallel over the job's ranks; JSON lines on stdout, a summary
-    /// line at the end, the checkpoint in --output-dir.
-    Train(train::TrainArgs),
+    /// line at the end, the checkpoints in --output-dir (`runs/<run id>/`).
+    Train(Box<train::TrainArgs>),
     /// Time all-reduce over a range of sizes; prints size, time, algbw and busbw like
     /// nccl-tests (busbw = algbw × 2(n−1)/n).
     BenchAllreduce(BenchArgs),

@@ -413,6 +413,8 @@ struct Trainer<'a, B: Backend> {
     sgd: Sgd<B>,
     /// The step training starts from (after a resume: the checkpoint's).
     start_step: usize,
+    /// The earlier run (`--resume-from`) whose checkpoint this start went on from.
+    resumed_from_run: Option<String>,
     /// Micro-batch m's own batch-norm statistics, for m ≥ 1 (see [`Trainer::new`]).
     micro_batch_statistics: Vec<B::Buf>,
     checkpointer: Option<Checkpointer>,
@@ -447,7 +449,7 @@ impl<'a, B: Backend> Trainer<'a, B> {
             layout.global_batch,
             layout.total_steps,
         );
-        let (model, sgd, start_step) = starting_model(
+        let (model, sgd, start) = starting_model(
             args,
             &identity,
             &mut *collective,
@@ -480,7 +482,8 @@ impl<'a, B: Backend> Trainer<'a, B> {
             schedule,
             model,
             sgd,
-            start_step,
+            start_step: start.step,
+            resumed_from_run: start.from_run,
             micro_batch_statistics,
             checkpointer,
             overlap,
@@ -750,6 +753,7 @@ impl<'a, B: Backend> Trainer<'a, B> {
             parameters: self.model.num_parameters() as u64,
             seconds: self.started.elapsed().as_secs_f64(),
             resumed_from_step: (self.start_step > 0).then_some(self.start_step as u64),
+            resumed_from_run: self.resumed_from_run.clone(),
         })
     }
 
@@ -802,17 +806,17 @@ fn starting_model<B: Backend>(
     be: &B,
     dtype: DType,
     classes: usize,
-) -> Result<(Model<B>, Sgd<B>, usize), TrainError> {
+) -> Result<(Model<B>, Sgd<B>, resume::Start), TrainError> {
     let arch = Arch::of(args.model, args.width);
     let mut model =
         Model::with_backend(arch, classes, args.seed, be.clone()).with_activations(dtype);
     let mut sgd = Sgd::on(be, model.params(), args.momentum, args.weight_decay);
-    let start_step = resume::restore(args, identity, be, &mut model, &mut sgd, collective)?;
+    let start = resume::restore(args, identity, be, &mut model, &mut sgd, collective)?;
     // The collectives work on host memory (a device backend stages through it).
     be.with_host(&mut model.params_mut().values, |values| {
         collective.broadcast(values, 0)
     })?;
-    Ok((model, sgd, start_step))
+    Ok((model, sgd, start))
 }
 
 /// Prints one JSON line of the trainer's output.

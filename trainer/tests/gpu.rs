@@ -981,10 +981,15 @@ fn the_flagship_samples_arguments_train_resnet50_on_the_gpu_for_300_steps() {
         dir.join("out/model.safetensors").exists(),
         "the model is written"
     );
-    let checkpoint = ringmaster_trainer::engine::checkpoint::metadata(
-        &dir.join("out").join(ringmaster_trainer::resume::FILE),
-    )
-    .expect("a checkpoint was written");
+    let run_dir =
+        ringmaster_trainer::resume::run_dir(&dir.join("out"), Some("flagship-on-the-gpu"));
+    let (_, newest) = ringmaster_trainer::resume::checkpoints_in(&run_dir)
+        .expect("the run's folder lists")
+        .into_iter()
+        .next()
+        .expect("a checkpoint was written");
+    let checkpoint =
+        ringmaster_trainer::engine::checkpoint::metadata(&newest).expect("the checkpoint reads");
     assert_eq!(
         checkpoint["step"], "200",
         "the last checkpoint before the end"

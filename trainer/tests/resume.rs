@@ -1,6 +1,7 @@
 //! A run that stops (a peer lost) and starts again goes on from its checkpoint, and ends
 //! with the weights of a run that never stopped, on one rank and on two under `mpirun`;
-//! another run's checkpoint is not taken.
+//! another run's checkpoint is not taken. (Where checkpoints are kept, and going on from an
+//! earlier run: checkpoints.rs.)
 
 mod common;
 
@@ -80,8 +81,15 @@ fn weights(path: &Path) -> (Vec<f32>, Vec<f32>) {
     )
 }
 
-fn checkpoint_metadata(dir: &Path) -> std::collections::BTreeMap<String, String> {
-    checkpoint::metadata(&dir.join(resume::FILE)).expect("a checkpoint was written")
+/// The metadata of `run`'s newest checkpoint in `dir`.
+fn checkpoint_metadata(dir: &Path, run: &str) -> std::collections::BTreeMap<String, String> {
+    let run_dir = resume::run_dir(dir, Some(run));
+    let (_, newest) = resume::checkpoints_in(&run_dir)
+        .expect("the run's folder lists")
+        .into_iter()
+        .next()
+        .expect("a checkpoint was written");
+    checkpoint::metadata(&newest).expect("the checkpoint reads")
 }
 
 #[test]
@@ -100,8 +108,8 @@ fn a_run_that_lost_a_peer_goes_on_from_its_checkpoint_and_ends_as_if_it_had_not(
         run(&args(&stopped, "run-a"), &mut lost, 0).expect_err("the peer is lost at step 6");
     assert!(matches!(failed, TrainError::Collective(_)), "{failed}");
     assert_eq!(failed.exit_code(), exit::PEER_LOST);
-    assert_eq!(checkpoint_metadata(&stopped)["step"], "4");
-    assert_eq!(checkpoint_metadata(&stopped)["run"], "run-a");
+    assert_eq!(checkpoint_metadata(&stopped, "run-a")["step"], "4");
+    assert_eq!(checkpoint_metadata(&stopped, "run-a")["run"], "run-a");
     assert!(!stopped.join(MODEL_FILE).exists());
 
     let resumed = run(&args(&stopped, "run-a"), &mut SingleRank, 0).expect("the run goes on");
@@ -115,38 +123,39 @@ fn a_run_that_lost_a_peer_goes_on_from_its_checkpoint_and_ends_as_if_it_had_not(
         weights(&whole.join(MODEL_FILE))
     );
     // Its last checkpoint is step 8's: the last step writes the model instead.
-    assert_eq!(checkpoint_metadata(&stopped)["step"], "8");
+    assert_eq!(checkpoint_metadata(&stopped, "run-a")["step"], "8");
 }
 
 #[test]
-fn another_runs_checkpoint_is_not_resumed_from_and_is_overwritten() {
+fn another_runs_checkpoint_is_not_resumed_from() {
     let dir = fresh_dir("other-run");
     let mut lost = PeerLostAt {
         fails_at: 6,
         calls: 0,
     };
     run(&args(&dir, "run-a"), &mut lost, 0).expect_err("the peer is lost");
-    assert_eq!(checkpoint_metadata(&dir)["run"], "run-a");
+    assert_eq!(checkpoint_metadata(&dir, "run-a")["run"], "run-a");
 
-    // The same name made anew (another UID) starts from the beginning.
+    // The same name made anew (another UID) starts from the beginning, in a folder of its
+    // own (checkpoints.rs: it leaves run-a's as they are).
     let other = run(&args(&dir, "run-b"), &mut SingleRank, 0).expect("it trains");
     assert_eq!(other.resumed_from_step, None);
-    assert_eq!(checkpoint_metadata(&dir)["run"], "run-b");
-    assert_eq!(checkpoint_metadata(&dir)["step"], "8");
+    assert_eq!(checkpoint_metadata(&dir, "run-a")["step"], "4");
+    assert_eq!(checkpoint_metadata(&dir, "run-b")["step"], "8");
 
     // So does a run with other settings under the same id.
     let mut longer = args(&dir, "run-b");
     longer.steps = Some(16);
     let longer = run(&longer, &mut SingleRank, 0).expect("it trains");
     assert_eq!(longer.resumed_from_step, None);
-    assert_eq!(checkpoint_metadata(&dir)["totalSteps"], "16");
+    assert_eq!(checkpoint_metadata(&dir, "run-b")["totalSteps"], "16");
 }
 
 #[test]
 fn a_checkpoint_that_cannot_be_read_stops_the_run_and_says_what_to_do() {
     let dir = fresh_dir("unreadable");
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join(resume::FILE), b"not a safetensors file").unwrap();
+    std::fs::write(dir.join(resume::LEGACY_FILE), b"not a safetensors file").unwrap();
     let failed = run(&args(&dir, "run-a"), &mut SingleRank, 0).expect_err("it is refused");
     assert!(
         matches!(failed, TrainError::Resume(ResumeError::Read { .. })),
@@ -218,7 +227,12 @@ fn two_ranks_go_on_from_rank_0s_checkpoint_with_its_momentum_and_statistics_on_b
 
     // Rank 0 cannot read it: both ranks stop at once with rank 0's reason, not 60 s later
     // as lost peers.
-    std::fs::write(dir.join(resume::FILE), b"not a safetensors file").unwrap();
+    let run_dir = resume::run_dir(&dir, Some("run-m"));
+    std::fs::write(
+        run_dir.join("checkpoint-4.safetensors"),
+        b"not a safetensors file",
+    )
+    .unwrap();
     let broken = common::mpirun(2, &args, &[]);
     assert!(!broken.status.success());
     let failures: Vec<_> = common::json_lines(&broken.stdout)
@@ -235,7 +249,10 @@ fn two_ranks_go_on_from_rank_0s_checkpoint_with_its_momentum_and_statistics_on_b
         of(0)["error"].as_str().unwrap().contains("move it away"),
         "{failures:?}"
     );
-    assert_eq!(of(1)["error"], "rank 0 could not read the run's checkpoint");
+    assert_eq!(
+        of(1)["error"],
+        "rank 0 could not go on from a checkpoint (its error says why)"
+    );
     assert_eq!(
         of(1)["exitCode"],
         u64::from(exit::FAILED),
@@ -246,8 +263,12 @@ fn two_ranks_go_on_from_rank_0s_checkpoint_with_its_momentum_and_statistics_on_b
 #[test]
 fn a_checkpoint_that_cannot_be_written_is_said_and_training_goes_on_to_its_model() {
     let dir = fresh_dir("unwritable");
-    // The name the file is written under before it is renamed is taken by a folder.
-    std::fs::create_dir_all(dir.join("checkpoint.safetensors.partial")).unwrap();
+    // The names the files are written under before they are renamed are taken by folders.
+    let run_dir = resume::run_dir(&dir, Some("run-m"));
+    for step in [2, 4] {
+        std::fs::create_dir_all(run_dir.join(format!("checkpoint-{step}.safetensors.partial")))
+            .unwrap();
+    }
     let args = flags(&dir, 1);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = common::trainer(&args);
@@ -262,6 +283,6 @@ fn a_checkpoint_that_cannot_be_written_is_said_and_training_goes_on_to_its_model
             "{stderr}"
         );
     }
-    assert!(!dir.join(resume::FILE).exists());
+    assert_eq!(resume::checkpoints_in(&run_dir).unwrap(), vec![]);
     assert!(dir.join(MODEL_FILE).exists(), "the model is written");
 }

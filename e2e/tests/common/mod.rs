@@ -315,6 +315,7 @@ pub fn trainer_summary(images_per_second: f64, steps: u64, final_loss: f64) -> S
         parameters: 25_557_032,
         seconds: 60.0,
         resumed_from_step: None,
+        resumed_from_run: None,
     }
     .to_line()
 }

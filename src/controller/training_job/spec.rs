@@ -138,6 +138,8 @@ impl TrainerSettings {
             Setting::Length => "spec.trainer.steps",
             Setting::LearningRate => "spec.trainer.learningRate",
             Setting::Warmup => "spec.trainer.warmupEpochs",
+            Setting::KeepCheckpoints => "spec.trainer.keepCheckpoints",
+            Setting::Run => "spec.trainer.resumeFrom",
             _ => "spec.trainer.extraArgs",
         }
     }

@@ -215,6 +215,11 @@ fn trainer_settings(job: &TrainingJob, gpus_per_worker: u32, ranks: u32) -> Trai
         checkpoint_minutes: t
             .checkpoint_minutes
             .map_or(TrainArgs::default().checkpoint_minutes, |m| m as f32),
+        // Flags only when set, as for the warm-up.
+        keep_checkpoints: t
+            .keep_checkpoints
+            .map_or(contract::defaults::KEEP_CHECKPOINTS, |k| as_u32(k) as usize),
+        resume_from: t.resume_from.clone(),
         // Synthetic images have no size of their own: an epoch of at least one global batch,
         // so a world past the trainer's default of 4,096 images still has a step to take (a
         // flag only then).

@@ -46,10 +46,16 @@ struct Outcome {
     momentum: Vec<f32>,
 }
 
-fn outcome(dir: &Path) -> Outcome {
+fn outcome(dir: &Path, run: &str) -> Outcome {
     let mut model = Model::new(arch(), CLASSES, 0);
     checkpoint::load(&dir.join("model.safetensors"), model.params_mut()).expect("the model loads");
-    let bytes = std::fs::read(dir.join("checkpoint.safetensors")).expect("the checkpoint");
+    let run_dir = ringmaster_trainer::resume::run_dir(dir, Some(run));
+    let (_, newest) = ringmaster_trainer::resume::checkpoints_in(&run_dir)
+        .expect("the run's folder lists")
+        .into_iter()
+        .next()
+        .expect("a checkpoint");
+    let bytes = std::fs::read(newest).expect("the checkpoint");
     let file = safetensors::SafeTensors::deserialize(&bytes).expect("a safetensors file");
     let velocity = file
         .tensor("optimizer.velocity")
@@ -157,7 +163,7 @@ fn run(
     succeeded(name, &out);
     let summary = common::summary(&out.stdout);
     assert_eq!(summary["worldSize"], ranks as u64, "{name}");
-    let result = outcome(&dir);
+    let result = outcome(&dir, name);
     std::fs::remove_dir_all(&dir).ok();
     result
 }

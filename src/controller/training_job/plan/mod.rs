@@ -347,6 +347,7 @@ pub fn parse_result(message: &str) -> Option<TrainingResult> {
         resumed_from_step: s
             .resumed_from_step
             .and_then(|step| i64::try_from(step).ok()),
+        resumed_from_run: s.resumed_from_run,
     })
 }
 
