@@ -965,6 +965,72 @@ async fn a_datastage_copies_from_azurite_onto_the_node_and_a_job_trains_on_the_f
     volumes.delete(&volume, &Default::default()).await.ok();
 }
 
+/// A copy whose volume cannot be mounted (a local PersistentVolume whose folder is not on the
+/// node: the kubelet's FailedMount) does not wait out the Job's two-day deadline: after
+/// `startTimeoutSeconds` the DataStage is Failed with the kubelet's words, and a Warning.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_whose_volume_cannot_be_mounted_fails_the_datastage_with_the_kubelets_words() {
+    let _node = REAL_NODE_IN_USE.lock().await;
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "real-mount").await;
+    let _operator = Operator::start_with(
+        &client,
+        &ns.name,
+        ringmaster::controller::OperatorConfig {
+            stager_image: STAGER_IMAGE.into(),
+            ..Default::default()
+        },
+    )
+    .await;
+    sas_secret(&client, &ns.name, "sv=2025-11-05&sig=unused").await;
+    let missing = repo_root()
+        .join("e2e/.state/node/volumes")
+        .join(format!("{}-never-made", ns.name));
+    let volume = local_volume(&client, &ns.name, "nowhere", &missing).await;
+    let stage = json!({
+        "apiVersion": "ringmaster.dev/v1alpha1",
+        "kind": "DataStage",
+        "metadata": {"name": "unmountable"},
+        "spec": {
+            "source": {"azureBlob": {
+                "account": azurite::ACCOUNT,
+                "container": "datasets",
+                "endpoint": format!("http://{NODE_BRIDGE_ADDRESS}:10000/{}", azurite::ACCOUNT),
+                "allowInsecureEndpoint": true,
+                "auth": {"sasTokenSecretRef": {"name": "blob-sas", "key": "sasToken"}},
+            }},
+            "destination": {"existingClaim": {"claimName": "nowhere"}},
+            "startTimeoutSeconds": 30,
+            "nodeSelector": {REAL_NODE_LABEL: "true"},
+            "tolerations": [{"key": REAL_NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
+        },
+    });
+    apply(&client, &stage, &ns.name, false).await.unwrap();
+    let status = wait_stage_phase(&client, &ns.name, "unmountable", "Failed").await;
+    let ready = common::condition(&status, "Ready");
+    assert_eq!(ready["reason"], "StartTimeout", "{status:#}");
+    let message = ready["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("cannot mount its volumes (FailedMount: ")
+            && message.contains("never-made"),
+        "the kubelet's words, naming the folder: {status:#}"
+    );
+    eventually(
+        Duration::from_secs(20),
+        "a StartTimeout Warning",
+        || async {
+            !common::warnings_for(&client, &ns.name, "unmountable", "StartTimeout")
+                .await
+                .is_empty()
+        },
+    )
+    .await;
+    assert!(!missing.exists(), "nothing made the folder");
+    let volumes: Api<k8s_openapi::api::core::v1::PersistentVolume> = Api::all(client.clone());
+    volumes.delete(&volume, &Default::default()).await.ok();
+}
+
 /// What a TCP connection from a pod came to.
 #[derive(Debug, PartialEq)]
 enum Reach {
