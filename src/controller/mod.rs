@@ -385,7 +385,7 @@ impl Context {
                 .await
             }
         };
-        written.map_err(|source| match (&how, is_failed_test(&source)) {
+        written.map_err(|source| match (&how, is_failed_fence(&source)) {
             (StatusWrite::Replace(fence), true) => Error::StatusFenced {
                 kind: kind_label::<K>(),
                 namespace: namespace.clone(),
@@ -471,12 +471,17 @@ pub(crate) fn is_not_found(error: &kube::Error) -> bool {
     matches!(error, kube::Error::Api(status) if status.code == 404)
 }
 
-/// Whether the API server refused a JSON Patch because its test operation failed (422, in
-/// the words of its JSON Patch library: "testing value /status/writtenBy failed", or "…is
-/// missing path" when the tested member is not there).
-fn is_failed_test(error: &kube::Error) -> bool {
+/// Whether the API server refused a fenced status write because its test operation failed.
+/// Kubernetes answers a JSON Patch it cannot apply with a bare 422 ("the server rejected our
+/// request due to an error in our request", reason Invalid, no causes), unlike a status its
+/// schema refuses (422 naming the fields); the fence's patch is well formed, so such an
+/// answer is its test failing. (Servers that pass the JSON Patch library's words on say
+/// "testing value … failed".)
+pub fn is_failed_fence(error: &kube::Error) -> bool {
     matches!(error, kube::Error::Api(status)
-        if status.code == 422 && (status.message.contains("testing value") || status.message.contains("test operation")))
+        if status.code == 422
+            && (status.message.starts_with("the server rejected our request")
+                || status.message.contains("testing value")))
 }
 
 /// A random number (a writer's start nonce).
