@@ -46,6 +46,19 @@ fn pool_name(job: &ValidatedTrainingJob) -> String {
     job.node_pool.as_ref().unwrap().pool_name.clone().unwrap()
 }
 
+/// The simulated AKS without a cluster: pools take `create_ms` to be made and `delete_ms`
+/// to go.
+async fn simulated_aks(create_ms: u64, delete_ms: u64) -> SimulatedAks {
+    SimulatedAks::start_without_cluster(
+        TOKEN,
+        API_VERSION,
+        Duration::from_millis(create_ms),
+        Duration::from_millis(delete_ms),
+    )
+    .await
+    .unwrap()
+}
+
 /// An ARM client for the simulated AKS, with the token in a file.
 fn arm_client(aks: &SimulatedAks) -> (ArmClient, tempfile::NamedTempFile) {
     let mut token_file = tempfile::NamedTempFile::new().unwrap();
@@ -126,14 +139,7 @@ impl Drop for Listener {
 
 #[tokio::test]
 async fn an_operation_url_in_the_status_off_arms_origin_is_never_requested() {
-    let aks = SimulatedAks::start_without_cluster(
-        TOKEN,
-        API_VERSION,
-        Duration::from_millis(100),
-        Duration::from_millis(100),
-    )
-    .await
-    .unwrap();
+    let aks = simulated_aks(100, 100).await;
     let (arm, _token_file) = arm_client(&aks);
     let client = no_api_server();
     let listener = Listener::start().await;
@@ -234,14 +240,7 @@ async fn step_until_settled(
 
 #[tokio::test]
 async fn two_jobs_racing_for_one_pool_name_never_take_each_others_pool() {
-    let aks = SimulatedAks::start_without_cluster(
-        TOKEN,
-        API_VERSION,
-        Duration::from_millis(200),
-        Duration::from_millis(100),
-    )
-    .await
-    .unwrap();
+    let aks = simulated_aks(200, 100).await;
     let (arm, _token_file) = arm_client(&aks);
     let client = no_api_server();
     let first_uid = "0a000000-0000-4000-8000-00000000000a";
@@ -333,14 +332,7 @@ async fn two_jobs_racing_for_one_pool_name_never_take_each_others_pool() {
 
 #[tokio::test]
 async fn two_jobs_asking_at_once_get_one_pool_and_one_reason() {
-    let aks = SimulatedAks::start_without_cluster(
-        TOKEN,
-        API_VERSION,
-        Duration::from_millis(200),
-        Duration::from_millis(100),
-    )
-    .await
-    .unwrap();
+    let aks = simulated_aks(200, 100).await;
     let (arm, _token_file) = arm_client(&aks);
     let client = no_api_server();
     let a = job(
@@ -395,14 +387,7 @@ async fn two_jobs_asking_at_once_get_one_pool_and_one_reason() {
 #[tokio::test]
 async fn the_sweep_deletes_the_pools_of_jobs_that_are_gone_and_nothing_else() {
     use ringmaster::controller::training_job::sweep::{JobSeen, SweepMode, sweep};
-    let aks = SimulatedAks::start_without_cluster(
-        TOKEN,
-        API_VERSION,
-        Duration::from_millis(50),
-        Duration::from_millis(50),
-    )
-    .await
-    .unwrap();
+    let aks = simulated_aks(50, 50).await;
     let (arm, _token_file) = arm_client(&aks);
     let client = no_api_server();
     let jobs = [
@@ -515,14 +500,7 @@ async fn the_sweep_deletes_the_pools_of_jobs_that_are_gone_and_nothing_else() {
 /// state unknown for a moment), and the next look finds the pool Ready.
 #[tokio::test]
 async fn a_hung_arm_read_times_out_as_a_transient_look_and_the_next_look_goes_on() {
-    let aks = SimulatedAks::start_without_cluster(
-        TOKEN,
-        API_VERSION,
-        Duration::from_millis(50),
-        Duration::from_millis(50),
-    )
-    .await
-    .unwrap();
+    let aks = simulated_aks(50, 50).await;
     let (arm, _token_file) = arm_client(&aks);
     let arm = arm.with_request_timeout(Duration::from_millis(500));
     let client = no_api_server();
@@ -587,14 +565,7 @@ fn failure(status: u16, code: &str, message: &str) -> ArmFailure {
 /// job with "InvalidAuthenticationToken".)
 #[tokio::test]
 async fn bursts_of_500s_and_401s_are_transient_and_fail_nothing() {
-    let aks = SimulatedAks::start_without_cluster(
-        TOKEN,
-        API_VERSION,
-        Duration::from_millis(50),
-        Duration::from_millis(50),
-    )
-    .await
-    .unwrap();
+    let aks = simulated_aks(50, 50).await;
     let (arm, _token_file) = arm_client(&aks);
     let client = no_api_server();
     let uid = "0b000000-0000-4000-8000-0000000000bb";
@@ -665,14 +636,7 @@ async fn job_made_during_a_burst(aks: &SimulatedAks, arm: &ArmClient) -> Validat
 /// reaches ARM meanwhile), each told when it looks again, and none fails.
 #[tokio::test]
 async fn a_429_holds_back_every_jobs_arm_calls_until_its_retry_after() {
-    let aks = SimulatedAks::start_without_cluster(
-        TOKEN,
-        API_VERSION,
-        Duration::from_millis(50),
-        Duration::from_millis(50),
-    )
-    .await
-    .unwrap();
+    let aks = simulated_aks(50, 50).await;
     let (arm, _token_file) = arm_client(&aks);
     let client = no_api_server();
     let (first, first_status) = ready_pool(
@@ -734,14 +698,7 @@ async fn a_429_holds_back_every_jobs_arm_calls_until_its_retry_after() {
 /// "looking again" (no reconcile worker waits past a second), and no job fails.
 #[tokio::test]
 async fn many_jobs_at_once_stay_within_the_operators_arm_budget() {
-    let aks = SimulatedAks::start_without_cluster(
-        TOKEN,
-        API_VERSION,
-        Duration::from_millis(50),
-        Duration::from_millis(50),
-    )
-    .await
-    .unwrap();
+    let aks = simulated_aks(50, 50).await;
     let (arm, _token_file) = arm_client(&aks);
     let per_second = std::num::NonZeroU32::new(5).unwrap();
     let arm = arm.with_limit(ringmaster::aks::ArmLimit::new(per_second));

@@ -191,8 +191,8 @@ fn asked(api: &Mutex<FakeApi>) -> Vec<String> {
     gists
 }
 
-/// The status the last status write carried.
-fn written_status(api: &Mutex<FakeApi>) -> Value {
+/// The last status write's JSON Patch operations.
+fn last_status_patch(api: &Mutex<FakeApi>) -> Vec<Value> {
     let api = api.lock().unwrap();
     let patch = api
         .log
@@ -200,8 +200,13 @@ fn written_status(api: &Mutex<FakeApi>) -> Value {
         .rev()
         .find(|r| r.gist() == "PATCH status")
         .expect("a status write");
-    let ops = patch.body.as_array().expect("a JSON Patch");
-    ops.iter()
+    patch.body.as_array().expect("a JSON Patch").clone()
+}
+
+/// The status the last status write carried.
+fn written_status(api: &Mutex<FakeApi>) -> Value {
+    last_status_patch(api)
+        .into_iter()
         .find(|op| op["op"] == "add" && op["path"] == "/status")
         .expect("the status replaced")["value"]
         .clone()
@@ -209,14 +214,7 @@ fn written_status(api: &Mutex<FakeApi>) -> Value {
 
 /// The fence the last status write carried (its first operation, a test).
 fn written_fence(api: &Mutex<FakeApi>) -> Value {
-    let api = api.lock().unwrap();
-    let patch = api
-        .log
-        .iter()
-        .rev()
-        .find(|r| r.gist() == "PATCH status")
-        .expect("a status write");
-    patch.body[0].clone()
+    last_status_patch(api)[0].clone()
 }
 
 /// A pod of this job's name and worker index `index`, controlled by `controller` (kind,
