@@ -10,45 +10,15 @@
 
 mod common;
 
+use common::PeerLostAt;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use ringmaster_contract::trainer::{MODEL_FILE, TrainArgs, exit};
-use ringmaster_trainer::collective::{Collective, CollectiveError, ReduceOp, SingleRank};
+use ringmaster_trainer::collective::SingleRank;
 use ringmaster_trainer::engine::checkpoint;
 use ringmaster_trainer::train::run;
-
-/// One rank whose peer is lost at its `fails_at`-th all-reduce (one a step: the loss).
-struct PeerLostAt {
-    fails_at: usize,
-    calls: usize,
-}
-
-impl Collective for PeerLostAt {
-    fn rank(&self) -> usize {
-        0
-    }
-    fn world_size(&self) -> usize {
-        1
-    }
-    fn name(&self) -> &'static str {
-        "peer-lost-at"
-    }
-    fn all_reduce(&mut self, _data: &mut [f32], _op: ReduceOp) -> Result<(), CollectiveError> {
-        self.calls += 1;
-        if self.calls == self.fails_at {
-            return Err(CollectiveError::PeerLost {
-                peer: 1,
-                direction: "from",
-                source: std::io::ErrorKind::ConnectionReset.into(),
-            });
-        }
-        Ok(())
-    }
-    fn broadcast(&mut self, _data: &mut [f32], _root: usize) -> Result<(), CollectiveError> {
-        Ok(())
-    }
-}
 
 fn fresh_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("checkpoints-{name}-{}", std::process::id()));

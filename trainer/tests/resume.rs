@@ -5,47 +5,16 @@
 
 mod common;
 
+use common::PeerLostAt;
+
 use std::path::{Path, PathBuf};
 
 use ringmaster_contract::trainer::{MODEL_FILE, TrainArgs, exit};
-use ringmaster_trainer::collective::{Collective, CollectiveError, ReduceOp, SingleRank};
+use ringmaster_trainer::collective::SingleRank;
 use ringmaster_trainer::engine::checkpoint;
 use ringmaster_trainer::engine::{Arch, Model};
 use ringmaster_trainer::resume::{self, ResumeError};
 use ringmaster_trainer::train::{TrainError, run};
-
-/// One rank whose peer is lost at its `fails_at`-th all-reduce (counted from 1), as a
-/// worker's death reaches the ranks left.
-struct PeerLostAt {
-    fails_at: usize,
-    calls: usize,
-}
-
-impl Collective for PeerLostAt {
-    fn rank(&self) -> usize {
-        0
-    }
-    fn world_size(&self) -> usize {
-        1
-    }
-    fn name(&self) -> &'static str {
-        "peer-lost-at"
-    }
-    fn all_reduce(&mut self, _data: &mut [f32], _op: ReduceOp) -> Result<(), CollectiveError> {
-        self.calls += 1;
-        if self.calls == self.fails_at {
-            return Err(CollectiveError::PeerLost {
-                peer: 1,
-                direction: "from",
-                source: std::io::ErrorKind::ConnectionReset.into(),
-            });
-        }
-        Ok(())
-    }
-    fn broadcast(&mut self, _data: &mut [f32], _root: usize) -> Result<(), CollectiveError> {
-        Ok(())
-    }
-}
 
 fn args(output_dir: &Path, run_id: &str) -> TrainArgs {
     let dir = output_dir.to_str().unwrap();

@@ -3,6 +3,8 @@
 
 use std::process::Command;
 
+use ringmaster_trainer::collective::{Collective, CollectiveError, ReduceOp};
+
 /// The smallest network that trains: a 4-wide CIFAR ResNet-8 on 8×8 images of two
 /// learnable classes, 4 images per rank (add `--dataset-size` and `--steps`).
 pub const TINY_RUN: &[&str] = &[
@@ -191,4 +193,37 @@ pub fn flagship_flags(
         "--log-every=10".to_string(),
     ]);
     flags
+}
+
+/// One rank whose peer is lost at its `fails_at`-th all-reduce (counted from 1; one a step:
+/// the loss), as a worker's death reaches the ranks left.
+pub struct PeerLostAt {
+    pub fails_at: usize,
+    pub calls: usize,
+}
+
+impl Collective for PeerLostAt {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn name(&self) -> &'static str {
+        "peer-lost-at"
+    }
+    fn all_reduce(&mut self, _data: &mut [f32], _op: ReduceOp) -> Result<(), CollectiveError> {
+        self.calls += 1;
+        if self.calls == self.fails_at {
+            return Err(CollectiveError::PeerLost {
+                peer: 1,
+                direction: "from",
+                source: std::io::ErrorKind::ConnectionReset.into(),
+            });
+        }
+        Ok(())
+    }
+    fn broadcast(&mut self, _data: &mut [f32], _root: usize) -> Result<(), CollectiveError> {
+        Ok(())
+    }
 }
