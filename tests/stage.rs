@@ -37,6 +37,14 @@ fn create_container(azurite: &Azurite) {
     azurite.create_container(CONTAINER);
 }
 
+/// Azurite on a free port, with the container holding `files`.
+async fn azurite_with(files: &BTreeMap<String, Vec<u8>>) -> Azurite {
+    let azurite = Azurite::start();
+    create_container(&azurite);
+    upload(&writer(&azurite), files).await;
+    azurite
+}
+
 /// Uploads `files` (name → bytes) in parallel.
 async fn upload(store: &Arc<dyn ObjectStore>, files: &BTreeMap<String, Vec<u8>>) {
     futures::stream::iter(files.iter())
@@ -184,10 +192,8 @@ fn walk(dir: &Path) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn copies_a_prefix_with_a_sas_token_then_skips_and_repairs() {
-    let azurite = Azurite::start();
-    create_container(&azurite);
     let files = dataset();
-    upload(&writer(&azurite), &files).await;
+    let azurite = azurite_with(&files).await;
     let dest = tempfile::tempdir().unwrap();
     let args = args(&azurite, dest.path());
     let sas = azurite::container_sas(azurite::KEY, CONTAINER, "rl");
@@ -222,9 +228,7 @@ async fn copies_a_prefix_with_a_sas_token_then_skips_and_repairs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_key_or_token_is_a_clear_error_and_copies_nothing() {
-    let azurite = Azurite::start();
-    create_container(&azurite);
-    upload(&writer(&azurite), &dataset()).await;
+    let azurite = azurite_with(&dataset()).await;
     let dest = tempfile::tempdir().unwrap();
     let args = args(&azurite, dest.path());
     let wrong_key = "d3Jvbmcta2V5LXdyb25nLWtleS13cm9uZy1rZXktd3Jvbmcta2V5LXdyb25nLWtleQ==";
@@ -244,9 +248,7 @@ async fn a_wrong_key_or_token_is_a_clear_error_and_copies_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_blob_named_dot_dot_is_refused_before_anything_is_copied() {
-    let azurite = Azurite::start();
-    create_container(&azurite);
-    upload(&writer(&azurite), &dataset()).await;
+    let azurite = azurite_with(&dataset()).await;
     // `../x` cannot be written through object_store (it escapes `..`): a raw request, with
     // the dots percent-encoded so no client normalises them away.
     let status = azurite.put_blob(CONTAINER, "ds/%2E%2E/%2E%2E/x", b"x");
@@ -264,10 +266,8 @@ async fn a_blob_named_dot_dot_is_refused_before_anything_is_copied() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_mid_copy_the_rerun_copies_only_the_rest() {
-    let azurite = Azurite::start();
-    create_container(&azurite);
     let files = dataset();
-    upload(&writer(&azurite), &files).await;
+    let azurite = azurite_with(&files).await;
     let dest = tempfile::tempdir().unwrap();
     let sas = azurite::container_sas(azurite::KEY, CONTAINER, "rl");
     let manifest = dest.path().join(".ringmaster-stage/manifest.jsonl");
@@ -312,12 +312,10 @@ async fn killed_mid_copy_the_rerun_copies_only_the_rest() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_termination_message_holds_the_outcome() {
     use ringmaster::stage::Outcome;
-    let azurite = Azurite::start();
-    create_container(&azurite);
     let mut files = BTreeMap::new();
     files.insert("ds/a.txt".to_string(), b"alpha".to_vec());
     files.insert("ds/b/c.txt".to_string(), b"gamma".to_vec());
-    upload(&writer(&azurite), &files).await;
+    let azurite = azurite_with(&files).await;
     let dest = tempfile::tempdir().unwrap();
     let message = dest.path().join("termination-log");
     let run = |sas: &str| {
@@ -363,10 +361,8 @@ async fn the_termination_message_holds_the_outcome() {
 /// at start and the first failed renaming files that were gone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_stagers_on_one_destination_take_turns_and_the_tree_is_whole() {
-    let azurite = Azurite::start();
-    create_container(&azurite);
     let files = dataset();
-    upload(&writer(&azurite), &files).await;
+    let azurite = azurite_with(&files).await;
     let dest = tempfile::tempdir().unwrap();
     let sas = azurite::container_sas(azurite::KEY, CONTAINER, "rl");
     let manifest = dest.path().join(".ringmaster-stage/manifest.jsonl");
@@ -432,10 +428,8 @@ fn md5_hex(data: &[u8]) -> String {
 /// with its MD5, and no temporary file behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_between_write_and_rename_no_partial_file_and_the_rerun_is_whole() {
-    let azurite = Azurite::start();
-    create_container(&azurite);
     let files = dataset();
-    upload(&writer(&azurite), &files).await;
+    let azurite = azurite_with(&files).await;
     let dest = tempfile::tempdir().unwrap();
     let sas = azurite::container_sas(azurite::KEY, CONTAINER, "rl");
     let marker = dest.path().with_extension("held");
@@ -565,12 +559,10 @@ async fn a_blob_overwritten_after_listing_is_copied_whole_at_its_new_version() {
 /// do; nothing is written under its name, and the other files are copied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_content_md5_mismatch_fails_the_copy_naming_the_blob() {
-    let azurite = Azurite::start();
-    create_container(&azurite);
     let mut files = BTreeMap::new();
     files.insert("ds/good.txt".to_string(), b"good".to_vec());
     files.insert("ds/bad/liar.bin".to_string(), vec![7u8; 100_000]);
-    upload(&writer(&azurite), &files).await;
+    let azurite = azurite_with(&files).await;
     // MD5("hello"), not of 100,000 sevens.
     let status = azurite.set_content_md5(CONTAINER, "ds/bad/liar.bin", "XUFAKrxLKna5cZ2REBfFkg==");
     assert_eq!(status, 200, "Azurite set the property");
