@@ -4,7 +4,7 @@
 //! split into validate → build → apply → status steps); `validation` the schema and CEL
 //! checks the validate steps share; `kueue` the part of Kueue's API a queued TrainingJob
 //! uses; `gang` the scheduler-plugins or Volcano PodGroup a gang-scheduled job
-//! gets; `crdgen` prints the CRDs; `metrics`, `server` and
+//! gets; `crdgen` prints the CRDs; `report` takes running jobs' progress reports; `metrics`, `server` and
 //! `telemetry` are the operator's plumbing.
 
 pub mod aks;
@@ -16,6 +16,7 @@ pub mod kube_client;
 pub mod kueue;
 pub mod leader;
 pub mod metrics;
+pub mod report;
 pub mod server;
 pub mod stage;
 pub mod telemetry;

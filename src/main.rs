@@ -210,6 +210,47 @@ struct RunArgs {
     /// Name of this replica in Events (the pod name in a Deployment).
     #[arg(long, env = "POD_NAME")]
     instance: Option<String>,
+    /// Address of the progress-report endpoint (HTTPS), where launchers POST how far training
+    /// got. In a pod, use 0.0.0.0:8443. Without it (and --progress-url) jobs report nothing
+    /// and their status shows progress only once they end.
+    #[arg(
+        long,
+        env = "RINGMASTER_PROGRESS_BIND_ADDRESS",
+        requires = "progress_url"
+    )]
+    progress_bind_address: Option<SocketAddr>,
+    /// The endpoint's URL as launcher pods reach it, e.g. https://ringmaster-progress.ringmaster-system.svc:8443
+    /// (its host is the certificate's name).
+    #[arg(long, env = "RINGMASTER_PROGRESS_URL", requires = "progress_bind_address", value_parser = parse_progress_url)]
+    progress_url: Option<String>,
+    /// Secret (in the operator's namespace, --leader-election-namespace) that keeps the
+    /// endpoint's self-signed certificate; made when missing.
+    #[arg(
+        long,
+        env = "RINGMASTER_PROGRESS_TLS_SECRET",
+        default_value = "ringmaster-progress-tls"
+    )]
+    progress_tls_secret: String,
+}
+
+/// `--progress-url`: an https URL with a host.
+fn parse_progress_url(url: &str) -> Result<String, String> {
+    progress_host(url).map(|_| url.trim_end_matches('/').to_string())
+}
+
+/// The host of an https URL (the certificate's name).
+fn progress_host(url: &str) -> Result<String, String> {
+    let uri: http::Uri = url.parse().map_err(|e| format!("{url}: {e}"))?;
+    if uri.scheme_str() != Some("https") {
+        return Err(format!(
+            "{url}: the progress endpoint is served over https only"
+        ));
+    }
+    let host = uri.host().ok_or_else(|| format!("{url}: no host"))?;
+    Ok(host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string())
 }
 
 /// `ringmaster stage`: the copy, its summary on stdout, and its outcome in the termination
@@ -347,6 +388,7 @@ async fn run(args: RunArgs) -> Result<(), String> {
         ready: ready.clone(),
     };
     let server = tokio::spawn(server::serve(listener, state, shutdown.clone()));
+    let progress = progress_endpoint(&args, &client).await?;
     let ctx = Arc::new(Context::new(
         client,
         metrics,
@@ -372,8 +414,16 @@ async fn run(args: RunArgs) -> Result<(), String> {
             orphan_pool_sweep_every: std::time::Duration::from_secs(
                 args.orphan_pool_sweep_minutes * 60,
             ),
+            progress: progress.as_ref().map(|(endpoint, _)| endpoint.clone()),
         },
     ));
+    if let Some((_, listener)) = progress {
+        tokio::spawn(ringmaster::report::serve(
+            listener,
+            ctx.clone(),
+            shutdown.clone(),
+        ));
+    }
     let scope = Scope {
         namespace: args.namespace,
     };
@@ -409,6 +459,42 @@ async fn run(args: RunArgs) -> Result<(), String> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The progress endpoint, when asked for: its certificate (from its Secret, made when
+/// missing) and its TLS listener, bound now so a port in use fails fast.
+async fn progress_endpoint(
+    args: &RunArgs,
+    client: &kube::Client,
+) -> Result<
+    Option<(
+        ringmaster::report::ProgressEndpoint,
+        ringmaster::report::tls::TlsListener,
+    )>,
+    String,
+> {
+    let (Some(addr), Some(url)) = (args.progress_bind_address, args.progress_url.clone()) else {
+        return Ok(None);
+    };
+    let host = progress_host(&url)?;
+    let namespace = &args.leader_election_namespace;
+    let cert =
+        ringmaster::report::tls::serving_cert(client, namespace, &args.progress_tls_secret, &host)
+            .await
+            .map_err(|e| e.to_string())?;
+    let config = cert.server_config().map_err(|e| e.to_string())?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| format!("binding the progress endpoint {addr}: {e}"))?;
+    tracing::info!(%addr, %url, "progress endpoint serving");
+    let endpoint = ringmaster::report::ProgressEndpoint {
+        url,
+        ca_pem: cert.cert_pem,
+    };
+    Ok(Some((
+        endpoint,
+        ringmaster::report::tls::TlsListener::new(listener, config),
+    )))
 }
 
 /// This machine's name, for a replica identity outside a pod.

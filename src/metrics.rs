@@ -1,8 +1,8 @@
 //! Prometheus metrics of the operator, served on `/metrics`.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramTimer, HistogramVec, IntCounter, IntCounterVec,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramTimer, HistogramVec, IntCounter,
+    IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use crate::api::TrainingJobPhase;
@@ -32,6 +32,58 @@ pub struct Metrics {
     time_to_running: Histogram,
     restarts: IntCounter,
     kube_requests: IntCounterVec,
+    progress: JobProgressGauges,
+}
+
+/// What running jobs report, a series per job (labels `namespace`, `name`): bounded by the
+/// jobs running, each removed when its job stops running.
+#[derive(Clone)]
+struct JobProgressGauges {
+    steps: GaugeVec,
+    total_steps: GaugeVec,
+    loss: GaugeVec,
+    images_per_second: GaugeVec,
+    seconds_remaining: GaugeVec,
+}
+
+impl JobProgressGauges {
+    fn new() -> Self {
+        let gauge = |name: &str, help: &str| {
+            GaugeVec::new(Opts::new(name, help), &["namespace", "name"]).expect("valid metric")
+        };
+        Self {
+            steps: gauge(
+                "ringmaster_trainingjob_progress_steps",
+                "Steps a running TrainingJob reported done",
+            ),
+            total_steps: gauge(
+                "ringmaster_trainingjob_progress_total_steps",
+                "Steps a running TrainingJob trains in all, as it reported",
+            ),
+            loss: gauge(
+                "ringmaster_trainingjob_progress_loss",
+                "The loss a running TrainingJob reported last",
+            ),
+            images_per_second: gauge(
+                "ringmaster_trainingjob_progress_images_per_second",
+                "Images per second over all ranks of a running TrainingJob (recent rate)",
+            ),
+            seconds_remaining: gauge(
+                "ringmaster_trainingjob_progress_seconds_remaining",
+                "Estimated seconds until a running TrainingJob's last step",
+            ),
+        }
+    }
+
+    fn all(&self) -> [&GaugeVec; 5] {
+        [
+            &self.steps,
+            &self.total_steps,
+            &self.loss,
+            &self.images_per_second,
+            &self.seconds_remaining,
+        ]
+    }
 }
 
 impl Default for Metrics {
@@ -99,6 +151,12 @@ impl Metrics {
             &["method"],
         )
         .expect("valid metric");
+        let progress = JobProgressGauges::new();
+        for gauge in progress.all() {
+            registry
+                .register(Box::new(gauge.clone()))
+                .expect("metric registered once");
+        }
         for collector in [
             Box::new(kube_requests.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(reconciles.clone()),
@@ -121,6 +179,44 @@ impl Metrics {
             time_to_running,
             restarts,
             kube_requests,
+            progress,
+        }
+    }
+
+    /// A running job's reported progress (values it did not report are left out).
+    pub fn set_job_progress(
+        &self,
+        namespace: &str,
+        name: &str,
+        progress: &crate::api::TrainingProgress,
+        seconds_remaining: Option<f64>,
+    ) {
+        let labels = [namespace, name];
+        let g = &self.progress;
+        g.steps.with_label_values(&labels).set(progress.step as f64);
+        let optional = [
+            (&g.total_steps, progress.total_steps.map(|t| t as f64)),
+            (&g.loss, progress.loss),
+            (
+                &g.images_per_second,
+                progress.images_per_second.map(|r| r as f64),
+            ),
+            (&g.seconds_remaining, seconds_remaining),
+        ];
+        for (gauge, value) in optional {
+            match value {
+                Some(value) => gauge.with_label_values(&labels).set(value),
+                None => {
+                    let _ = gauge.remove_label_values(&labels);
+                }
+            }
+        }
+    }
+
+    /// Removes a job's progress series (it stopped running, or is gone).
+    pub fn forget_job_progress(&self, namespace: &str, name: &str) {
+        for gauge in self.progress.all() {
+            let _ = gauge.remove_label_values(&[namespace, name]);
         }
     }
 

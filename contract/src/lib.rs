@@ -7,8 +7,11 @@
 //!   termination message ([`trainer::Summary`]), or a failing rank's error in its place
 //!   ([`trainer::Failure`]), and its exit codes ([`trainer::exit`]).
 //!
+//! * [`progress`] — how a running job reports its progress to the operator.
+//!
 //! The crate depends on neither kube nor k8s-openapi, so the trainer stays free of them.
 
+pub mod progress;
 pub mod trainer;
 
 /// `text` in at most `max_bytes`: whole, or cut at a character and ending in `...` (where

@@ -900,6 +900,14 @@ pub struct Progress {
     pub learning_rate: f64,
     /// Images per second since the first step (none before the second).
     pub images_per_second: Option<f64>,
+    /// Images per second since the previous progress line (the recent rate: what the time
+    /// left is estimated from).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recent_images_per_second: Option<f64>,
+    /// The steps the run trains in all, when known: the job's percent done and time left
+    /// come from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_steps: Option<u64>,
 }
 
 /// The trainer's summary: the last line of rank 0's stdout, which `ringmaster-trainer launch`
@@ -1285,6 +1293,8 @@ mod tests {
             accuracy: Some(0.0),
             learning_rate: 0.1,
             images_per_second: None,
+            recent_images_per_second: None,
+            total_steps: Some(10),
         }))
         .unwrap();
         assert!(step.contains(r#""event":"step""#), "{step}");

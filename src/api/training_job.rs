@@ -78,10 +78,22 @@ fn immutable(field: &str) -> Rule {
         description = "Times the worker gang was restarted"
     ),
     printcolumn(
+        name = "Progress",
+        type_ = "string",
+        json_path = ".status.progress.percentDone",
+        description = "Share of the training steps done, as the trainer reports it"
+    ),
+    printcolumn(
+        name = "ETA",
+        type_ = "string",
+        json_path = ".status.progress.timeRemaining",
+        description = "Time left to the last step at the recent rate"
+    ),
+    printcolumn(
         name = "Images/s",
-        type_ = "number",
-        json_path = ".status.result.imagesPerSecond",
-        description = "Throughput reported by the trainer",
+        type_ = "integer",
+        json_path = ".status.progress.imagesPerSecond",
+        description = "Images per second over all ranks (the recent rate while training, the whole run's after)",
         priority = 1
     ),
     printcolumn(
@@ -885,6 +897,64 @@ pub struct TrainingJobStatus {
     /// (and their logs), until the job is deleted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_failure: Option<LastFailure>,
+    /// How far training got, as the launcher reports it while the job runs (at most one
+    /// status write per job every 30 s or more; see `docs/progress.md`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<TrainingProgress>,
+    /// The fabric the gradients cross between ranks, as NCCL itself reported it (the
+    /// trainer reads NCCL's INIT/NET account after the first step).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fabric: Option<FabricStatus>,
+}
+
+/// How far training got.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TrainingProgress {
+    /// Steps done.
+    pub step: i64,
+    /// Steps in all, when the program says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_steps: Option<i64>,
+    /// `step` of `totalSteps` in percent, e.g. `42%`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub percent_done: Option<String>,
+    /// Mean loss over the ranks at `step`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss: Option<f64>,
+    /// Images per second over all ranks, rounded: the recent rate while training, the
+    /// whole run's once it ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub images_per_second: Option<i64>,
+    /// Time left to the last step at the recent rate, e.g. `1h12m`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_remaining: Option<String>,
+    /// When the last step should be done at the recent rate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub estimated_completion_time: Option<Time>,
+    /// When the launcher reported this.
+    pub report_time: Time,
+}
+
+/// The fabric between ranks.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FabricStatus {
+    /// The collective: `nccl` or `tcp-ring`.
+    pub collective: String,
+    /// The network NCCL uses between hosts on rank 0 (`IB`, `Socket`, a plugin's name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<String>,
+    /// The transports of rank 0's channels (`NET/IB`, `NET/Socket`, `P2P`, `SHM`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub transports: Vec<String>,
+    /// Whether rank 0's network channels use GPUDirect RDMA.
+    #[serde(default)]
+    pub gpu_direct_rdma: bool,
+    /// Ranks whose traffic between hosts goes over InfiniBand.
+    pub ranks_on_infiniband: i64,
+    /// Ranks in all.
+    pub world_size: i64,
 }
 
 /// A failed gang attempt, as the job saw it end.

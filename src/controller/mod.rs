@@ -192,6 +192,9 @@ pub struct OperatorConfig {
     pub orphan_pool_sweep: training_job::sweep::SweepMode,
     /// How often the leader sweeps (and once at start).
     pub orphan_pool_sweep_every: Duration,
+    /// Where launchers report progress (none: they do not, and the status shows no progress
+    /// until a job ends).
+    pub progress: Option<crate::report::ProgressEndpoint>,
 }
 
 /// The operator image of this version, which also runs the stager.
@@ -214,6 +217,7 @@ impl Default for OperatorConfig {
             job_network_policies: true,
             orphan_pool_sweep: Default::default(),
             orphan_pool_sweep_every: Duration::from_secs(600),
+            progress: None,
         }
     }
 }
@@ -250,6 +254,8 @@ pub struct Context {
     failures: Mutex<HashMap<String, u32>>,
     /// Status progress held back per object.
     progress: progress::ProgressGate,
+    /// What running jobs' launchers reported, and the reconciles their reports ask for.
+    pub reports: crate::report::Reports,
     /// Whether the pod and DataStage caches have their first full list: a TrainingJob is
     /// not planned from caches that do not know its pods yet.
     caches_synced: AtomicBool,
@@ -296,6 +302,7 @@ impl Context {
             flavors_writer: Mutex::new(Some(flavors_writer)),
             failures: Mutex::new(HashMap::new()),
             progress: progress::ProgressGate::default(),
+            reports: crate::report::Reports::default(),
             caches_synced: AtomicBool::new(false),
             recent: training_job::recent::RecentWrites::default(),
             writer,
@@ -639,6 +646,28 @@ fn object_key<K: Resource>(object: &K) -> String {
     )
 }
 
+/// Every minute, forgets the reports of jobs whose launchers fell silent for 10 minutes
+/// (a job deleted while another replica led, a launcher gone without a word) and their
+/// progress series.
+fn spawn_report_sweep(ctx: &Arc<Context>, shutdown: CancellationToken) {
+    let ctx = ctx.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(60));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = every.tick() => {}
+            }
+            let now = k8s_openapi::jiff::Timestamp::now();
+            for key in ctx.reports.board.stale(now, Duration::from_secs(600)) {
+                if let Some((namespace, name)) = key.split_once('/') {
+                    training_job::forget_reports(&ctx, namespace, name);
+                }
+            }
+        }
+    });
+}
+
 /// Retries a failed reconciliation with per-object exponential backoff.
 fn error_policy<K>(object: Arc<DeserializeGuard<K>>, error: &Error, ctx: Arc<Context>) -> Action
 where
@@ -740,6 +769,16 @@ pub async fn run(
     } else {
         jobs
     };
+    let triggers = ctx
+        .reports
+        .take_triggers()
+        .map(|mut triggered| futures::stream::poll_fn(move |cx| triggered.poll_recv(cx)));
+    let jobs = match triggers {
+        // A launcher's report wakes its job (its status shows it at the next write).
+        Some(triggers) => jobs.reconcile_on(triggers),
+        None => jobs,
+    };
+    spawn_report_sweep(&ctx, shutdown.clone());
     let jobs = jobs
         .owns_stream(pod_events)
         .watches_stream(stage_events, move |stage: DataStage| {

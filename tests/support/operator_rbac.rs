@@ -290,6 +290,13 @@ pub const CLUSTER_CALLS: &[Calls] = &[
         "training_job::admission: the job's priority",
     ),
     calls(
+        "authentication.k8s.io",
+        "tokenreviews",
+        &["create"],
+        When::Always,
+        "report::auth: a launcher's progress token, checked once per token",
+    ),
+    calls(
         "scheduling.x-k8s.io",
         "podgroups",
         &["create", "patch"],
@@ -306,13 +313,22 @@ pub const CLUSTER_CALLS: &[Calls] = &[
 ];
 
 /// The operator's calls in its own namespace, through the leader-election Role.
-pub const LEADER_CALLS: &[Calls] = &[calls(
-    "coordination.k8s.io",
-    "leases",
-    &["get", "create", "patch"],
-    When::Always,
-    "leader::run (kube-lease-manager): the leader Lease",
-)];
+pub const LEADER_CALLS: &[Calls] = &[
+    calls(
+        "coordination.k8s.io",
+        "leases",
+        &["get", "create", "patch"],
+        When::Always,
+        "leader::run (kube-lease-manager): the leader Lease",
+    ),
+    calls(
+        "",
+        "secrets",
+        &["update"],
+        When::Always,
+        "report::tls::serving_cert: the progress endpoint's certificate, for a new host",
+    ),
+];
 
 /// `(group, resource, verb)` of every call in `table` made with `kueue` and the gang
 /// scheduler's API group `gang`.
@@ -376,6 +392,8 @@ pub const KINDS: &[(&str, &str)] = &[
     ("DataStage", "datastages"),
     ("Pod", "pods"),
     ("Secret", "secrets"),
+    // A launcher's progress token (report::auth).
+    ("TokenReview", "tokenreviews"),
     ("Service", "services"),
     ("NetworkPolicy", "networkpolicies"),
     ("Node", "nodes"),

@@ -3,7 +3,8 @@
 //! operator turns into the TrainingJob's `status.result`), or, when the run failed, the
 //! failing rank's own failure line (which the operator shows on the job in place of the
 //! tail of `mpirun`'s log), and leaves with the trainer's exit code ([`exit`]) so the
-//! operator can tell a lost peer from a verdict.
+//! operator can tell a lost peer from a verdict. While the ranks run, their progress goes to
+//! the operator ([`crate::report`]) when the launcher's environment names where.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
@@ -104,13 +105,20 @@ pub fn run(command: &[String], termination_message: &Path) -> Result<u8, LaunchE
     forward_termination(signals, child.id());
     let stdout = child.stdout.take().expect("piped stdout");
     let mut message = TerminationMessage::default();
+    let reporter = crate::report::Endpoint::from_env().and_then(crate::report::Reporter::start);
     let mut out = std::io::stdout().lock();
     for line in BufReader::new(stdout).lines() {
         let line = line?;
         writeln!(out, "{line}")?;
         message.read(&line);
+        if let Some(reporter) = &reporter {
+            reporter.line(&line);
+        }
     }
     out.flush()?;
+    if let Some(reporter) = reporter {
+        reporter.finish();
+    }
     let status = child.wait()?;
     let cause = message.cause();
     if let Some(message) = message.text(cause.as_ref()) {

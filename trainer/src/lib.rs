@@ -9,6 +9,7 @@
 //! * `resume` — the run's checkpoint: written while training goes on, gone on from at a restart.
 //! * `launch` — the launcher wrapper that turns rank 0's summary, or the failing rank's
 //!   failure line, into a termination message.
+//! * `report` — the launcher's progress reports to the operator.
 //! * `failure` — a failing rank's failure line, for its errors and its panics.
 
 pub mod bench;
@@ -17,6 +18,7 @@ pub mod engine;
 pub mod failure;
 pub mod gpu;
 pub mod launch;
+pub mod report;
 pub mod resume;
 pub mod train;
 pub mod world;

@@ -423,6 +423,8 @@ struct Trainer<'a, B: Backend> {
     started: Instant,
     /// When the first step ended, and the steps done then: throughput counts from there.
     timed_from: Option<(Instant, usize)>,
+    /// When rank 0 printed its last progress line, and the steps done then: the recent rate.
+    last_logged: std::cell::Cell<Option<(Instant, usize)>>,
     /// The last step's loss and accuracy over every rank.
     loss: f32,
     accuracy: f32,
@@ -490,6 +492,7 @@ impl<'a, B: Backend> Trainer<'a, B> {
             recorded,
             started: Instant::now(),
             timed_from: None,
+            last_logged: std::cell::Cell::new(None),
             loss: f32::NAN,
             accuracy: 0.0,
         })
@@ -716,12 +719,22 @@ impl<'a, B: Backend> Trainer<'a, B> {
             .timed_from
             .filter(|(_, from)| step + 1 > *from)
             .map(|(t, from)| ((step + 1 - from) * global_batch) as f64 / t.elapsed().as_secs_f64());
+        let now = Instant::now();
+        let recent = self
+            .last_logged
+            .replace(Some((now, step + 1)))
+            .filter(|(_, before)| step + 1 > *before)
+            .map(|(at, before)| {
+                ((step + 1 - before) * global_batch) as f64 / (now - at).as_secs_f64()
+            });
         print_line(&Line::Step(Progress {
             step: (step + 1) as u64,
             loss: finite(self.loss),
             accuracy: finite(self.accuracy),
             learning_rate: f64::from(lr),
             images_per_second: throughput,
+            recent_images_per_second: recent.filter(|r| r.is_finite()),
+            total_steps: Some(self.layout.total_steps as u64),
         }));
         if let Some(timing) = all_reduce_timing {
             print_line(&Line::AllReduce(timing));

@@ -238,6 +238,34 @@ impl Operator {
 
     /// [`Operator::start`] with settings of the test's choosing.
     pub async fn start_with(client: &Client, namespace: &str, config: OperatorConfig) -> Self {
+        Self::start_reporting(client, namespace, config, None).await
+    }
+
+    /// [`Operator::start_with`], and its progress endpoint on `progress_ip` (a free port),
+    /// its certificate in a Secret of `namespace`, when given.
+    pub async fn start_reporting(
+        client: &Client,
+        namespace: &str,
+        mut config: OperatorConfig,
+        progress_ip: Option<std::net::IpAddr>,
+    ) -> Self {
+        let mut progress_listener = None;
+        if let Some(ip) = progress_ip {
+            use ringmaster::report::{ProgressEndpoint, tls};
+            let host = ip.to_string();
+            let secret = "ringmaster-progress-tls";
+            let cert = tls::serving_cert(client, namespace, secret, &host)
+                .await
+                .unwrap();
+            let listener = tokio::net::TcpListener::bind((ip, 0)).await.unwrap();
+            let port = listener.local_addr().unwrap().port();
+            config.progress = Some(ProgressEndpoint {
+                url: format!("https://{host}:{port}"),
+                ca_pem: cert.cert_pem.clone(),
+            });
+            let listener = tls::TlsListener::new(listener, cert.server_config().unwrap());
+            progress_listener = Some(listener);
+        }
         let shutdown = CancellationToken::new();
         let metrics = Metrics::new();
         let ready = Arc::new(AtomicBool::new(false));
@@ -257,6 +285,13 @@ impl Operator {
         let scope = Scope {
             namespace: Some(namespace.to_string()),
         };
+        if let Some(listener) = progress_listener {
+            tokio::spawn(ringmaster::report::serve(
+                listener,
+                ctx.clone(),
+                shutdown.clone(),
+            ));
+        }
         let controllers =
             tokio::spawn(controller::run(ctx, scope, ready.clone(), shutdown.clone()));
         eventually(Duration::from_secs(30), "operator caches synced", || {

@@ -20,6 +20,9 @@ pub mod condition_types {
     pub const SUCCEEDED: &str = "Succeeded";
     /// The job failed for good.
     pub const FAILED: &str = "Failed";
+    /// NCCL carries the gradients over InfiniBand (set only on jobs that ask for it, once
+    /// the trainer reported its fabric).
+    pub const INFINIBAND_USED: &str = "InfinibandUsed";
 }
 
 /// Condition reasons of a TrainingJob.
@@ -87,4 +90,8 @@ pub mod reasons {
     pub const START_TIMEOUT: &str = "StartTimeout";
     /// The job is not finished.
     pub const NOT_FINISHED: &str = "NotFinished";
+    /// NCCL uses InfiniBand on every rank.
+    pub const NCCL_USES_INFINIBAND: &str = "NcclUsesInfiniband";
+    /// InfiniBand was asked for and NCCL chose sockets on some rank (with a Warning Event).
+    pub const NCCL_CHOSE_SOCKETS: &str = "NcclChoseSockets";
 }

@@ -5,6 +5,7 @@ pub mod admission;
 pub mod apply;
 pub mod build;
 pub mod condition_names;
+pub mod live;
 pub mod names;
 pub mod observe;
 pub mod plan;
@@ -70,6 +71,7 @@ pub async fn reconcile(
             report_invalid(&ctx, &object, &errors).await?
         }
         Ok(job) if job.meta().deletion_timestamp.is_some() => {
+            forget_reports(&ctx, &job.namespace().unwrap_or_default(), &job.name_any());
             let finalized = pool::finalize(&ctx.client, ctx.config.arm.as_ref(), job)
                 .await
                 .map_err(pool_error)?;
@@ -194,6 +196,7 @@ async fn run(
         let message = &plan.message;
         return Err(rejected(ctx, object, (before, &new), message, validated, source).await);
     }
+    let new = with_live_reports(ctx, validated, &seen, new);
     let progress_wait = report(ctx, object, &seen.old, &new, &plan, restarting).await?;
     let kueue_requeue = kueue.requeue;
     let pods_exist = !seen.pods.is_empty() || plan.unseen_pods || !written.pods.is_empty();
@@ -210,6 +213,39 @@ async fn run(
     ];
     let next = waits.into_iter().flatten().min();
     Ok(next.map_or_else(Action::await_change, Action::requeue))
+}
+
+/// The status with what the job's launcher reported ([`live`]); a job that no longer runs
+/// is taken off the report board and its progress metrics.
+fn with_live_reports(
+    ctx: &Context,
+    validated: &spec::ValidatedTrainingJob,
+    seen: &Snapshot,
+    new: TrainingJobStatus,
+) -> TrainingJobStatus {
+    let key = crate::report::job_key(&validated.namespace, &validated.name);
+    let entry = ctx.reports.board.read(&key);
+    let infiniband = validated.infiniband.is_some();
+    let new = live::with_reports(
+        new,
+        &seen.old,
+        entry.as_ref(),
+        infiniband,
+        seen.generation,
+        &seen.now,
+    );
+    if new.phase != crate::api::TrainingJobPhase::Running {
+        forget_reports(ctx, &validated.namespace, &validated.name);
+    }
+    new
+}
+
+/// Takes a job off the report board and its progress series off the metrics.
+pub fn forget_reports(ctx: &Context, namespace: &str, name: &str) {
+    ctx.reports
+        .board
+        .forget(&crate::report::job_key(namespace, name));
+    ctx.metrics.forget_job_progress(namespace, name);
 }
 
 /// A restart is written before its pods are deleted, so a crash in between cannot lose it.
@@ -279,6 +315,7 @@ async fn carry_out(
         naming: plan.naming,
         launcher_priority_class: ctx.config.launcher_priority_class.clone(),
         network_policy: ctx.config.job_network_policies,
+        progress: ctx.config.progress.clone(),
     };
     let mut written = apply::Written::default();
     let applied = apply::execute(&ctx.client, validated, plan, &inputs, &mut written).await;
@@ -449,7 +486,26 @@ async fn write_status(
     let related = about.map(|pod| pod_reference(object, pod));
     publish_phase_event(ctx, object, old.phase, new.phase, message, related.clone()).await;
     publish_blocked_event(ctx, object, old, new, related).await;
+    publish_fabric_event(ctx, object, old, new).await;
     Ok(())
+}
+
+/// A Warning when the job asked for InfiniBand and NCCL chose sockets (once, as the
+/// condition turns).
+async fn publish_fabric_event(
+    ctx: &Context,
+    object: &DeserializeGuard<TrainingJob>,
+    old: &TrainingJobStatus,
+    new: &TrainingJobStatus,
+) {
+    use condition_names::condition_types::INFINIBAND_USED;
+    let Some(now) = conditions::find(&new.conditions, INFINIBAND_USED) else {
+        return;
+    };
+    let before = conditions::find(&old.conditions, INFINIBAND_USED);
+    if now.status == "False" && before.is_none_or(|b| b.status != "False") {
+        ctx.warn(object, &now.reason, &now.message).await;
+    }
 }
 
 /// What a status write of `object` expects to find: this process's own status when it

@@ -109,7 +109,8 @@ pub fn count_made(status: &mut TrainingJobStatus, workers: usize, launcher: bool
     }
 }
 
-/// Whether `new` differs from `old` only in progress: worker counts, the launcher's state,
+/// Whether `new` differs from `old` only in progress: the launcher's reports (training
+/// progress, the fabric; a condition they move is not progress), worker counts, the launcher's state,
 /// the start time (the launcher pod holds it too), condition messages and timestamps, and
 /// WorkersReady going from Starting to ready. Such a change can wait a little and go out with
 /// the next one; a new phase, restart, result, generation, node pool, or any other condition
@@ -129,6 +130,8 @@ pub fn is_progress_only(old: &TrainingJobStatus, new: &TrainingJobStatus) -> boo
             workers: WorkerCounts::default(),
             launcher: None,
             start_time: None,
+            progress: None,
+            fabric: None,
             conditions: Vec::new(),
             ..status.clone()
         };

@@ -11,6 +11,7 @@ mod mpi;
 mod network_policy;
 mod pod_group;
 mod pods;
+mod progress;
 mod secret;
 mod security;
 mod service;
@@ -76,6 +77,8 @@ pub struct BuildInputs {
     pub launcher_priority_class: Option<String>,
     /// Give the job its [`network_policy`] (`--job-network-policies`, on by default).
     pub network_policy: bool,
+    /// Where the launcher reports progress (`--progress-url`); none: it does not.
+    pub progress: Option<crate::report::ProgressEndpoint>,
 }
 
 /// The job as the controlling owner of its children (pods, Secret, Service, Workload,

@@ -287,15 +287,22 @@ fn own_pool_placement(
 
 /// The launcher pod of gang `inputs.attempt`: runs the MPI launcher over the hostfile.
 pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
-    let (volumes, mounts) = reserved_volumes(job, PodRole::Launcher, inputs.naming, None)
-        .into_iter()
-        .unzip();
+    let security = pod_security(job, PodRole::Launcher, &job.launcher);
+    let (mut volumes, mut mounts): (Vec<_>, Vec<_>) =
+        reserved_volumes(job, PodRole::Launcher, inputs.naming, None)
+            .into_iter()
+            .unzip();
+    let mut env = launcher_env(job, inputs, &security);
+    if let Some((report_env, volume, mount)) = super::progress::launcher_reporting(job, inputs) {
+        env.extend(report_env);
+        volumes.push(volume);
+        mounts.push(mount);
+    }
     // A job with its own pool runs its launcher there too: it needs no other capacity.
     let (node_selector, tolerations) = own_pool_placement(job)
         .map(|(selector, toleration)| (selector, vec![toleration]))
         .unwrap_or_default();
     let labels = names::pod_labels(job, inputs.naming, LAUNCHER_ROLE, inputs.attempt);
-    let security = pod_security(job, PodRole::Launcher, &job.launcher);
     let spec = PodSpec {
         node_selector: Some(node_selector),
         tolerations: Some(tolerations),
@@ -304,7 +311,7 @@ pub fn launcher_pod(job: &ValidatedTrainingJob, inputs: &BuildInputs) -> Pod {
             name: LAUNCHER_ROLE.into(),
             image: Some(job.image.clone()),
             command: Some(with_private_ssh_keys(launcher_command(job))),
-            env: Some(launcher_env(job, inputs, &security)),
+            env: Some(env),
             volume_mounts: Some(mounts),
             termination_message_policy: Some("FallbackToLogsOnError".into()),
             security_context: Some(security.container),
