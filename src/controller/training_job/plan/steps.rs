@@ -42,6 +42,7 @@ pub fn finished(plan: &mut Plan, inputs: &PlanInputs<'_>) -> Step {
             reasons::DEADLINE_EXCEEDED => reasons::DEADLINE_EXCEEDED,
             reasons::START_TIMEOUT => reasons::START_TIMEOUT,
             reasons::LAUNCHER_FAILED => reasons::LAUNCHER_FAILED,
+            reasons::PREFLIGHT_FAILED => reasons::PREFLIGHT_FAILED,
             reasons::NODE_POOL_FAILED => reasons::NODE_POOL_FAILED,
             _ => reasons::BACKOFF_LIMIT_EXCEEDED,
         };
@@ -453,7 +454,8 @@ pub fn failure(plan: &mut Plan, inputs: &PlanInputs<'_>) -> Step {
         return ControlFlow::Break(());
     }
     let cause = Cause::exited("launcher", pod, exit);
-    let detail = format!("{} (not retried: the program's own failure)", cause.words);
+    let (reason, verdict) = launcher_failure_reason(exit);
+    let detail = format!("{} (not retried: {verdict})", cause.words);
     record_failure(
         plan,
         inputs,
@@ -463,8 +465,22 @@ pub fn failure(plan: &mut Plan, inputs: &PlanInputs<'_>) -> Step {
         },
     );
     plan.about = Some(pod.about());
-    finish(plan, inputs, P::Failed, reasons::LAUNCHER_FAILED, detail);
+    finish(plan, inputs, P::Failed, reason, detail);
     ControlFlow::Break(())
+}
+
+/// The Failed condition's reason for a launcher exit that is not retried, and why it is
+/// not: the trainer's preflight found the fabric too slow (a restart on the same nodes
+/// measures the same), or the program failed on its own.
+fn launcher_failure_reason(exit: &crate::controller::training_job::observe::Exit) -> (&'static str, &'static str) {
+    if exit.code == i32::from(ringmaster_contract::trainer::exit::FABRIC_TOO_SLOW) {
+        (
+            reasons::PREFLIGHT_FAILED,
+            "the fabric is below infiniband.preflight's minimum on these nodes",
+        )
+    } else {
+        (reasons::LAUNCHER_FAILED, "the program's own failure")
+    }
 }
 
 /// `status.lastFailure`: this gang attempt failed, because of `cause`. The restart that
