@@ -53,8 +53,7 @@ fn dockerfile_targets_stages_and_binaries_are_consistent() {
         std::fs::read_to_string(fixtures::root().join("e2e/tools/image.sh")).unwrap();
     assert!(image_script.contains("setup=\"$root/trainer/image/setup.sh\""));
     // It installs what NCCL's InfiniBand transport loads: libibverbs and the mlx5 provider.
-    let setup =
-        std::fs::read_to_string(fixtures::root().join("trainer/image/setup.sh")).unwrap();
+    let setup = std::fs::read_to_string(fixtures::root().join("trainer/image/setup.sh")).unwrap();
     let mut install = String::new();
     for line in setup.lines().skip_while(|l| !l.contains("apt-get install")) {
         install.push_str(line.trim_end().trim_end_matches('\\'));

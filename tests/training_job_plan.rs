@@ -417,12 +417,16 @@ fn a_fabric_below_the_preflights_minimum_fails_the_job_with_its_own_reason_not_a
         exit_code: exit::FABRIC_TOO_SLOW,
     };
     let mut s = Scenario::new(job(|o| {
-        o["spec"]["infiniband"] = json!({"enabled": false, "preflight": {"minBusBandwidthGbps": 10000}});
+        o["spec"]["infiniband"] =
+            json!({"enabled": false, "preflight": {"minBusBandwidthGbps": 10000}});
     }))
     .pods(
         [
             ready(),
-            vec![failed_launcher(i64::from(exit::FABRIC_TOO_SLOW), &slow.to_line())],
+            vec![failed_launcher(
+                i64::from(exit::FABRIC_TOO_SLOW),
+                &slow.to_line(),
+            )],
         ]
         .concat(),
     );
@@ -436,7 +440,9 @@ fn a_fabric_below_the_preflights_minimum_fails_the_job_with_its_own_reason_not_a
     assert!(
         text.contains("exited with code 69")
             && text.contains("below the minimum of 10000 GB/s")
-            && text.contains("slowest link is rank 1 → rank 0 (resnet18-cpu-worker-1 → resnet18-cpu-worker-0)")
+            && text.contains(
+                "slowest link is rank 1 → rank 0 (resnet18-cpu-worker-1 → resnet18-cpu-worker-0)"
+            )
             && text.contains("not retried: the fabric is below infiniband.preflight's minimum"),
         "{text}"
     );

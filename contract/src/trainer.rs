@@ -1341,7 +1341,12 @@ mod tests {
                 "{errors:?}"
             );
         }
-        for bytes in [0, MIN_PREFLIGHT_BYTES - 4, MAX_PREFLIGHT_BYTES + 4, (4 << 20) + 2] {
+        for bytes in [
+            0,
+            MIN_PREFLIGHT_BYTES - 4,
+            MAX_PREFLIGHT_BYTES + 4,
+            (4 << 20) + 2,
+        ] {
             let errors = refused(TrainArgs {
                 preflight_min_bus_gbps: Some(1.0),
                 preflight_bytes: bytes,

@@ -305,7 +305,10 @@ async fn a_fabric_below_the_preflights_minimum_fails_the_job_naming_the_slowest_
         180,
     )
     .await;
-    assert_eq!(status["restarts"], 0, "a verdict, not a restart: {status:#}");
+    assert_eq!(
+        status["restarts"], 0,
+        "a verdict, not a restart: {status:#}"
+    );
     let failed = common::condition(&status, "Failed");
     assert_eq!(failed["reason"], "PreflightFailed", "{failed}");
     let message = failed["message"].as_str().unwrap();
@@ -338,7 +341,8 @@ async fn a_fabric_below_the_preflights_minimum_fails_the_job_naming_the_slowest_
     assert_eq!(preflight.slowest.to, (preflight.slowest.from + 1) % 4);
     for host in [&preflight.slowest.from_host, &preflight.slowest.to_host] {
         assert!(
-            host.as_deref().is_some_and(|h| h.starts_with("preflight-worker-")),
+            host.as_deref()
+                .is_some_and(|h| h.starts_with("preflight-worker-")),
             "the ranks' hosts are the worker pods: {preflight:?}"
         );
     }

@@ -200,7 +200,12 @@ mod tests {
 
     #[test]
     fn the_slowest_link_is_the_least_bandwidth_and_the_first_of_equals() {
-        let links = [link(3, 0, 2.0), link(0, 1, 0.5), link(1, 2, 0.5), link(2, 3, 9.0)];
+        let links = [
+            link(3, 0, 2.0),
+            link(0, 1, 0.5),
+            link(1, 2, 0.5),
+            link(2, 3, 9.0),
+        ];
         assert_eq!(slowest_link(&links), &links[1]);
     }
 

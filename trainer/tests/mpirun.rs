@@ -543,10 +543,7 @@ fn a_fabric_below_the_preflights_threshold_fails_every_rank_naming_the_slowest_p
         .expect("rank 0's figures");
     assert_eq!(preflight["passed"], false, "{preflight}");
     let (from, to, least) = check_links(preflight, 3);
-    let failed: Vec<Failure> = stdout
-        .lines()
-        .filter_map(|l| Failure::find_in(l))
-        .collect();
+    let failed: Vec<Failure> = stdout.lines().filter_map(|l| Failure::find_in(l)).collect();
     assert_eq!(failed.len(), 3, "every rank says why: {stdout}");
     assert!(
         failed.iter().all(|f| f.exit_code == exit::FABRIC_TOO_SLOW),

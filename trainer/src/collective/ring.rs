@@ -565,7 +565,8 @@ impl Collective for TcpRing {
         // The first half goes to the next rank while the previous rank's first half fills
         // the second: the all-reduce's own exchange over the ring's own sockets.
         let mut data = vec![1.0f32; 2 * count];
-        let mut pass = |ring: &mut Self| ring.exchange(&mut data, 0..count, count..2 * count, false);
+        let mut pass =
+            |ring: &mut Self| ring.exchange(&mut data, 0..count, count..2 * count, false);
         for _ in 0..warmup {
             pass(self)?;
         }

@@ -472,7 +472,9 @@ pub fn failure(plan: &mut Plan, inputs: &PlanInputs<'_>) -> Step {
 /// The Failed condition's reason for a launcher exit that is not retried, and why it is
 /// not: the trainer's preflight found the fabric too slow (a restart on the same nodes
 /// measures the same), or the program failed on its own.
-fn launcher_failure_reason(exit: &crate::controller::training_job::observe::Exit) -> (&'static str, &'static str) {
+fn launcher_failure_reason(
+    exit: &crate::controller::training_job::observe::Exit,
+) -> (&'static str, &'static str) {
     if exit.code == i32::from(ringmaster_contract::trainer::exit::FABRIC_TOO_SLOW) {
         (
             reasons::PREFLIGHT_FAILED,
