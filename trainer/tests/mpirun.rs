@@ -502,7 +502,7 @@ fn a_preflight_below_the_fabrics_speed_passes_and_training_goes_on() {
     assert_eq!(preflight["minBusBandwidthGbps"].as_f64(), Some(0.001));
     let bus = preflight["busBandwidthGbps"].as_f64().unwrap();
     // Loopback TCP on this machine: above the threshold, far below memory's bandwidth.
-    assert!(bus >= 0.001 && bus < 1000.0, "{preflight}");
+    assert!((0.001..1000.0).contains(&bus), "{preflight}");
     check_links(preflight, 3);
     assert_eq!(common::summary(&out.stdout)["steps"], 2, "{stdout}");
 }
@@ -543,7 +543,7 @@ fn a_fabric_below_the_preflights_threshold_fails_every_rank_naming_the_slowest_p
         .expect("rank 0's figures");
     assert_eq!(preflight["passed"], false, "{preflight}");
     let (from, to, least) = check_links(preflight, 3);
-    let failed: Vec<Failure> = stdout.lines().filter_map(|l| Failure::find_in(l)).collect();
+    let failed: Vec<Failure> = stdout.lines().filter_map(Failure::find_in).collect();
     assert_eq!(failed.len(), 3, "every rank says why: {stdout}");
     assert!(
         failed.iter().all(|f| f.exit_code == exit::FABRIC_TOO_SLOW),
