@@ -721,3 +721,37 @@ fn say_blocked(plan: &mut Plan, block: Block) {
     set_ready_reason(plan, block.reason);
     plan.about = Some(block.pod);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::controller::training_job::observe::Exit;
+    use ringmaster_contract::trainer::exit;
+
+    fn exit_with(code: u8) -> Exit {
+        Exit {
+            code: i32::from(code),
+            reason: "Error".into(),
+            message: String::new(),
+            finished_at: None,
+        }
+    }
+
+    /// The preflight's code is a verdict with a reason of its own; a lost peer is retried;
+    /// the program's other codes stay `LauncherFailed`.
+    #[test]
+    fn a_fabric_too_slow_is_a_verdict_with_its_own_reason() {
+        let slow = exit_with(exit::FABRIC_TOO_SLOW);
+        assert!(!launcher_exit_is_retryable(&slow));
+        assert_eq!(launcher_failure_reason(&slow).0, reasons::PREFLIGHT_FAILED);
+        assert!(launcher_exit_is_retryable(&exit_with(exit::PEER_LOST)));
+        for code in [exit::FAILED, exit::INVALID_SETTINGS, exit::PANICKED] {
+            assert!(!launcher_exit_is_retryable(&exit_with(code)), "{code}");
+            assert_eq!(
+                launcher_failure_reason(&exit_with(code)).0,
+                reasons::LAUNCHER_FAILED,
+                "{code}"
+            );
+        }
+    }
+}
