@@ -52,6 +52,20 @@ fn dockerfile_targets_stages_and_binaries_are_consistent() {
     let image_script =
         std::fs::read_to_string(fixtures::root().join("e2e/tools/image.sh")).unwrap();
     assert!(image_script.contains("setup=\"$root/trainer/image/setup.sh\""));
+    // It installs what NCCL's InfiniBand transport loads: libibverbs and the mlx5 provider.
+    let setup = std::fs::read_to_string(fixtures::root().join("trainer/image/setup.sh")).unwrap();
+    let mut install = String::new();
+    for line in setup.lines().skip_while(|l| !l.contains("apt-get install")) {
+        install.push_str(line.trim_end().trim_end_matches('\\'));
+        install.push(' ');
+        if !line.trim_end().ends_with('\\') {
+            break;
+        }
+    }
+    let installed: Vec<&str> = install.split_whitespace().collect();
+    for package in ["rdma-core", "libibverbs1", "ibverbs-providers"] {
+        assert!(installed.contains(&package), "{package} in {installed:?}");
+    }
     // The chart runs the operator image's entrypoint with `run`.
     let deployment = std::fs::read_to_string(
         fixtures::root().join("charts/ringmaster/templates/deployment.yaml"),

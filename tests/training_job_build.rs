@@ -1104,6 +1104,56 @@ fn a_job_with_its_own_aks_pool_puts_workers_and_launcher_there() {
 }
 
 /// Pool readiness counts the RDMA resource the job asks for, by its name.
+/// `infiniband.preflight` reaches the trainer as the contract's typed flags, which the
+/// trainer's own parser reads back; with InfiniBand off too (a CPU job's TCP ring is what it
+/// measures), and on the GPU sample with InfiniBand; unset, no flag, so an older trainer
+/// image runs the same jobs (issue 39 E).
+#[test]
+fn the_preflight_reaches_the_trainers_command_with_or_without_infiniband() {
+    let cpu = sample("trainingjob-cpu-small.yaml", |o| {
+        o["spec"]["infiniband"] =
+            json!({"enabled": false, "preflight": {"minBusBandwidthGbps": 0.75}});
+    });
+    assert_eq!(cpu.infiniband, None, "no RDMA, IPC_LOCK or /dev/shm for it");
+    let command = build::launcher_command(&cpu);
+    let flags = train_flags(&command);
+    assert!(
+        flags.contains(&"--preflight-min-bus-gbps=0.75".to_string())
+            && !flags.iter().any(|f| f.starts_with("--preflight-bytes")),
+        "the default message size is the trainer's: {flags:?}"
+    );
+    let parsed = TrainArgs::parse_flags(flags).unwrap();
+    assert_eq!(parsed.check(&Capabilities::this_release()), Ok(()));
+    assert_eq!(
+        (parsed.preflight_min_bus_gbps, parsed.preflight_bytes),
+        (
+            Some(0.75),
+            ringmaster_contract::trainer::defaults::PREFLIGHT_BYTES
+        )
+    );
+
+    let gpu = sample("trainingjob-resnet50-nd96asr-v4.yaml", |o| {
+        o["spec"]["nodePool"] = json!({"provisioner": "existing", "nodeSelector": {"kubernetes.azure.com/agentpool": "gpu"}});
+        o["spec"]["infiniband"]["preflight"] =
+            json!({"minBusBandwidthGbps": 40, "messageBytes": 268435456});
+    });
+    assert!(gpu.infiniband.is_some());
+    let command = build::launcher_command(&gpu);
+    let parsed = TrainArgs::parse_flags(train_flags(&command)).unwrap();
+    assert_eq!(
+        (parsed.preflight_min_bus_gbps, parsed.preflight_bytes),
+        (Some(40.0), 256 << 20)
+    );
+
+    let plain = build::launcher_command(&gpu_job());
+    assert!(
+        !train_flags(&plain)
+            .iter()
+            .any(|f| f.starts_with("--preflight")),
+        "{plain:?}"
+    );
+}
+
 #[test]
 fn a_node_hosts_a_worker_only_with_the_jobs_rdma_resource() {
     use ringmaster::controller::training_job::pool::can_host_worker;

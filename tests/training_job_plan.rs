@@ -404,6 +404,56 @@ fn a_failed_job_says_the_failing_ranks_error_not_mpiruns_report() {
     assert!(text.contains("Exit code:    1"), "{text}");
 }
 
+/// The preflight's verdict (exit 69 from every rank): the job fails at once with its own
+/// reason and the trainer's words (the threshold, the slowest pair), and stays failed on the
+/// next look; any other program failure keeps `LauncherFailed`.
+#[test]
+fn a_fabric_below_the_preflights_minimum_fails_the_job_with_its_own_reason_not_a_restart() {
+    use ringmaster_contract::trainer::{Failure, exit};
+    let ready = || vec![pod("worker", 0, 0, "ready"), pod("worker", 1, 0, "ready")];
+    let slow = Failure {
+        rank: Some(0),
+        error: "the fabric is too slow: the preflight's all-reduce of 67108864 bytes per rank over 2 ranks (tcp-ring) reached a bus bandwidth of 0.500 GB/s, below the minimum of 10000 GB/s (infiniband.preflight.minBusBandwidthGbps, --preflight-min-bus-gbps); the slowest link is rank 1 → rank 0 (resnet18-cpu-worker-1 → resnet18-cpu-worker-0) at 0.480 GB/s".into(),
+        exit_code: exit::FABRIC_TOO_SLOW,
+    };
+    let mut s = Scenario::new(job(|o| {
+        o["spec"]["infiniband"] =
+            json!({"enabled": false, "preflight": {"minBusBandwidthGbps": 10000}});
+    }))
+    .pods(
+        [
+            ready(),
+            vec![failed_launcher(
+                i64::from(exit::FABRIC_TOO_SLOW),
+                &slow.to_line(),
+            )],
+        ]
+        .concat(),
+    );
+    let p = s.step();
+    assert_eq!((p.phase, p.restarts), (Phase::Failed, 0));
+    let (status, reason, text) = s.condition(condition_types::FAILED);
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("True", reasons::PREFLIGHT_FAILED)
+    );
+    assert!(
+        text.contains("exited with code 69")
+            && text.contains("below the minimum of 10000 GB/s")
+            && text.contains(
+                "slowest link is rank 1 → rank 0 (resnet18-cpu-worker-1 → resnet18-cpu-worker-0)"
+            )
+            && text.contains("not retried: the fabric is below infiniband.preflight's minimum"),
+        "{text}"
+    );
+    // The next look at the finished job keeps the reason.
+    s.step();
+    assert_eq!(
+        s.condition(condition_types::FAILED).1,
+        reasons::PREFLIGHT_FAILED
+    );
+}
+
 #[test]
 fn a_deleted_worker_of_a_running_gang_restarts_it() {
     let mut s = Scenario::new(job(|_| {})).pods(vec![

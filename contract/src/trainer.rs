@@ -171,7 +171,17 @@ pub mod defaults {
     /// Checkpoints a run keeps: the newest, and two to fall back on should it be damaged
     /// after it was written (a share restored from a snapshot, a file removed by hand).
     pub const KEEP_CHECKPOINTS: usize = 3;
+    /// Bytes per rank of the preflight's all-reduce and of each ring link's transfer: 64 MiB,
+    /// large enough that bandwidth, not latency, decides the time (nccl-tests' figures
+    /// level off well below it), small enough that a TCP ring on 10 Gb/s takes seconds.
+    pub const PREFLIGHT_BYTES: u64 = 64 << 20;
 }
+
+/// The smallest `--preflight-bytes`: below it latency, not bandwidth, decides the time.
+pub const MIN_PREFLIGHT_BYTES: u64 = 1 << 20;
+
+/// The largest `--preflight-bytes`: 1 GiB (a GPU holds two such buffers beside the model).
+pub const MAX_PREFLIGHT_BYTES: u64 = 1 << 30;
 
 /// The learning rate for a global batch when none is given: Goyal et al.'s linear scaling
 /// rule, 0.1 per 256 images (the one rule the operator and the trainer both apply).
@@ -288,6 +298,16 @@ pub struct TrainArgs {
     /// A checkpoint that is missing or differs stops the run, saying what differs.
     #[arg(long)]
     pub resume_from: Option<String>,
+    /// Before the first step, time the job's own all-reduce (and each ring link: rank r to
+    /// rank r+1) and stop every rank, naming the slowest link, when the all-reduce's bus
+    /// bandwidth (nccl-tests' busbw: algbw × 2(n−1)/n) is below this many GB/s. Whatever
+    /// fabric the collective uses is measured: NCCL's (InfiniBand, or sockets), or the TCP
+    /// ring's. Unset: no preflight. A single rank has nothing to measure and skips it.
+    #[arg(long)]
+    pub preflight_min_bus_gbps: Option<f64>,
+    /// Bytes per rank of the preflight's all-reduce and link transfers.
+    #[arg(long, default_value_t = defaults::PREFLIGHT_BYTES)]
+    pub preflight_bytes: u64,
 }
 
 /// The longest `--checkpoint-minutes`: a week.
@@ -413,6 +433,8 @@ impl Default for TrainArgs {
             keep_checkpoints: defaults::KEEP_CHECKPOINTS,
             run_id: None,
             resume_from: None,
+            preflight_min_bus_gbps: None,
+            preflight_bytes: defaults::PREFLIGHT_BYTES,
         }
     }
 }
@@ -521,6 +543,12 @@ impl TrainArgs {
         }
         if let Some(id) = &self.resume_from {
             flag("resume-from", id.clone());
+        }
+        if let Some(gbps) = self.preflight_min_bus_gbps {
+            flag("preflight-min-bus-gbps", gbps.to_string());
+        }
+        if self.preflight_bytes != d.preflight_bytes {
+            flag("preflight-bytes", self.preflight_bytes.to_string());
         }
         if self.synthetic {
             out.push("--synthetic".into());
@@ -658,6 +686,25 @@ impl TrainArgs {
                 "--resume-from needs --output-dir: the earlier run's checkpoints are there".into(),
             );
         }
+        if let Some(gbps) = self.preflight_min_bus_gbps
+            && !(gbps.is_finite() && gbps > 0.0)
+        {
+            refuse(
+                Setting::Preflight,
+                format!("{gbps} is not a bus bandwidth in GB/s (a finite number > 0)"),
+            );
+        }
+        if !(MIN_PREFLIGHT_BYTES..=MAX_PREFLIGHT_BYTES).contains(&self.preflight_bytes)
+            || !self.preflight_bytes.is_multiple_of(4)
+        {
+            refuse(
+                Setting::Preflight,
+                format!(
+                    "{} bytes is not a preflight message: a multiple of 4 (f32 values) from {MIN_PREFLIGHT_BYTES} (1 MiB) to {MAX_PREFLIGHT_BYTES} (1 GiB)",
+                    self.preflight_bytes
+                ),
+            );
+        }
         if errors.is_empty() {
             Ok(())
         } else {
@@ -710,6 +757,8 @@ pub enum Setting {
     KeepCheckpoints,
     /// `--run-id` / `--resume-from`.
     Run,
+    /// `--preflight-min-bus-gbps` / `--preflight-bytes`.
+    Preflight,
 }
 
 impl Setting {
@@ -731,6 +780,7 @@ impl Setting {
             Setting::Checkpoint => &["--checkpoint-every", "--checkpoint-minutes"],
             Setting::KeepCheckpoints => &["--keep-checkpoints"],
             Setting::Run => &["--run-id", "--resume-from"],
+            Setting::Preflight => &["--preflight-min-bus-gbps", "--preflight-bytes"],
         }
     }
 }
@@ -801,6 +851,64 @@ pub enum Line {
     /// Which fabric carries the gradients between ranks (rank 0, after the first step of a
     /// run of several ranks).
     Fabric(Fabric),
+    /// What the preflight measured, and whether the fabric passed (rank 0, before the first
+    /// step, with `--preflight-min-bus-gbps`).
+    Preflight(Preflight),
+}
+
+/// The preflight's figures: the job's own all-reduce, timed as nccl-tests times it, and each
+/// link of the ring, timed by a point-to-point transfer from every rank to the next.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Preflight {
+    /// The collective measured: `nccl` or `tcp-ring`.
+    pub collective: String,
+    /// Ranks in all.
+    pub world_size: u64,
+    /// Bytes per rank of the all-reduce and of each link's transfer.
+    pub bytes: u64,
+    /// The all-reduce's bus bandwidth in GB/s (algbw × 2(n−1)/n), as the slowest rank
+    /// timed it.
+    pub bus_bandwidth_gbps: f64,
+    /// The least bus bandwidth the job accepts (`--preflight-min-bus-gbps`).
+    pub min_bus_bandwidth_gbps: f64,
+    /// Every link of the ring (rank r to rank r+1 mod n), in GB/s, timed all at once as the
+    /// ring all-reduce loads them.
+    pub links: Vec<LinkBandwidth>,
+    /// The link with the least bandwidth, with its ranks' host names.
+    pub slowest: LinkBandwidth,
+    /// Whether the bus bandwidth reached the minimum; when not, every rank stops with
+    /// [`exit::FABRIC_TOO_SLOW`].
+    pub passed: bool,
+}
+
+/// One link of the ring: what rank `from` sends rank `to` arrives at this bandwidth.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LinkBandwidth {
+    /// The sending rank.
+    pub from: u64,
+    /// The receiving rank (`from` + 1 mod the world size).
+    pub to: u64,
+    /// Bytes per second over the link, in GB/s (10⁹ bytes).
+    pub gbps: f64,
+    /// The sending rank's host name, where gathered (the slowest link's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_host: Option<String>,
+    /// The receiving rank's host name, where gathered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to_host: Option<String>,
+}
+
+impl fmt::Display for LinkBandwidth {
+    /// `rank 3 → rank 4 (worker-1 → worker-2)`, the hosts when known.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rank {} → rank {}", self.from, self.to)?;
+        if let (Some(from), Some(to)) = (&self.from_host, &self.to_host) {
+            write!(f, " ({from} → {to})")?;
+        }
+        Ok(())
+    }
 }
 
 /// The fabric the gradients cross, as NCCL itself reports it (its INIT and NET account).
@@ -1032,6 +1140,9 @@ pub mod exit {
     pub const USAGE: u8 = 2;
     /// The settings cannot run on this trainer (`TrainArgs::check`); sysexits' EX_USAGE.
     pub const INVALID_SETTINGS: u8 = 64;
+    /// The preflight measured the fabric below `--preflight-min-bus-gbps`: a verdict on the
+    /// nodes, which a restart on the same nodes would repeat; sysexits' EX_UNAVAILABLE.
+    pub const FABRIC_TOO_SLOW: u8 = 69;
     /// A peer rank was lost (it died, was killed, or stopped answering): the gang is
     /// incomplete and a restart of the whole gang can succeed; sysexits' EX_TEMPFAIL.
     pub const PEER_LOST: u8 = 75;
@@ -1076,6 +1187,8 @@ mod tests {
             keep_checkpoints: 5,
             run_id: Some("0b7f0d6e-3c1a-4f9e-9a51-6f0c2d1e4b7a".into()),
             resume_from: Some("5d1c7a2e-8b4f-4e0a-9c3d-2f6e1b7a9c40".into()),
+            preflight_min_bus_gbps: Some(12.5),
+            preflight_bytes: 8 << 20,
         }
     }
 
@@ -1212,6 +1325,103 @@ mod tests {
         assert_eq!(
             beyond.check(&caps).unwrap_err()[0].setting,
             Setting::Checkpoint
+        );
+    }
+
+    #[test]
+    fn a_preflight_needs_a_positive_threshold_and_a_message_of_bandwidth_size() {
+        let caps = Capabilities::this_release();
+        let refused = |args: TrainArgs| -> Vec<String> {
+            match args.check(&caps) {
+                Ok(()) => Vec::new(),
+                Err(errors) => errors.iter().map(ToString::to_string).collect(),
+            }
+        };
+        for gbps in [0.0, -3.0, f64::NAN, f64::INFINITY] {
+            let errors = refused(TrainArgs {
+                preflight_min_bus_gbps: Some(gbps),
+                ..TrainArgs::default()
+            });
+            assert_eq!(errors.len(), 1, "{gbps}: {errors:?}");
+            assert!(
+                errors[0].starts_with("--preflight-min-bus-gbps/--preflight-bytes: ")
+                    && errors[0].contains("not a bus bandwidth"),
+                "{errors:?}"
+            );
+        }
+        for bytes in [
+            0,
+            MIN_PREFLIGHT_BYTES - 4,
+            MAX_PREFLIGHT_BYTES + 4,
+            (4 << 20) + 2,
+        ] {
+            let errors = refused(TrainArgs {
+                preflight_min_bus_gbps: Some(1.0),
+                preflight_bytes: bytes,
+                ..TrainArgs::default()
+            });
+            assert_eq!(errors.len(), 1, "{bytes}: {errors:?}");
+            assert!(errors[0].contains("not a preflight message"), "{errors:?}");
+        }
+        let fine = TrainArgs {
+            preflight_min_bus_gbps: Some(0.5),
+            preflight_bytes: MIN_PREFLIGHT_BYTES,
+            ..TrainArgs::default()
+        };
+        assert_eq!(refused(fine.clone()), Vec::<String>::new());
+        // The trainer's own parser reads back what the operator writes.
+        let flags = fine.to_args();
+        assert!(
+            flags.contains(&"--preflight-min-bus-gbps=0.5".to_string())
+                && flags.contains(&format!("--preflight-bytes={MIN_PREFLIGHT_BYTES}")),
+            "{flags:?}"
+        );
+        assert_eq!(TrainArgs::parse_flags(&flags).unwrap(), fine);
+        // No preflight asked for: no flag, so an older trainer runs the same command.
+        assert!(
+            !TrainArgs::default()
+                .to_args()
+                .iter()
+                .any(|f| f.starts_with("--preflight")),
+        );
+    }
+
+    #[test]
+    fn the_preflight_line_names_the_slowest_link_with_its_hosts() {
+        let link = |from, to, gbps| LinkBandwidth {
+            from,
+            to,
+            gbps,
+            from_host: None,
+            to_host: None,
+        };
+        let slowest = LinkBandwidth {
+            from_host: Some("job-worker-1".into()),
+            to_host: Some("job-worker-2".into()),
+            ..link(1, 2, 0.75)
+        };
+        assert_eq!(
+            slowest.to_string(),
+            "rank 1 → rank 2 (job-worker-1 → job-worker-2)"
+        );
+        assert_eq!(link(2, 0, 3.0).to_string(), "rank 2 → rank 0");
+        let preflight = Preflight {
+            collective: "tcp-ring".into(),
+            world_size: 3,
+            bytes: 64 << 20,
+            bus_bandwidth_gbps: 1.25,
+            min_bus_bandwidth_gbps: 2.0,
+            links: vec![link(2, 0, 3.0), link(0, 1, 2.5), link(1, 2, 0.75)],
+            slowest,
+            passed: false,
+        };
+        let line = serde_json::to_string(&Line::Preflight(preflight.clone())).unwrap();
+        assert!(line.starts_with(r#"{"event":"preflight","#), "{line}");
+        assert!(line.contains(r#""busBandwidthGbps":1.25"#), "{line}");
+        assert!(line.contains(r#""fromHost":"job-worker-1""#), "{line}");
+        assert_eq!(
+            serde_json::from_str::<Line>(&line).unwrap(),
+            Line::Preflight(preflight)
         );
     }
 

@@ -277,6 +277,91 @@ async fn the_cpu_sample_trains_across_real_pods_over_ssh_with_open_mpi() {
     assert!(launcher_log.contains(r#""event":"step""#), "{launcher_log}");
 }
 
+/// `infiniband.preflight` with InfiniBand off (the real node has no GPU, no RDMA): the
+/// ranks time their TCP ring across the pods before the first step and, below an
+/// impossible threshold, every rank stops; the job fails at once (no restart) with reason
+/// `PreflightFailed` and the trainer's words: the measured bus bandwidth, the threshold and
+/// the slowest pair of ranks, with the worker pods' host names (issue 39 E).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fabric_below_the_preflights_minimum_fails_the_job_naming_the_slowest_pair() {
+    use ringmaster_contract::trainer::{Failure, Line, exit};
+    let _node = REAL_NODE_IN_USE.lock().await;
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "real-preflight").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    // Far beyond any TCP ring: 10 TB/s of bus bandwidth.
+    let job = sample_on_real_node("preflight", |spec| {
+        spec["infiniband"] = json!({"enabled": false, "preflight": {"minBusBandwidthGbps": 10000, "messageBytes": 4194304}});
+    });
+    apply(&client, &job, &ns.name, false).await.unwrap();
+    launcher_started_after_ready_workers(&client, &ns.name, "preflight").await;
+
+    let status = wait_phase(
+        &client,
+        &ns.name,
+        "preflight",
+        TrainingJobPhase::Failed,
+        180,
+    )
+    .await;
+    assert_eq!(
+        status["restarts"], 0,
+        "a verdict, not a restart: {status:#}"
+    );
+    let failed = common::condition(&status, "Failed");
+    assert_eq!(failed["reason"], "PreflightFailed", "{failed}");
+    let message = failed["message"].as_str().unwrap();
+    // rank 0's preflight line, in the launcher's log, has the figures the message names.
+    let launcher_log = logs(
+        &client,
+        &ns.name,
+        &common::current_launcher(&client, &ns.name, "preflight").await,
+    )
+    .await;
+    let preflight = launcher_log
+        .lines()
+        .find_map(|line| match serde_json::from_str::<Line>(line.trim()) {
+            Ok(Line::Preflight(preflight)) => Some(preflight),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no preflight line: {launcher_log}"));
+    assert!(!preflight.passed, "{preflight:?}");
+    assert_eq!(
+        (preflight.world_size, preflight.links.len()),
+        (4, 4),
+        "2 workers × 2 ranks, a link each"
+    );
+    let least = preflight
+        .links
+        .iter()
+        .map(|l| l.gbps)
+        .fold(f64::INFINITY, f64::min);
+    assert_eq!(preflight.slowest.gbps, least, "{preflight:?}");
+    assert_eq!(preflight.slowest.to, (preflight.slowest.from + 1) % 4);
+    for host in [&preflight.slowest.from_host, &preflight.slowest.to_host] {
+        assert!(
+            host.as_deref()
+                .is_some_and(|h| h.starts_with("preflight-worker-")),
+            "the ranks' hosts are the worker pods: {preflight:?}"
+        );
+    }
+    for words in [
+        "exited with code 69".to_string(),
+        "the fabric is too slow".to_string(),
+        "below the minimum of 10000 GB/s".to_string(),
+        format!("the slowest link is {}", preflight.slowest),
+    ] {
+        assert!(message.contains(&words), "{words:?} in {message}");
+    }
+    assert!(
+        !launcher_log.contains(r#""event":"step""#),
+        "failed before the first step: {launcher_log}"
+    );
+    let failure = Failure::find_in(&launcher_log).expect("the ranks' failure lines");
+    assert_eq!(failure.exit_code, exit::FABRIC_TOO_SLOW);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mpich_trains_across_real_pods_as_root() {
     let _node = REAL_NODE_IN_USE.lock().await;

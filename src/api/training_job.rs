@@ -138,6 +138,9 @@ fn immutable(field: &str) -> Rule {
     validation = Rule::new("!has(self.infiniband) || !self.infiniband.enabled || self.gpusPerWorker > 0")
         .message("infiniband needs GPUs (NCCL over RDMA): set gpusPerWorker, or infiniband.enabled: false")
         .field_path(".infiniband.enabled"),
+    validation = Rule::new("!has(self.infiniband) || !has(self.infiniband.preflight) || !has(self.command)")
+        .message("infiniband.preflight runs in the Ringmaster trainer, and command replaces it with your own program: unset command (and use trainer), or check the fabric in your program")
+        .field_path(".infiniband.preflight"),
     validation = immutable("workers"),
     validation = immutable("gpusPerWorker"),
     validation = immutable("slotsPerWorker"),
@@ -469,6 +472,32 @@ pub struct InfinibandSpec {
     #[x_kube(validation = Rule::new("self.all(k, k.startsWith('NCCL_') || k.startsWith('UCX_'))")
         .message("infiniband.env takes only NCCL_* and UCX_* variables; put others in worker.env"))]
     pub env: BTreeMap<String, String>,
+    /// Check the fabric before training instead of assuming it: the ranks time an
+    /// all-reduce and each link of their ring, and the job fails at once (reason
+    /// `PreflightFailed`), naming the slowest pair of ranks, when the bus bandwidth is
+    /// below the minimum. It measures whatever fabric the job's collective uses (NCCL over
+    /// InfiniBand, NCCL over sockets, or the TCP ring of a CPU job), so it also works with
+    /// `enabled: false`. Needs the Ringmaster trainer (not `command`). Unset: no check.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preflight: Option<PreflightSpec>,
+}
+
+/// The fabric check before training (`ringmaster-trainer train --preflight-min-bus-gbps`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PreflightSpec {
+    /// The least all-reduce bus bandwidth, in GB/s (10⁹ bytes per second), the job accepts:
+    /// nccl-tests' busbw, algbw × 2(n−1)/n, comparable with a link's speed whatever the
+    /// number of ranks. For scale: a 200 Gb/s (HDR) InfiniBand link carries at most 25 GB/s,
+    /// a 10 Gb/s Ethernet link 1.25.
+    #[schemars(range(min = 0.0, max = 100000.0), extend("exclusiveMinimum" = true))]
+    pub min_bus_bandwidth_gbps: f64,
+    /// Bytes per rank of the timed all-reduce and link transfers: a multiple of 4 from 1 MiB
+    /// to 1 GiB. Default: 64 MiB (67108864), large enough that bandwidth, not latency,
+    /// decides the time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1048576, max = 1073741824), extend("multipleOf" = 4))]
+    pub message_bytes: Option<i64>,
 }
 
 fn default_true() -> bool {

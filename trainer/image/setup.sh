@@ -1,14 +1,19 @@
 #!/bin/sh
-# Sets up the trainer image's root filesystem: Open MPI, sshd and client, the non-root user
-# `trainer` (uid 1000). One recipe, run by the Dockerfile's `trainer` stage and by
+# Sets up the trainer image's root filesystem: Open MPI, sshd and client, the InfiniBand
+# user space NCCL needs, the non-root user `trainer` (uid 1000). One recipe, run by the Dockerfile's `trainer` stage and by
 # e2e/tools/image.sh inside a Debian root filesystem made by debootstrap, so the image the
 # end-to-end tests run on the real node is set up the way the published one is.
 # Arguments: more Debian/Ubuntu packages to install (libnccl2 in the CUDA image, mpich in the
 # e2e image).
 set -eu
 apt-get update
+# InfiniBand: NCCL's IB transport dlopens libibverbs.so.1, which loads the NIC's provider
+# from ibverbs-providers (libmlx5 for the ConnectX NICs of Azure's ND and HB sizes);
+# without them NCCL falls back to sockets on an InfiniBand node. rdma-core brings the
+# RDMA configuration files, ibverbs-utils `ibv_devinfo` to see the devices from a pod.
 DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-  openmpi-bin openssh-server openssh-client ca-certificates "$@"
+  openmpi-bin openssh-server openssh-client ca-certificates \
+  rdma-core libibverbs1 ibverbs-providers ibverbs-utils "$@"
 rm -rf /var/lib/apt/lists/*
 # Pods bring their own host key (the job's Secret): no key baked into an image is shared.
 rm -f /etc/ssh/ssh_host_*

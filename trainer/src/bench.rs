@@ -59,6 +59,13 @@ fn check_value(rank: usize, i: usize) -> f32 {
     ((rank + 1) * (i % 7 + 1)) as f32
 }
 
+/// nccl-tests' bus bandwidth of an all-reduce over `ranks` ranks at algorithm bandwidth
+/// `algbw`: algbw × 2(n−1)/n, what each rank's link carries, comparable with the link's own
+/// speed whatever the number of ranks.
+pub fn bus_bandwidth(algbw: f64, ranks: usize) -> f64 {
+    algbw * 2.0 * (ranks as f64 - 1.0) / ranks as f64
+}
+
 /// Runs the benchmark on `collective` for each size: `warmup` untimed runs, then `iterations`
 /// timed ones. With `check`, the values are verified after the timed runs.
 pub fn run(
@@ -74,15 +81,7 @@ pub fn run(
     for &bytes in sizes {
         let count = bytes / 4;
         let mut data = vec![1.0f32; count];
-        for _ in 0..warmup {
-            collective.all_reduce(&mut data, ReduceOp::Sum)?;
-        }
-        collective.barrier()?;
-        let start = Instant::now();
-        for _ in 0..iterations {
-            collective.all_reduce(&mut data, ReduceOp::Sum)?;
-        }
-        let seconds = start.elapsed().as_secs_f64() / iterations.max(1) as f64;
+        let seconds = collective.time_all_reduce(&mut data, warmup, iterations)?;
         let correct = if check {
             data.iter_mut()
                 .enumerate()
@@ -103,7 +102,7 @@ pub fn run(
             count,
             time_us: seconds * 1e6,
             algbw_gbs: algbw,
-            busbw_gbs: algbw * 2.0 * (n as f64 - 1.0) / n as f64,
+            busbw_gbs: bus_bandwidth(algbw, n),
             correct,
         });
     }

@@ -28,6 +28,7 @@ use crate::engine::{
     Arch, Backend, CpuBackend, LrKind, LrSchedule, Model, ParamStore, QueuedStats, Sgd, StepStats,
     Tensor,
 };
+use crate::preflight::{self, PreflightError};
 use crate::resume::{self, Checkpointer, Identity, ResumeError};
 
 /// Errors of a training run.
@@ -59,6 +60,9 @@ pub enum TrainError {
         #[source]
         source: CudaError,
     },
+    /// The preflight found the fabric too slow, or could not measure it.
+    #[error(transparent)]
+    Preflight(#[from] PreflightError),
     /// The output folder could not be made.
     #[error("creating {path}: {source}")]
     OutputDir {
@@ -74,6 +78,7 @@ impl TrainError {
     pub fn exit_code(&self) -> u8 {
         match self {
             TrainError::InvalidSettings(_) | TrainError::Settings(_) => exit::INVALID_SETTINGS,
+            TrainError::Preflight(e) => e.exit_code(),
             TrainError::Collective(e) | TrainError::Resume(ResumeError::Collective(e))
                 if e.is_peer_lost() =>
             {
@@ -169,6 +174,13 @@ pub fn run(
             reason: reason.clone(),
         });
         print_line(&line);
+    }
+    // Before the model and the data: a fabric too slow for the job stops it in seconds.
+    if let Some(preflight) = preflight::run(args, collective)? {
+        if collective.rank() == 0 {
+            print_line(&Line::Preflight(preflight.clone()));
+        }
+        preflight::verdict(preflight)?;
     }
     match device {
         Device::Cuda => {

@@ -46,6 +46,18 @@ pub struct World {
     pub gpus_per_node: Option<usize>,
 }
 
+/// This machine's host name (a pod's name in Kubernetes); empty when it cannot be read.
+pub fn host_name() -> String {
+    let mut buffer = [0u8; 256];
+    // SAFETY: gethostname writes at most `len` bytes into the buffer it is given.
+    let ok = unsafe { libc::gethostname(buffer.as_mut_ptr().cast(), buffer.len()) } == 0;
+    if !ok {
+        return String::new();
+    }
+    let end = buffer.iter().position(|&b| b == 0).unwrap_or(buffer.len());
+    String::from_utf8_lossy(&buffer[..end]).to_string()
+}
+
 /// The variable that makes a node's ranks share its GPUs ([`World::gpu_ordinal`]).
 pub const GPUS_PER_NODE_ENV: &str = "RINGMASTER_GPUS_PER_NODE";
 

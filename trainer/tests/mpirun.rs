@@ -416,3 +416,155 @@ fn a_stranger_at_the_trainers_rendezvous_is_logged_and_the_ranks_go_on() {
     );
     std::fs::remove_file(key).ok();
 }
+
+/// The preflight's flags for a quick measurement: 4 MiB per rank, the threshold given.
+fn preflight_run(min_bus_gbps: &str) -> Vec<String> {
+    let mut args = vec!["train".to_string()];
+    args.extend(common::TINY_RUN.iter().map(ToString::to_string));
+    args.extend(
+        [
+            "--dataset-size=48",
+            "--steps=2",
+            "--log-every=1",
+            "--preflight-bytes=4194304",
+        ]
+        .map(String::from),
+    );
+    args.push(format!("--preflight-min-bus-gbps={min_bus_gbps}"));
+    args
+}
+
+/// The `preflight` line's links and slowest link, checked for what any measurement must
+/// show: one link per rank from the rank before it, every figure a bandwidth, and the
+/// slowest named with its hosts and the least of them.
+fn check_links(preflight: &serde_json::Value, ranks: u64) -> (u64, u64, f64) {
+    let links = preflight["links"].as_array().expect("links");
+    assert_eq!(links.len() as u64, ranks, "{preflight}");
+    for (to, link) in links.iter().enumerate() {
+        assert_eq!(link["to"], to as u64, "{preflight}");
+        assert_eq!(link["from"], (to as u64 + ranks - 1) % ranks, "{preflight}");
+        let gbps = link["gbps"].as_f64().unwrap();
+        assert!(gbps.is_finite() && gbps > 0.0, "{preflight}");
+    }
+    let least = links
+        .iter()
+        .map(|l| l["gbps"].as_f64().unwrap())
+        .fold(f64::INFINITY, f64::min);
+    let slowest = &preflight["slowest"];
+    assert_eq!(slowest["gbps"].as_f64(), Some(least), "{preflight}");
+    assert!(
+        links
+            .iter()
+            .any(|l| l["from"] == slowest["from"] && l["to"] == slowest["to"]),
+        "the slowest is a link of the ring: {preflight}"
+    );
+    let host = |key: &str| slowest[key].as_str().unwrap_or_default().to_string();
+    assert!(
+        !host("fromHost").is_empty() && !host("toHost").is_empty(),
+        "{preflight}"
+    );
+    (
+        slowest["from"].as_u64().unwrap(),
+        slowest["to"].as_u64().unwrap(),
+        least,
+    )
+}
+
+#[test]
+fn a_preflight_below_the_fabrics_speed_passes_and_training_goes_on() {
+    let args = preflight_run("0.001");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = mpirun(3, &args, &[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines = common::json_lines(&out.stdout);
+    let at = |event: &str| lines.iter().position(|l| l["event"] == event);
+    let preflight = &lines[at("preflight").expect("a preflight line")];
+    assert_eq!(
+        lines.iter().filter(|l| l["event"] == "preflight").count(),
+        1,
+        "rank 0 alone says it: {stdout}"
+    );
+    assert!(
+        at("preflight") < at("step"),
+        "measured before the first step: {stdout}"
+    );
+    assert_eq!(preflight["passed"], true, "{preflight}");
+    assert_eq!(preflight["collective"], "tcp-ring", "{preflight}");
+    assert_eq!(
+        (preflight["worldSize"].as_u64(), preflight["bytes"].as_u64()),
+        (Some(3), Some(4 << 20))
+    );
+    assert_eq!(preflight["minBusBandwidthGbps"].as_f64(), Some(0.001));
+    let bus = preflight["busBandwidthGbps"].as_f64().unwrap();
+    // Loopback TCP on this machine: above the threshold, far below memory's bandwidth.
+    assert!((0.001..1000.0).contains(&bus), "{preflight}");
+    check_links(preflight, 3);
+    assert_eq!(common::summary(&out.stdout)["steps"], 2, "{stdout}");
+}
+
+#[test]
+fn a_fabric_below_the_preflights_threshold_fails_every_rank_naming_the_slowest_pair() {
+    let start = Instant::now();
+    let dir = std::env::temp_dir().join(format!("preflight-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let termination = dir.join("termination-log");
+    let trainer = env!("CARGO_BIN_EXE_ringmaster-trainer");
+    let out = std::process::Command::new(trainer)
+        .arg("launch")
+        .arg("--termination-message")
+        .arg(&termination)
+        .arg("--")
+        .args(common::mpirun_command(3))
+        .arg(trainer)
+        .args(preflight_run("1e6"))
+        .envs(common::mpirun_env())
+        .output()
+        .expect("launch runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(i32::from(exit::FABRIC_TOO_SLOW)),
+        "{stdout}\n{stderr}"
+    );
+    let lines = common::json_lines(&out.stdout);
+    assert!(
+        !lines.iter().any(|l| l["event"] == "step"),
+        "no step trained: {stdout}"
+    );
+    let preflight = lines
+        .iter()
+        .find(|l| l["event"] == "preflight")
+        .expect("rank 0's figures");
+    assert_eq!(preflight["passed"], false, "{preflight}");
+    let (from, to, least) = check_links(preflight, 3);
+    let failed: Vec<Failure> = stdout.lines().filter_map(Failure::find_in).collect();
+    assert_eq!(failed.len(), 3, "every rank says why: {stdout}");
+    assert!(
+        failed.iter().all(|f| f.exit_code == exit::FABRIC_TOO_SLOW),
+        "{stdout}"
+    );
+    let written = std::fs::read_to_string(&termination).expect("a termination message");
+    let failure = Failure::find_in(&written).expect("a failure line");
+    assert_eq!(failure.exit_code, exit::FABRIC_TOO_SLOW, "{written}");
+    let slowest = format!("slowest link is rank {from} → rank {to} (");
+    for words in [
+        "the fabric is too slow",
+        "below the minimum of 1000000 GB/s",
+        slowest.as_str(),
+        &format!("at {least:.3} GB/s"),
+    ] {
+        assert!(failure.error.contains(words), "{words:?} in {written}");
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(60),
+        "failed fast, not after training: {:?}",
+        start.elapsed()
+    );
+    std::fs::remove_dir_all(dir).ok();
+}

@@ -84,6 +84,9 @@ pub mod reasons {
     pub const BACKOFF_LIMIT_EXCEEDED: &str = "BackoffLimitExceeded";
     /// The launcher failed with a code that a restart would not fix.
     pub const LAUNCHER_FAILED: &str = "LauncherFailed";
+    /// The trainer's preflight (`infiniband.preflight`) measured the fabric below the
+    /// minimum bus bandwidth: a verdict on the nodes, not retried.
+    pub const PREFLIGHT_FAILED: &str = "PreflightFailed";
     /// activeDeadlineSeconds passed.
     pub const DEADLINE_EXCEEDED: &str = "DeadlineExceeded";
     /// A gang did not start within startTimeoutSeconds.

@@ -140,6 +140,7 @@ impl TrainerSettings {
             Setting::Warmup => "spec.trainer.warmupEpochs",
             Setting::KeepCheckpoints => "spec.trainer.keepCheckpoints",
             Setting::Run => "spec.trainer.resumeFrom",
+            Setting::Preflight => "spec.infiniband.preflight",
             _ => "spec.trainer.extraArgs",
         }
     }

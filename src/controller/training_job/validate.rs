@@ -220,6 +220,14 @@ fn trainer_settings(job: &TrainingJob, gpus_per_worker: u32, ranks: u32) -> Trai
             .keep_checkpoints
             .map_or(contract::defaults::KEEP_CHECKPOINTS, |k| as_u32(k) as usize),
         resume_from: t.resume_from.clone(),
+        // `infiniband.preflight` checks whatever fabric the collective uses, so it is taken
+        // with `infiniband.enabled: false` too (a CPU job's TCP ring).
+        preflight_min_bus_gbps: preflight(job).map(|p| p.min_bus_bandwidth_gbps),
+        preflight_bytes: preflight(job)
+            .and_then(|p| p.message_bytes)
+            .map_or(contract::defaults::PREFLIGHT_BYTES, |b| {
+                u64::try_from(b).unwrap_or(0)
+            }),
         // Synthetic images have no size of their own: an epoch of at least one global batch,
         // so a world past the trainer's default of 4,096 images still has a step to take (a
         // flag only then).
@@ -244,6 +252,11 @@ fn trainer_settings(job: &TrainingJob, gpus_per_worker: u32, ranks: u32) -> Trai
         args,
         extra_args: t.extra_args,
     }
+}
+
+/// `spec.infiniband.preflight`, whether or not InfiniBand is enabled.
+fn preflight(job: &TrainingJob) -> Option<&crate::api::PreflightSpec> {
+    job.spec.infiniband.as_ref()?.preflight.as_ref()
 }
 
 /// Where the images are in the pods: the DataStage's mount (and `dataPath` under it) for an

@@ -95,6 +95,44 @@ pub trait Collective: Send {
         let mut token = [0.0f32];
         self.all_reduce(&mut token, ReduceOp::Sum)
     }
+    /// Seconds one summing all-reduce of `data` takes, the mean of `iterations` after
+    /// `warmup` untimed ones and a barrier, on the memory the collective reduces where it
+    /// lies (host memory here; NCCL times GPU memory, as nccl-tests does, not the copies to
+    /// and from it). `data` holds the sums of the last all-reduce afterwards.
+    fn time_all_reduce(
+        &mut self,
+        data: &mut [f32],
+        warmup: usize,
+        iterations: usize,
+    ) -> Result<f64, CollectiveError> {
+        for _ in 0..warmup {
+            self.all_reduce(data, ReduceOp::Sum)?;
+        }
+        self.barrier()?;
+        let start = std::time::Instant::now();
+        for _ in 0..iterations {
+            self.all_reduce(data, ReduceOp::Sum)?;
+        }
+        Ok(start.elapsed().as_secs_f64() / iterations.max(1) as f64)
+    }
+    /// Seconds one transfer of `count` f32s from the previous rank of the ring took to
+    /// arrive here, the mean of `iterations` after `warmup` untimed ones and a barrier.
+    /// Every rank sends to the next at the same time (point-to-point: the TCP ring's own
+    /// link, NCCL's send and receive), so each link is loaded as a ring all-reduce loads
+    /// it, and a slow link shows only in its receiver's time. What the preflight names the
+    /// slowest pair of ranks by.
+    fn time_from_previous(
+        &mut self,
+        count: usize,
+        warmup: usize,
+        iterations: usize,
+    ) -> Result<f64, CollectiveError> {
+        let _ = (count, warmup, iterations);
+        Err(CollectiveError::Unavailable {
+            backend: self.name(),
+            reason: "it has no links between ranks to time".into(),
+        })
+    }
     /// The same collective reducing GPU memory where it lies, when it can (NCCL).
     fn on_device(&mut self) -> Option<&mut dyn DeviceAllReduce> {
         None

@@ -131,16 +131,11 @@ impl Drop for NcclCollective {
 
 /// The host name as NCCL writes it in `%h` (up to the first dot).
 fn short_host_name() -> String {
-    let mut buffer = [0u8; 256];
-    // SAFETY: gethostname writes at most `len` bytes into the buffer it is given.
-    let ok = unsafe { libc::gethostname(buffer.as_mut_ptr().cast(), buffer.len()) } == 0;
-    let name = if ok {
-        let end = buffer.iter().position(|&b| b == 0).unwrap_or(buffer.len());
-        String::from_utf8_lossy(&buffer[..end]).to_string()
-    } else {
-        String::new()
-    };
-    name.split('.').next().unwrap_or_default().to_string()
+    crate::world::host_name()
+        .split('.')
+        .next()
+        .unwrap_or_default()
+        .to_string()
 }
 
 /// An event that keeps its time (cudarc's default events do not).
@@ -305,6 +300,81 @@ impl Collective for NcclCollective {
             .synchronize()
             .map_err(|e| device("synchronize", &e))
     }
+    fn time_all_reduce(
+        &mut self,
+        data: &mut [f32],
+        warmup: usize,
+        iterations: usize,
+    ) -> Result<f64, CollectiveError> {
+        let mut staging = self
+            .stream
+            .alloc_zeros::<f32>(data.len())
+            .map_err(|e| device_error("allocate the timed buffer", &e))?;
+        self.stream
+            .memcpy_htod(data, &mut staging)
+            .map_err(|e| device_error("copy to the GPU", &e))?;
+        let mut reduce = |comm: &Comm| {
+            comm.all_reduce_in_place(&mut staging, &nccl_op(ReduceOp::Sum))
+                .map(drop)
+                .map_err(|e| device_error("ncclAllReduce", &e))
+        };
+        for _ in 0..warmup {
+            reduce(&self.comm.0)?;
+        }
+        self.wait()?;
+        // The bootstrap's barrier: our own all-reduce would stage through host memory.
+        self.bootstrap.barrier()?;
+        let start = Instant::now();
+        for _ in 0..iterations {
+            reduce(&self.comm.0)?;
+        }
+        self.wait()?;
+        let seconds = start.elapsed().as_secs_f64() / iterations.max(1) as f64;
+        self.stream
+            .memcpy_dtoh(&staging, data)
+            .map_err(|e| device_error("copy from the GPU", &e))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| device_error("synchronize", &e))?;
+        Ok(seconds)
+    }
+    fn time_from_previous(
+        &mut self,
+        count: usize,
+        warmup: usize,
+        iterations: usize,
+    ) -> Result<f64, CollectiveError> {
+        let (rank, n) = (self.rank(), self.world_size());
+        let (next, previous) = ((rank + 1) % n, (rank + n - 1) % n);
+        let alloc = |stream: &Arc<CudaStream>| {
+            stream
+                .alloc_zeros::<f32>(count)
+                .map_err(|e| device_error("allocate a link's buffer", &e))
+        };
+        let (outgoing, mut incoming) = (alloc(&self.stream)?, alloc(&self.stream)?);
+        // One group: NCCL runs the send and the receive together, so no rank waits for its
+        // previous rank before it sends (a ring of blocking sends would deadlock).
+        let mut pass = |comm: &Comm| -> Result<(), CollectiveError> {
+            let nccl = |what: &str, e: &dyn std::fmt::Debug| device_error(what, e);
+            cudarc::nccl::result::group_start().map_err(|e| nccl("ncclGroupStart", &e))?;
+            let sent = comm.send(&outgoing, next as i32);
+            let received = comm.recv(&mut incoming, previous as i32);
+            cudarc::nccl::result::group_end().map_err(|e| nccl("ncclGroupEnd", &e))?;
+            sent.map_err(|e| nccl("ncclSend", &e))?;
+            received.map(drop).map_err(|e| nccl("ncclRecv", &e))
+        };
+        for _ in 0..warmup {
+            pass(&self.comm.0)?;
+        }
+        self.wait()?;
+        self.bootstrap.barrier()?;
+        let start = Instant::now();
+        for _ in 0..iterations {
+            pass(&self.comm.0)?;
+        }
+        self.wait()?;
+        Ok(start.elapsed().as_secs_f64() / iterations.max(1) as f64)
+    }
     fn broadcast(&mut self, data: &mut [f32], root: usize) -> Result<(), CollectiveError> {
         // Broadcasts happen once per run (initial weights); the bootstrap ring is enough.
         self.bootstrap.broadcast(data, root)
@@ -315,6 +385,13 @@ impl Collective for NcclCollective {
     fn fabric(&self) -> Option<super::fabric::FabricSeen> {
         let log = std::fs::read_to_string(self.debug_file.as_ref()?).ok()?;
         Some(super::fabric::parse(&log))
+    }
+}
+
+/// A CUDA or NCCL call's failure, saying which.
+fn device_error(what: &str, e: &dyn std::fmt::Debug) -> CollectiveError {
+    CollectiveError::Device {
+        message: format!("{what}: {e:?}"),
     }
 }
 

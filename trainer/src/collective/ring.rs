@@ -556,6 +556,28 @@ impl Collective for TcpRing {
         Ok(())
     }
 
+    fn time_from_previous(
+        &mut self,
+        count: usize,
+        warmup: usize,
+        iterations: usize,
+    ) -> Result<f64, CollectiveError> {
+        // The first half goes to the next rank while the previous rank's first half fills
+        // the second: the all-reduce's own exchange over the ring's own sockets.
+        let mut data = vec![1.0f32; 2 * count];
+        let mut pass =
+            |ring: &mut Self| ring.exchange(&mut data, 0..count, count..2 * count, false);
+        for _ in 0..warmup {
+            pass(self)?;
+        }
+        self.barrier()?;
+        let start = Instant::now();
+        for _ in 0..iterations {
+            pass(self)?;
+        }
+        Ok(start.elapsed().as_secs_f64() / iterations.max(1) as f64)
+    }
+
     fn broadcast(&mut self, data: &mut [f32], root: usize) -> Result<(), CollectiveError> {
         let n = self.size;
         if n == 1 {

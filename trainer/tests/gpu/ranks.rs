@@ -366,3 +366,74 @@ fn train_replays_its_step_as_a_cuda_graph_on_the_gpu() {
     }
     assert!(replayed.iter().all(|l| l.is_finite()), "{replayed:?}");
 }
+
+/// `train` of 2 ranks sharing the GPU through NCCL, with the preflight's threshold.
+fn preflight_run(min_bus_gbps: &str) -> std::process::Output {
+    let flags = [
+        "train".to_string(),
+        "--device=cuda".into(),
+        "--model=cifar8".into(),
+        "--width=8".into(),
+        "--image-size=16".into(),
+        "--batch-size=8".into(),
+        "--learnable-classes=2".into(),
+        "--dataset-size=64".into(),
+        "--steps=2".into(),
+        "--log-every=1".into(),
+        "--collective=nccl".into(),
+        format!("--preflight-min-bus-gbps={min_bus_gbps}"),
+    ];
+    let args: Vec<&str> = flags.iter().map(String::as_str).collect();
+    common::mpirun(2, &args, SHARED_GPU)
+}
+
+/// The preflight through NCCL (issue 39 E): on GPU memory, over the fabric NCCL took here
+/// (sockets on loopback: no InfiniBand), the figures of a real measurement; below the
+/// threshold every rank stops before the first step with the fabric code, naming the
+/// slowest pair; above it, training goes on and the fabric line says sockets.
+#[test]
+fn the_preflight_measures_nccls_fabric_and_fails_fast_below_the_threshold() {
+    use ringmaster_contract::trainer::{Failure, exit};
+    let out = preflight_run("0.0001");
+    succeeded("a preflight that passes", &out);
+    let lines = common::json_lines(&out.stdout);
+    let preflight = lines
+        .iter()
+        .find(|l| l["event"] == "preflight")
+        .expect("rank 0's preflight line");
+    println!("NCCL's preflight on one GPU: {preflight}");
+    assert_eq!(preflight["collective"], "nccl", "{preflight}");
+    assert_eq!(preflight["passed"], true, "{preflight}");
+    let bus = preflight["busBandwidthGbps"].as_f64().unwrap();
+    assert!(bus.is_finite() && bus > 0.0001, "{preflight}");
+    let links = preflight["links"].as_array().unwrap();
+    assert_eq!(links.len(), 2, "{preflight}");
+    assert!(
+        links.iter().all(|l| l["gbps"].as_f64().unwrap() > 0.0),
+        "{preflight}"
+    );
+    let fabric = lines
+        .iter()
+        .find(|l| l["event"] == "fabric")
+        .expect("rank 0 says which fabric NCCL took");
+    assert_eq!(fabric["network"], "Socket", "no InfiniBand here: {fabric}");
+    assert_eq!(common::summary(&out.stdout)["steps"], 2);
+
+    let out = preflight_run("10000");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(i32::from(exit::FABRIC_TOO_SLOW)),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!stdout.contains(r#""event":"step""#), "{stdout}");
+    let failure = Failure::find_in(&stdout).expect("a failure line");
+    assert_eq!(failure.exit_code, exit::FABRIC_TOO_SLOW);
+    assert!(
+        failure.error.contains("(nccl)")
+            && failure.error.contains("below the minimum of 10000 GB/s")
+            && failure.error.contains("the slowest link is rank "),
+        "{failure}"
+    );
+}

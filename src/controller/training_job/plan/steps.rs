@@ -42,6 +42,7 @@ pub fn finished(plan: &mut Plan, inputs: &PlanInputs<'_>) -> Step {
             reasons::DEADLINE_EXCEEDED => reasons::DEADLINE_EXCEEDED,
             reasons::START_TIMEOUT => reasons::START_TIMEOUT,
             reasons::LAUNCHER_FAILED => reasons::LAUNCHER_FAILED,
+            reasons::PREFLIGHT_FAILED => reasons::PREFLIGHT_FAILED,
             reasons::NODE_POOL_FAILED => reasons::NODE_POOL_FAILED,
             _ => reasons::BACKOFF_LIMIT_EXCEEDED,
         };
@@ -453,7 +454,8 @@ pub fn failure(plan: &mut Plan, inputs: &PlanInputs<'_>) -> Step {
         return ControlFlow::Break(());
     }
     let cause = Cause::exited("launcher", pod, exit);
-    let detail = format!("{} (not retried: the program's own failure)", cause.words);
+    let (reason, verdict) = launcher_failure_reason(exit);
+    let detail = format!("{} (not retried: {verdict})", cause.words);
     record_failure(
         plan,
         inputs,
@@ -463,8 +465,24 @@ pub fn failure(plan: &mut Plan, inputs: &PlanInputs<'_>) -> Step {
         },
     );
     plan.about = Some(pod.about());
-    finish(plan, inputs, P::Failed, reasons::LAUNCHER_FAILED, detail);
+    finish(plan, inputs, P::Failed, reason, detail);
     ControlFlow::Break(())
+}
+
+/// The Failed condition's reason for a launcher exit that is not retried, and why it is
+/// not: the trainer's preflight found the fabric too slow (a restart on the same nodes
+/// measures the same), or the program failed on its own.
+fn launcher_failure_reason(
+    exit: &crate::controller::training_job::observe::Exit,
+) -> (&'static str, &'static str) {
+    if exit.code == i32::from(ringmaster_contract::trainer::exit::FABRIC_TOO_SLOW) {
+        (
+            reasons::PREFLIGHT_FAILED,
+            "the fabric is below infiniband.preflight's minimum on these nodes",
+        )
+    } else {
+        (reasons::LAUNCHER_FAILED, "the program's own failure")
+    }
 }
 
 /// `status.lastFailure`: this gang attempt failed, because of `cause`. The restart that
@@ -702,4 +720,38 @@ fn say_blocked(plan: &mut Plan, block: Block) {
     phase_conditions(plan, &block.message);
     set_ready_reason(plan, block.reason);
     plan.about = Some(block.pod);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::controller::training_job::observe::Exit;
+    use ringmaster_contract::trainer::exit;
+
+    fn exit_with(code: u8) -> Exit {
+        Exit {
+            code: i32::from(code),
+            reason: "Error".into(),
+            message: String::new(),
+            finished_at: None,
+        }
+    }
+
+    /// The preflight's code is a verdict with a reason of its own; a lost peer is retried;
+    /// the program's other codes stay `LauncherFailed`.
+    #[test]
+    fn a_fabric_too_slow_is_a_verdict_with_its_own_reason() {
+        let slow = exit_with(exit::FABRIC_TOO_SLOW);
+        assert!(!launcher_exit_is_retryable(&slow));
+        assert_eq!(launcher_failure_reason(&slow).0, reasons::PREFLIGHT_FAILED);
+        assert!(launcher_exit_is_retryable(&exit_with(exit::PEER_LOST)));
+        for code in [exit::FAILED, exit::INVALID_SETTINGS, exit::PANICKED] {
+            assert!(!launcher_exit_is_retryable(&exit_with(code)), "{code}");
+            assert_eq!(
+                launcher_failure_reason(&exit_with(code)).0,
+                reasons::LAUNCHER_FAILED,
+                "{code}"
+            );
+        }
+    }
 }
