@@ -766,7 +766,11 @@ fn pod_template_fields_reach_each_pod_beside_ringmasters_own() {
             "topologySpreadConstraints": spread,
             "runtimeClassName": "nvidia",
             "initContainers": [{"name": "fetch-tokenizer", "image": "busybox:1.36"}],
-            "containers": [{"name": "dcgm-exporter", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:4.2.3"}],
+            // Probe ports are int-or-string in Kubernetes' schema: both pass the schema check.
+            "containers": [{"name": "dcgm-exporter", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:4.2.3",
+                            "livenessProbe": {"httpGet": {"path": "/health", "port": 9400}},
+                            "readinessProbe": {"httpGet": {"path": "/health", "port": "metrics"}},
+                            "resources": {"limits": {"cpu": "500m", "memory": "512Mi"}}}],
             "ports": [{"name": "metrics", "containerPort": 9400}],
         });
         o["spec"]["worker"] = template.clone();

@@ -756,7 +756,10 @@ pub struct PodOverrides {
     pub host_ipc: Option<bool>,
     /// Ports added to the main container's (for a metrics exporter or a debugger in the
     /// main container). Ringmaster's workers list `ssh` (`mpi.sshPort`) and `rendezvous`
-    /// (29500): yours must differ from them in name and number.
+    /// (29500): yours must differ from them in name and number. The job's NetworkPolicy
+    /// (when the operator makes one) admits only the job's own pods: to reach a port from
+    /// elsewhere (a Prometheus scraping it), add a NetworkPolicy of your own that allows it
+    /// (NetworkPolicies add up).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 16))]
     #[x_kube(validation = Rule::new("self.all(p, p.containerPort >= 1 && p.containerPort <= 65535 && (!has(p.hostPort) || (p.hostPort >= 1 && p.hostPort <= 65535)))")
