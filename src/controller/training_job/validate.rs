@@ -1,7 +1,7 @@
 //! Validate step of the TrainingJob controller: the raw object in, a [`ValidatedTrainingJob`]
 //! out — schema and CEL rules checked, defaults merged, names derived. No client.
 
-use k8s_openapi::api::core::v1::ContainerPort;
+use k8s_openapi::api::core::v1::{ContainerPort, SecurityContext};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::ResourceExt;
 use ringmaster_contract::trainer::{self as contract, Capabilities, TrainArgs};
@@ -42,35 +42,64 @@ fn checked(job: ValidatedTrainingJob) -> Result<ValidatedTrainingJob, FieldError
     Ok(job)
 }
 
-/// A container security context the API server would refuse on the pod: CAP_SYS_ADMIN added
-/// with `allowPrivilegeEscalation: false` (a CEL rule cannot read the unbounded list
-/// cheaply enough; `privileged` with it is a CEL rule).
+/// Container security contexts the API server would refuse on the pod: the main container's
+/// (`containerSecurityContext`) and those of the containers the user adds.
 fn security_that_cannot_run(job: &ValidatedTrainingJob) -> Vec<FieldError> {
     let mut errors = Vec::new();
     for (role, overrides) in [
         (PodRole::Worker, &job.worker),
         (PodRole::Launcher, &job.launcher),
     ] {
-        let Some(context) = &overrides.container_security_context else {
-            continue;
-        };
-        if context.allow_privilege_escalation != Some(false) {
-            continue;
+        let role = role.name();
+        let mut contexts = vec![(
+            format!("spec.{role}.containerSecurityContext"),
+            overrides.container_security_context.as_ref(),
+        )];
+        for (list, containers) in [
+            ("initContainers", &overrides.init_containers),
+            ("containers", &overrides.containers),
+        ] {
+            contexts.extend(containers.iter().enumerate().map(|(i, c)| {
+                (
+                    format!("spec.{role}.{list}[{i}].securityContext"),
+                    c.security_context.as_ref(),
+                )
+            }));
         }
-        let added = context
-            .capabilities
-            .iter()
-            .flat_map(|c| c.add.iter().flatten());
-        for (i, capability) in added.enumerate() {
-            if capability == "CAP_SYS_ADMIN" {
-                errors.push(FieldError {
-                    field: format!(
-                        "spec.{}.containerSecurityContext.capabilities.add[{i}]",
-                        role.name()
-                    ),
-                    message: "CAP_SYS_ADMIN cannot go with allowPrivilegeEscalation: false (the API server refuses the pod): leave allowPrivilegeEscalation unset".into(),
-                });
+        for (field, context) in contexts {
+            if let Some(context) = context {
+                errors.extend(escalation_refused(&field, context));
             }
+        }
+    }
+    errors
+}
+
+/// What the API server refuses with `allowPrivilegeEscalation: false` in the context at
+/// `field`: `privileged: true` (a CEL rule on `containerSecurityContext`; the containers the
+/// user adds have Kubernetes' schema, which carries none) and CAP_SYS_ADMIN added (a CEL
+/// rule cannot read the unbounded list cheaply enough).
+fn escalation_refused(field: &str, context: &SecurityContext) -> Vec<FieldError> {
+    if context.allow_privilege_escalation != Some(false) {
+        return Vec::new();
+    }
+    let mut errors = Vec::new();
+    if context.privileged == Some(true) {
+        errors.push(FieldError {
+            field: format!("{field}.privileged"),
+            message: "privileged: true cannot go with allowPrivilegeEscalation: false (a privileged container can always escalate; the API server refuses the pod): leave allowPrivilegeEscalation unset".into(),
+        });
+    }
+    let added = context
+        .capabilities
+        .iter()
+        .flat_map(|c| c.add.iter().flatten());
+    for (i, capability) in added.enumerate() {
+        if capability == "CAP_SYS_ADMIN" {
+            errors.push(FieldError {
+                field: format!("{field}.capabilities.add[{i}]"),
+                message: "CAP_SYS_ADMIN cannot go with allowPrivilegeEscalation: false (the API server refuses the pod): leave allowPrivilegeEscalation unset".into(),
+            });
         }
     }
     errors
