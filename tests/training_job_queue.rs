@@ -454,6 +454,23 @@ fn a_workloads_pod_sets_count_the_users_init_containers_and_sidecars() {
     assert!(queue::outdated(&existing, &with_sidecar("2Gi")));
 }
 
+/// Kueue matches a pod set's required node affinity against its flavors' node labels: a
+/// change of the workers' affinity makes the Workload outdated.
+#[test]
+fn a_workload_is_outdated_when_the_workers_affinity_changes() {
+    let in_zone = |zone: &str| {
+        let mut job = sample();
+        job["spec"]["worker"] = json!({"affinity": {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": [zone]}]}
+        ]}}}});
+        queue::workload(&validated(&job), "gpus", &BuildInputs::default(), None)
+    };
+    let existing = in_zone("eastus-1");
+    assert!(!queue::outdated(&existing, &in_zone("eastus-1")));
+    assert!(queue::outdated(&existing, &in_zone("eastus-2")));
+}
+
 mod kueue_step {
     //! The Kueue sub-reconciler's decision (read → decide → write): what it writes, pure.
     use super::*;

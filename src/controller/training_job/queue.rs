@@ -331,8 +331,8 @@ pub fn finish_patch(
 
 /// Whether `existing` no longer counts what the job's pods would be: `desired` (the Workload
 /// built from the job now) differs in a pod set's count, requests (of every container, init
-/// containers too), node selector, tolerations or priority class (the launcher and worker
-/// overrides can change).
+/// containers too), node selector, affinity (which Kueue matches flavors against),
+/// tolerations or priority class (the launcher and worker overrides can change).
 pub fn outdated(existing: &Workload, desired: &Workload) -> bool {
     fn shape(workload: &Workload) -> Vec<Value> {
         workload
@@ -353,6 +353,7 @@ pub fn outdated(existing: &Workload, desired: &Workload) -> bool {
                     set.count,
                     requests,
                     spec.node_selector,
+                    spec.affinity,
                     spec.tolerations,
                     spec.priority_class_name
                 ])
