@@ -91,6 +91,23 @@ fn every_spec_field_has_a_description() {
     );
 }
 
+/// Each CRD, as the API server stores it (compact JSON), stays well under etcd's limit on
+/// one object (1.5 MiB): the pod-template fields embed Kubernetes' own schemas (containers,
+/// affinity, volumes) twice, for the launcher and the workers, and the next embedded type
+/// should be a choice, not an accident.
+#[test]
+fn each_crd_stays_well_under_etcds_object_limit() {
+    const BUDGET: usize = 1024 * 1024;
+    for crd in crdgen::all() {
+        let stored = serde_json::to_vec(&crd).expect("CRD serializes").len();
+        assert!(
+            stored < BUDGET,
+            "{} is {stored} bytes of JSON, over the {BUDGET} budget (etcd refuses 1.5 MiB)",
+            crd.spec.names.kind
+        );
+    }
+}
+
 /// The chart (Helm installs `crds/` of a chart) and the kustomize base carry the same CRDs.
 #[test]
 fn chart_and_kustomize_crds_are_copies_of_crds() {

@@ -422,6 +422,39 @@ fn the_copy_pod_goes_where_the_spec_places_it() {
     );
 }
 
+/// The spec's resources replace Ringmaster's resource by resource (a memory limit of its
+/// own keeps the CPU request), and its pull secrets reach the copy pod; without them the
+/// pod has Ringmaster's requests and no pull secret.
+#[test]
+fn the_copy_pod_takes_the_specs_resources_and_pull_secrets() {
+    let stage = sample("datastage-azurite.yaml", |o| {
+        o["spec"]["resources"] =
+            json!({"requests": {"memory": "2Gi"}, "limits": {"memory": "4Gi", "cpu": "2"}});
+        o["spec"]["imagePullSecrets"] = json!([{"name": "registry-creds"}]);
+    });
+    let job = value(&build::job(&stage, &inputs()));
+    let pod = &job["spec"]["template"]["spec"];
+    assert_eq!(pod["imagePullSecrets"], json!([{"name": "registry-creds"}]));
+    assert_eq!(
+        pod["containers"][0]["resources"],
+        json!({
+            "requests": {"cpu": "500m", "memory": "2Gi"},
+            "limits": {"cpu": "2", "memory": "4Gi"},
+        })
+    );
+
+    let plain = value(&build::job(
+        &sample("datastage-azurite.yaml", |_| {}),
+        &inputs(),
+    ));
+    let pod = &plain["spec"]["template"]["spec"];
+    assert!(pod.get("imagePullSecrets").is_none(), "{pod}");
+    assert_eq!(
+        pod["containers"][0]["resources"],
+        json!({"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}})
+    );
+}
+
 /// An object holding one of the DataStage's child names that the DataStage does not control
 /// is told apart (its own, an earlier DataStage's of the same name, anybody's), and the
 /// status says what holds it: waiting while an earlier DataStage's child is being deleted,

@@ -740,6 +740,162 @@ fn user_overrides_are_merged_without_losing_ringmasters_settings() {
     );
 }
 
+/// The pod-template fields MPIJob users bring (pull secrets, ServiceAccount, affinity,
+/// spreading, runtime class, init and added containers, ports, host IPC) reach each pod
+/// beside what Ringmaster sets there: its container stays first and keeps its ports, the
+/// node pool's selector stays beside the user's affinity (the scheduler requires both), and
+/// the API token stays off under a ServiceAccount of the user's unless they turn it on.
+#[test]
+fn pod_template_fields_reach_each_pod_beside_ringmasters_own() {
+    let affinity = json!({
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["eastus-1"]}]}
+        ]}},
+        "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 10, "podAffinityTerm": {
+            "topologyKey": "kubernetes.io/hostname",
+            "labelSelector": {"matchLabels": {"ringmaster.dev/role": "worker"}}
+        }}]},
+    });
+    let spread = json!([{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}]);
+    let job = sample("trainingjob-resnet50-nd96asr-v4.yaml", |o| {
+        o["spec"]["nodePool"] = json!({"provisioner": "existing", "nodeSelector": {"kubernetes.azure.com/agentpool": "gpu"}});
+        let template = json!({
+            "imagePullSecrets": [{"name": "acr-pull"}],
+            "serviceAccountName": "trainer",
+            "affinity": affinity,
+            "topologySpreadConstraints": spread,
+            "runtimeClassName": "nvidia",
+            "initContainers": [{"name": "fetch-tokenizer", "image": "busybox:1.36"}],
+            // Probe ports are int-or-string in Kubernetes' schema: both pass the schema check.
+            "containers": [{"name": "dcgm-exporter", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:4.2.3",
+                            "livenessProbe": {"httpGet": {"path": "/health", "port": 9400}},
+                            "readinessProbe": {"httpGet": {"path": "/health", "port": "metrics"}},
+                            "resources": {"limits": {"cpu": "500m", "memory": "512Mi"}}}],
+            "ports": [{"name": "metrics", "containerPort": 9400}],
+        });
+        o["spec"]["worker"] = template.clone();
+        o["spec"]["worker"]["hostIPC"] = json!(true);
+        o["spec"]["launcher"] = template;
+        o["spec"]["launcher"]["automountServiceAccountToken"] = json!(true);
+    });
+    let worker = value(&build::worker_pod(&job, 0, &inputs()));
+    let launcher = value(&build::launcher_pod(&job, &inputs()));
+    for (role, pod) in [("worker", &worker), ("launcher", &launcher)] {
+        let spec = &pod["spec"];
+        assert_eq!(
+            spec["imagePullSecrets"],
+            json!([{"name": "acr-pull"}]),
+            "{role}"
+        );
+        assert_eq!(spec["serviceAccountName"], "trainer", "{role}");
+        assert_eq!(spec["affinity"], affinity, "{role}");
+        assert_eq!(spec["topologySpreadConstraints"], spread, "{role}");
+        assert_eq!(spec["runtimeClassName"], "nvidia", "{role}");
+        let names = |list: &str| -> Vec<String> {
+            spec[list]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c["name"].as_str().unwrap().to_string())
+                .collect()
+        };
+        assert_eq!(names("initContainers"), ["fetch-tokenizer"], "{role}");
+        assert_eq!(names("containers"), [role, "dcgm-exporter"], "{role}");
+        assert_eq!(spec["enableServiceLinks"], false, "{role}");
+    }
+    // Both hold: the pool's selector and the user's node affinity.
+    assert_eq!(
+        worker["spec"]["nodeSelector"]["kubernetes.azure.com/agentpool"],
+        "gpu"
+    );
+    // The worker's own ports stay, the user's follow; the launcher lists only the user's.
+    let port_names = |pod: &Value| -> Vec<String> {
+        pod["spec"]["containers"][0]["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["name"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(port_names(&worker), ["ssh", "rendezvous", "metrics"]);
+    assert_eq!(port_names(&launcher), ["metrics"]);
+    // Host IPC on the worker alone (the schema refuses it on the launcher).
+    assert_eq!(worker["spec"]["hostIPC"], true);
+    assert!(launcher["spec"].get("hostIPC").is_none(), "{launcher}");
+    // The token only where the user turned it on.
+    assert_eq!(worker["spec"]["automountServiceAccountToken"], false);
+    assert_eq!(launcher["spec"]["automountServiceAccountToken"], true);
+}
+
+/// The containers a user adds get Ringmaster's container defaults under their own
+/// `securityContext`, so a CPU job's pods with them still meet `restricted`; what the user
+/// sets wins, and a container that asks for root gets `runAsNonRoot: false`, without which
+/// the pod's `runAsNonRoot: true` would stop the kubelet from starting it.
+#[test]
+fn added_containers_get_ringmasters_security_defaults_under_their_own() {
+    let job = sample("trainingjob-cpu-small.yaml", |o| {
+        o["spec"]["worker"] = json!({
+            "initContainers": [
+                {"name": "warm-cache", "image": "busybox:1.36"},
+                {"name": "log-shipper", "image": "fluent-bit:3", "restartPolicy": "Always",
+                 "securityContext": {"readOnlyRootFilesystem": true}},
+            ],
+            "containers": [{"name": "exporter", "image": "busybox:1.36"}],
+        });
+        o["spec"]["launcher"] = json!({
+            "initContainers": [{"name": "chown-output", "image": "busybox:1.36",
+                                "securityContext": {"runAsUser": 0}}],
+        });
+    });
+    let [(_, worker), (_, launcher)] = pods(&job);
+    let worker = worker.spec.unwrap();
+    assert_eq!(violations(&worker, Level::Restricted), Vec::<String>::new());
+    let security = |spec: &k8s_openapi::api::core::v1::PodSpec, name: &str| {
+        let mut all = spec
+            .init_containers
+            .iter()
+            .flatten()
+            .chain(&spec.containers);
+        value(&all.find(|c| c.name == name).unwrap().security_context)
+    };
+    let defaults = json!({"allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]}});
+    assert_eq!(security(&worker, "warm-cache"), defaults);
+    assert_eq!(security(&worker, "exporter"), defaults);
+    assert_eq!(
+        security(&worker, "log-shipper"),
+        json!({"allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": true})
+    );
+    // Root: the runtime's default capabilities stay (no drop), and it breaks restricted,
+    // as asked.
+    let launcher = launcher.spec.unwrap();
+    assert_eq!(
+        security(&launcher, "chown-output"),
+        json!({"allowPrivilegeEscalation": false, "runAsNonRoot": false, "runAsUser": 0})
+    );
+    assert_ne!(
+        violations(&launcher, Level::Restricted),
+        Vec::<String>::new()
+    );
+    assert_eq!(violations(&launcher, Level::Baseline), Vec::<String>::new());
+}
+
+/// Host IPC is a host namespace: a worker with it needs the `privileged` level.
+#[test]
+fn a_worker_sharing_the_hosts_ipc_breaks_baseline() {
+    let job = sample("trainingjob-cpu-small.yaml", |o| {
+        o["spec"]["worker"] = json!({"hostIPC": true});
+    });
+    let [(_, worker), (_, launcher)] = pods(&job);
+    assert_eq!(
+        violations(&worker.spec.unwrap(), Level::Baseline),
+        ["host namespaces (hostIPC=true)"]
+    );
+    assert_eq!(
+        violations(&launcher.spec.unwrap(), Level::Restricted),
+        Vec::<String>::new()
+    );
+}
+
 /// Worker environment entries each worker resolves for itself (its pod's name, its limits, a
 /// value built from them) reach each rank with its own worker's value: the worker writes them
 /// into its `authorized_keys` copy as `environment=` options, which its sshd honours, and

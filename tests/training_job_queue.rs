@@ -424,6 +424,53 @@ fn a_workload_is_outdated_when_the_pods_would_ask_for_something_else() {
     assert!(queue::outdated(&existing, &desired));
 }
 
+/// Kueue counts a pod's init containers and sidecars too: their requests (defaulted from
+/// their limits, as the API server defaults a pod's) are in the pod set's template, and a
+/// change of them makes the Workload outdated.
+#[test]
+fn a_workloads_pod_sets_count_the_users_init_containers_and_sidecars() {
+    let with_sidecar = |memory: &str| {
+        let mut job = sample();
+        job["spec"]["worker"] = json!({
+            "initContainers": [{"name": "log-shipper", "image": "fluent-bit:3", "restartPolicy": "Always",
+                                "resources": {"limits": {"memory": memory}}}],
+            "containers": [{"name": "exporter", "image": "busybox:1.36",
+                            "resources": {"requests": {"cpu": "100m"}}}],
+        });
+        queue::workload(&validated(&job), "gpus", &BuildInputs::default(), None)
+    };
+    let existing = with_sidecar("1Gi");
+    let value = serde_json::to_value(&existing).unwrap();
+    let worker = &value["spec"]["podSets"][0]["template"]["spec"];
+    assert_eq!(
+        worker["initContainers"][0]["resources"]["requests"]["memory"],
+        "1Gi"
+    );
+    assert_eq!(
+        worker["containers"][1]["resources"]["requests"]["cpu"],
+        "100m"
+    );
+    assert!(!queue::outdated(&existing, &with_sidecar("1Gi")));
+    assert!(queue::outdated(&existing, &with_sidecar("2Gi")));
+}
+
+/// Kueue matches a pod set's required node affinity against its flavors' node labels: a
+/// change of the workers' affinity makes the Workload outdated.
+#[test]
+fn a_workload_is_outdated_when_the_workers_affinity_changes() {
+    let in_zone = |zone: &str| {
+        let mut job = sample();
+        job["spec"]["worker"] = json!({"affinity": {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": [zone]}]}
+        ]}}}});
+        queue::workload(&validated(&job), "gpus", &BuildInputs::default(), None)
+    };
+    let existing = in_zone("eastus-1");
+    assert!(!queue::outdated(&existing, &in_zone("eastus-1")));
+    assert!(queue::outdated(&existing, &in_zone("eastus-2")));
+}
+
 mod kueue_step {
     //! The Kueue sub-reconciler's decision (read → decide → write): what it writes, pure.
     use super::*;

@@ -1070,3 +1070,126 @@ async fn a_worker_stuck_terminating_on_a_lost_node_is_said_and_the_gang_runs_onc
         );
     }
 }
+
+/// The pod-template fields (pull secrets, ServiceAccount, affinity, spreading, init and added
+/// containers, ports) pass the API server's schema of the CRD and reach the pods the
+/// operator makes, beside its own: the worker keeps its sshd container first and its ports,
+/// the API token stays off, and the scheduler places pods whose affinity KWOK's nodes meet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pod_template_fields_reach_the_workers_and_the_launcher() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "tj-template").await;
+    // The ServiceAccount admission refuses a pod whose ServiceAccount does not exist.
+    let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+        Api::namespaced(client.clone(), &ns.name);
+    accounts
+        .create(
+            &Default::default(),
+            &serde_json::from_value(json!({"metadata": {"name": "trainer"}})).unwrap(),
+        )
+        .await
+        .unwrap();
+    let _operator = Operator::start(&client, &ns.name).await;
+    let affinity = json!({
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "kubernetes.io/os", "operator": "In", "values": ["linux"]}]}
+        ]}},
+        "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 10, "podAffinityTerm": {
+            "topologyKey": "kubernetes.io/hostname",
+            "labelSelector": {"matchLabels": {"ringmaster.dev/role": "worker"}}
+        }}]},
+    });
+    let template = json!({
+        "imagePullSecrets": [{"name": "registry-creds"}],
+        "serviceAccountName": "trainer",
+        "affinity": affinity,
+        "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                       "whenUnsatisfiable": "ScheduleAnyway"}],
+        "initContainers": [{"name": "fetch", "image": "busybox:1.36"}],
+        "containers": [{"name": "exporter", "image": "busybox:1.36"}],
+        "ports": [{"name": "metrics", "containerPort": 9400}],
+    });
+    let job = cpu_job("template", 2, |spec| {
+        spec["worker"] = template.clone();
+        spec["launcher"] = template.clone();
+    });
+    apply(&client, &job, &ns.name, false).await.unwrap();
+    wait_phase(&client, &ns.name, "template", TrainingJobPhase::Running, 60).await;
+
+    let all = pods(&client, &ns.name, "template").await;
+    assert_eq!(all.len(), 3, "two workers and the launcher");
+    for pod in &all {
+        let role = pod.labels()["ringmaster.dev/role"].clone();
+        let spec = pod.spec.as_ref().unwrap();
+        let value = serde_json::to_value(spec).unwrap();
+        assert_eq!(
+            value["imagePullSecrets"],
+            json!([{"name": "registry-creds"}]),
+            "{role}"
+        );
+        assert_eq!(
+            spec.service_account_name.as_deref(),
+            Some("trainer"),
+            "{role}"
+        );
+        assert_eq!(spec.automount_service_account_token, Some(false), "{role}");
+        assert_eq!(value["affinity"], affinity, "{role}");
+        assert_eq!(
+            value["topologySpreadConstraints"][0]["topologyKey"], "kubernetes.io/hostname",
+            "{role}"
+        );
+        let names = |containers: &[k8s_openapi::api::core::v1::Container]| -> Vec<String> {
+            containers.iter().map(|c| c.name.clone()).collect()
+        };
+        assert_eq!(
+            names(spec.init_containers.as_deref().unwrap()),
+            ["fetch"],
+            "{role}"
+        );
+        assert_eq!(
+            names(&spec.containers),
+            [role.as_str(), "exporter"],
+            "{role}"
+        );
+        let ports: Vec<String> = spec.containers[0]
+            .ports
+            .iter()
+            .flatten()
+            .filter_map(|p| p.name.clone())
+            .collect();
+        let want: &[&str] = if role == "worker" {
+            &["ssh", "rendezvous", "metrics"]
+        } else {
+            &["metrics"]
+        };
+        assert_eq!(ports, want, "{role}");
+        // The added containers carry Ringmaster's container defaults.
+        let exporter = &spec.containers[1];
+        assert_eq!(
+            exporter
+                .security_context
+                .as_ref()
+                .and_then(|s| s.allow_privilege_escalation),
+            Some(false),
+            "{role}"
+        );
+    }
+
+    // A sidecar named like Ringmaster's container is refused by the API server's CEL rule.
+    let clash = cpu_job("template-clash", 2, |spec| {
+        spec["worker"] = json!({"containers": [{"name": "worker", "image": "busybox:1.36"}]});
+    });
+    match apply(&client, &clash, &ns.name, true).await {
+        Err(kube::Error::Api(status)) => {
+            assert_eq!(status.code, 422, "{}", status.message);
+            assert!(
+                status.message.contains("spec.worker.containers")
+                    && status.message.contains("names of Ringmaster's containers"),
+                "{}",
+                status.message
+            );
+        }
+        other => panic!("a sidecar named worker was not refused: {other:?}"),
+    }
+}

@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::Toleration;
+use k8s_openapi::api::core::v1::{LocalObjectReference, ResourceRequirements, Toleration};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::{CustomResource, KubeSchema};
@@ -145,6 +145,17 @@ pub struct DataStageSpec {
         validation = kubernetes_rules::tolerations()[3].clone(),
     )]
     pub tolerations: Vec<Toleration>,
+    /// Resource requests and limits of the copy Job's container, in place of Ringmaster's
+    /// (requests: 500m CPU and 256Mi memory; limit: 1Gi memory), resource by resource: a
+    /// request or limit you leave out keeps Ringmaster's. Raise the memory with a high
+    /// `parallelism` (each download holds a buffer), or the CPU with `verify: MD5`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+    /// Secrets in the DataStage's namespace with the registry credentials that pull the
+    /// stager's image (the operator's own image, from its registry).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub image_pull_secrets: Vec<LocalObjectReference>,
 }
 
 fn default_parallelism() -> i32 {

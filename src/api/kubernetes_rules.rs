@@ -12,6 +12,10 @@ pub const LABEL_VALUE_PATTERN: &str = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-
 /// letters, digits, `-` and `.`, alphanumerics at both ends (at most 253, the `maxLength`).
 pub const DNS_SUBDOMAIN_PATTERN: &str = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$";
 
+/// A DNS label (a container's name): lowercase letters, digits and `-`, alphanumerics at both
+/// ends (at most 63, the `maxLength`).
+pub const DNS_LABEL_PATTERN: &str = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$";
+
 /// A key of a Secret or ConfigMap: letters, digits, `-`, `_` and `.`.
 pub const CONFIG_KEY_PATTERN: &str = r"^[-._a-zA-Z0-9]+$";
 

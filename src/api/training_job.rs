@@ -6,7 +6,8 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    EnvVar, PodSecurityContext, ResourceRequirements, SecurityContext, Toleration, Volume,
+    Affinity, Container, ContainerPort, EnvVar, LocalObjectReference, PodSecurityContext,
+    ResourceRequirements, SecurityContext, Toleration, TopologySpreadConstraint, Volume,
     VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -141,6 +142,9 @@ fn immutable(field: &str) -> Rule {
     validation = Rule::new("!has(self.infiniband) || !has(self.infiniband.preflight) || !has(self.command)")
         .message("infiniband.preflight runs in the Ringmaster trainer, and command replaces it with your own program: unset command (and use trainer), or check the fabric in your program")
         .field_path(".infiniband.preflight"),
+    validation = Rule::new("!has(self.launcher) || !has(self.launcher.hostIPC) || !self.launcher.hostIPC")
+        .message("hostIPC is for the ranks, which run on the workers: set worker.hostIPC (the launcher runs only mpirun)")
+        .field_path(".launcher.hostIPC"),
     validation = immutable("workers"),
     validation = immutable("gpusPerWorker"),
     validation = immutable("slotsPerWorker"),
@@ -648,8 +652,13 @@ pub enum MpiImplementation {
 /// Additions to a pod that Ringmaster builds.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new(pod_security::RUNS_AS_ROOT_AND_NON_ROOT)
-    .message("runAsNonRoot: true and runAsUser: 0 (in securityContext or containerSecurityContext; the container's win) contradict each other: the kubelet would refuse to start the container. To run as root, set runAsUser: 0 alone (Ringmaster then leaves runAsNonRoot unset)"))]
+#[x_kube(
+    validation = Rule::new(pod_security::RUNS_AS_ROOT_AND_NON_ROOT)
+        .message("runAsNonRoot: true and runAsUser: 0 (in securityContext or containerSecurityContext; the container's win) contradict each other: the kubelet would refuse to start the container. To run as root, set runAsUser: 0 alone (Ringmaster then leaves runAsNonRoot unset)"),
+    validation = Rule::new("!has(self.initContainers) || !has(self.containers) || self.containers.all(c, self.initContainers.all(i, i.name != c.name))")
+        .message("a name is in both initContainers and containers: the containers of a pod need names of their own")
+        .field_path(".containers"),
+)]
 pub struct PodOverrides {
     /// Environment variables added to the main container (after Ringmaster's own).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -726,6 +735,106 @@ pub struct PodOverrides {
             .message("allowPrivilegeEscalation: false cannot go with privileged: true (a privileged container can always escalate): leave allowPrivilegeEscalation unset"),
     )]
     pub container_security_context: Option<SecurityContext>,
+    /// Secrets in the job's namespace with the registry credentials that pull the pod's
+    /// images, added to the pod's (Ringmaster sets none itself).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub image_pull_secrets: Vec<LocalObjectReference>,
+    /// The ServiceAccount the pod runs as. Unset: the namespace's `default`. Its API token is
+    /// mounted only when `automountServiceAccountToken` is true: the training pods never
+    /// call the API server themselves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253), regex(pattern = kubernetes_rules::DNS_SUBDOMAIN_PATTERN))]
+    pub service_account_name: Option<String>,
+    /// Mount the ServiceAccount's API token in the pod (for a container of yours that calls
+    /// the API server). Default: false, whatever the ServiceAccount says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub automount_service_account_token: Option<bool>,
+    /// The pod's affinity, taken as you write it. Ringmaster places pods with `nodeSelector`
+    /// (the node pool's labels, `nodeSelector` above, a Kueue flavor's), which the scheduler
+    /// requires together with every term here (a node must match the selector and one of
+    /// the `nodeSelectorTerms`), so both hold; it sets no affinity of its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<Affinity>,
+    /// Topology spread constraints of the pod, added to the pod's (Ringmaster sets none).
+    /// Select the job's pods with the label `ringmaster.dev/job: <job name>` (and
+    /// `ringmaster.dev/role: worker`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8))]
+    pub topology_spread_constraints: Vec<TopologySpreadConstraint>,
+    /// Containers run before the main one, in this order (Ringmaster has none of its own).
+    /// A container with `restartPolicy: Always` is a native sidecar: it starts before the
+    /// main container, runs beside it, and is stopped once the main container has ended.
+    /// Each gets Ringmaster's container defaults under its own `securityContext` (as
+    /// `containerSecurityContext` describes, without IPC_LOCK). Names must differ from each
+    /// other, from `containers` and from Ringmaster's containers (`worker`, `launcher`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(schema_with = "added_containers_schema")]
+    #[x_kube(validation = Rule::new("self.all(c, !(c.name in ['worker', 'launcher']))")
+        .message("worker and launcher are the names of Ringmaster's containers (the job's status is read from them): name yours differently"))]
+    pub init_containers: Vec<Container>,
+    /// Containers added to the pod after the main one (which stays first), with Ringmaster's
+    /// container defaults under their own `securityContext` as for `initContainers`. On the
+    /// launcher they must end by themselves: the launcher pod ends (and with it the job)
+    /// only once every container has; a helper that runs for as long as `mpirun` does
+    /// belongs in `initContainers` with `restartPolicy: Always`. Names must differ from
+    /// each other, from `initContainers` and from Ringmaster's containers.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(schema_with = "added_containers_schema")]
+    #[x_kube(validation = Rule::new("self.all(c, !(c.name in ['worker', 'launcher']))")
+        .message("worker and launcher are the names of Ringmaster's containers (the job's status is read from them): name yours differently"))]
+    pub containers: Vec<Container>,
+    /// The RuntimeClass the pod runs with (a sandboxed runtime such as Kata, or one a GPU
+    /// operator installs such as `nvidia`). Unset: the cluster's default runtime.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253), regex(pattern = kubernetes_rules::DNS_SUBDOMAIN_PATTERN))]
+    pub runtime_class_name: Option<String>,
+    /// Share the node's IPC namespace (workers only: the ranks run there), for InfiniBand
+    /// setups whose RDMA or shared-memory transports need the host's System V IPC. Beyond
+    /// the Pod Security levels `restricted` and `baseline`: the namespace must allow
+    /// `privileged`. Default: false.
+    #[serde(default, rename = "hostIPC", skip_serializing_if = "Option::is_none")]
+    pub host_ipc: Option<bool>,
+    /// Ports added to the main container's (for a metrics exporter or a debugger in the
+    /// main container). Ringmaster's workers list `ssh` (`mpi.sshPort`) and `rendezvous`
+    /// (29500): yours must differ from them in name and number. The job's NetworkPolicy
+    /// (when the operator makes one) admits only the job's own pods: to reach a port from
+    /// elsewhere (a Prometheus scraping it), add a NetworkPolicy of your own that allows it
+    /// (NetworkPolicies add up).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    #[x_kube(validation = Rule::new("self.all(p, p.containerPort >= 1 && p.containerPort <= 65535 && (!has(p.hostPort) || (p.hostPort >= 1 && p.hostPort <= 65535)))")
+        .message("a port's containerPort (and hostPort, when set) is between 1 and 65535"))]
+    pub ports: Vec<ContainerPort>,
+}
+
+/// The schema of [`PodOverrides::init_containers`] and [`PodOverrides::containers`]:
+/// Kubernetes' own Container schema, as a pod's (so `kubectl apply` refuses a malformed
+/// container, and `kubectl explain` describes its fields), with what the API server checks
+/// on a pod's containers added where the schema leaves it to the pod: at most 16, a name
+/// that is a DNS label (which bounds the CEL rules over names), each name once.
+///
+/// The whole schema rather than one that keeps unknown fields (which `kubectl apply` would
+/// take with any typo, for the pod to be refused later): it adds about 55 KB of JSON, what
+/// the API server stores, per list (four lists: init and added containers, of launcher and
+/// worker). The TrainingJob CRD is then about 585 KB, well below etcd's 1.5 MiB limit on an
+/// object (`tests/crds.rs` keeps it under 1 MiB), as MPIJob's full pod templates are. Like
+/// theirs, and like ours before, it is too large for client-side `kubectl apply` (its
+/// last-applied annotation is limited to 256 KiB) and is applied server-side (`kubectl
+/// apply --server-side`, Helm, Flux).
+fn added_containers_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let mut schema = generator.subschema_for::<Vec<Container>>();
+    schema.insert("maxItems".into(), 16.into());
+    schema.insert("x-kubernetes-list-type".into(), "map".into());
+    schema.insert(
+        "x-kubernetes-list-map-keys".into(),
+        serde_json::json!(["name"]),
+    );
+    if let Some(serde_json::Value::Object(name)) = schema.pointer_mut("/items/properties/name") {
+        name.insert("maxLength".into(), 63.into());
+        name.insert("pattern".into(), kubernetes_rules::DNS_LABEL_PATTERN.into());
+    }
+    schema
 }
 
 /// CEL rules over the security contexts of [`PodOverrides`]: combinations Kubernetes refuses

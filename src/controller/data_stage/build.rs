@@ -399,6 +399,8 @@ fn stager_pod(
         service_account_name: Some(job_service_account(stage)),
         node_selector: Some(stage.node_selector.clone()),
         tolerations: Some(stage.tolerations.clone()),
+        image_pull_secrets: (!stage.image_pull_secrets.is_empty())
+            .then(|| stage.image_pull_secrets.clone()),
         security_context: Some(PodSecurityContext {
             run_as_non_root: Some(true),
             run_as_user: Some(65532),
@@ -410,7 +412,7 @@ fn stager_pod(
             }),
             ..PodSecurityContext::default()
         }),
-        containers: vec![stager_container(env, inputs)],
+        containers: vec![stager_container(env, stage.resources.as_ref(), inputs)],
         volumes: Some(vec![Volume {
             name: "data".into(),
             persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
@@ -423,9 +425,37 @@ fn stager_pod(
     }
 }
 
+/// The stager's requests and limits: Ringmaster's, each resource the user names replaced by
+/// theirs (`theirs`, the spec's `resources`), so raising the memory limit keeps the CPU
+/// request.
+fn stager_resources(theirs: Option<&ResourceRequirements>) -> ResourceRequirements {
+    let mut resources = ResourceRequirements {
+        requests: quantities([("cpu", "500m"), ("memory", "256Mi")]),
+        limits: quantities([("memory", "1Gi")]),
+        ..ResourceRequirements::default()
+    };
+    let Some(theirs) = theirs else {
+        return resources;
+    };
+    for (ours, theirs) in [
+        (&mut resources.requests, &theirs.requests),
+        (&mut resources.limits, &theirs.limits),
+    ] {
+        if let Some(theirs) = theirs {
+            ours.get_or_insert_default().extend(theirs.clone());
+        }
+    }
+    resources.claims = theirs.claims.clone();
+    resources
+}
+
 /// The stager: `ringmaster stage` with `env`, the claim at [`DATA_MOUNT`], a read-only root
 /// and no capabilities.
-fn stager_container(env: Vec<EnvVar>, inputs: &BuildInputs) -> Container {
+fn stager_container(
+    env: Vec<EnvVar>,
+    resources: Option<&ResourceRequirements>,
+    inputs: &BuildInputs,
+) -> Container {
     Container {
         name: "stager".into(),
         image: Some(inputs.stager_image.clone()),
@@ -443,11 +473,7 @@ fn stager_container(env: Vec<EnvVar>, inputs: &BuildInputs) -> Container {
             ..VolumeMount::default()
         }]),
         termination_message_policy: Some("FallbackToLogsOnError".into()),
-        resources: Some(ResourceRequirements {
-            requests: quantities([("cpu", "500m"), ("memory", "256Mi")]),
-            limits: quantities([("memory", "1Gi")]),
-            ..ResourceRequirements::default()
-        }),
+        resources: Some(stager_resources(resources)),
         security_context: Some(SecurityContext {
             allow_privilege_escalation: Some(false),
             read_only_root_filesystem: Some(true),

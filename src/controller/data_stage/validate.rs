@@ -48,6 +48,10 @@ pub struct ValidatedDataStage {
     pub node_selector: std::collections::BTreeMap<String, String>,
     /// Tolerations of the copy Job's pod.
     pub tolerations: Vec<k8s_openapi::api::core::v1::Toleration>,
+    /// The user's requests and limits of the copy Job's container, over Ringmaster's.
+    pub resources: Option<k8s_openapi::api::core::v1::ResourceRequirements>,
+    /// Registry credentials of the copy Job's pod.
+    pub image_pull_secrets: Vec<k8s_openapi::api::core::v1::LocalObjectReference>,
     /// Things that are allowed but worth a Warning Event.
     pub warnings: Vec<String>,
 }
@@ -182,6 +186,8 @@ fn with_defaults(stage: &DataStage) -> Result<ValidatedDataStage, FieldErrors> {
         start_timeout_seconds: spec.start_timeout_seconds,
         node_selector: spec.node_selector.clone(),
         tolerations: spec.tolerations.clone(),
+        resources: spec.resources.clone(),
+        image_pull_secrets: spec.image_pull_secrets.clone(),
         warnings,
     })
 }

@@ -117,10 +117,13 @@ pub fn workload(
     }
 }
 
-/// A pod as a pod set's template: its labels and spec, with requests defaulted from limits.
+/// A pod as a pod set's template: its labels and spec, with requests defaulted from limits
+/// (as the API server defaults a pod's, which Kueue counts), init containers' too: Kueue
+/// counts a pod's requests with its init containers' and sidecars'.
 fn template(pod: Pod) -> PodTemplateSpec {
     let mut spec = pod.spec.unwrap_or_default();
-    for container in &mut spec.containers {
+    let init = spec.init_containers.iter_mut().flatten();
+    for container in init.chain(&mut spec.containers) {
         let resources = container.resources.get_or_insert_with(Default::default);
         if let Some(limits) = resources.limits.clone() {
             let requests: &mut BTreeMap<String, Quantity> =
@@ -327,7 +330,8 @@ pub fn finish_patch(
 }
 
 /// Whether `existing` no longer counts what the job's pods would be: `desired` (the Workload
-/// built from the job now) differs in a pod set's count, requests, node selector,
+/// built from the job now) differs in a pod set's count, requests (of every container, init
+/// containers too), node selector, affinity (which Kueue matches flavors against),
 /// tolerations or priority class (the launcher and worker overrides can change).
 pub fn outdated(existing: &Workload, desired: &Workload) -> bool {
     fn shape(workload: &Workload) -> Vec<Value> {
@@ -338,8 +342,10 @@ pub fn outdated(existing: &Workload, desired: &Workload) -> bool {
             .map(|set| {
                 let spec = set.template.spec.clone().unwrap_or_default();
                 let requests: Vec<Value> = spec
-                    .containers
+                    .init_containers
                     .iter()
+                    .flatten()
+                    .chain(&spec.containers)
                     .map(|c| json!(c.resources.as_ref().map(|r| r.requests.clone())))
                     .collect();
                 json!([
@@ -347,6 +353,7 @@ pub fn outdated(existing: &Workload, desired: &Workload) -> bool {
                     set.count,
                     requests,
                     spec.node_selector,
+                    spec.affinity,
                     spec.tolerations,
                     spec.priority_class_name
                 ])

@@ -1,6 +1,7 @@
 //! Validate step of the TrainingJob controller: the raw object in, a [`ValidatedTrainingJob`]
 //! out — schema and CEL rules checked, defaults merged, names derived. No client.
 
+use k8s_openapi::api::core::v1::{ContainerPort, SecurityContext};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::ResourceExt;
 use ringmaster_contract::trainer::{self as contract, Capabilities, TrainArgs};
@@ -8,7 +9,7 @@ use ringmaster_contract::trainer::{self as contract, Capabilities, TrainArgs};
 use super::build::{self, PodRole};
 use super::names::ChildNaming;
 pub use super::spec::*;
-use crate::api::{DataSource, GpuDriver, Precision, Provisioner, TrainingJob};
+use crate::api::{DataSource, GpuDriver, PodOverrides, Precision, Provisioner, TrainingJob};
 use crate::validation::{self, FieldError, FieldErrors};
 
 /// Checks `job` against every rule and fills in defaults; the trainer's settings must run on
@@ -41,77 +42,211 @@ fn checked(job: ValidatedTrainingJob) -> Result<ValidatedTrainingJob, FieldError
     Ok(job)
 }
 
-/// A container security context the API server would refuse on the pod: CAP_SYS_ADMIN added
-/// with `allowPrivilegeEscalation: false` (a CEL rule cannot read the unbounded list
-/// cheaply enough; `privileged` with it is a CEL rule).
+/// Container security contexts the API server would refuse on the pod: the main container's
+/// (`containerSecurityContext`) and those of the containers the user adds.
 fn security_that_cannot_run(job: &ValidatedTrainingJob) -> Vec<FieldError> {
     let mut errors = Vec::new();
     for (role, overrides) in [
         (PodRole::Worker, &job.worker),
         (PodRole::Launcher, &job.launcher),
     ] {
-        let Some(context) = &overrides.container_security_context else {
-            continue;
-        };
-        if context.allow_privilege_escalation != Some(false) {
-            continue;
+        let role = role.name();
+        let mut contexts = vec![(
+            format!("spec.{role}.containerSecurityContext"),
+            overrides.container_security_context.as_ref(),
+        )];
+        for (list, containers) in [
+            ("initContainers", &overrides.init_containers),
+            ("containers", &overrides.containers),
+        ] {
+            contexts.extend(containers.iter().enumerate().map(|(i, c)| {
+                (
+                    format!("spec.{role}.{list}[{i}].securityContext"),
+                    c.security_context.as_ref(),
+                )
+            }));
         }
-        let added = context
-            .capabilities
-            .iter()
-            .flat_map(|c| c.add.iter().flatten());
-        for (i, capability) in added.enumerate() {
-            if capability == "CAP_SYS_ADMIN" {
-                errors.push(FieldError {
-                    field: format!(
-                        "spec.{}.containerSecurityContext.capabilities.add[{i}]",
-                        role.name()
-                    ),
-                    message: "CAP_SYS_ADMIN cannot go with allowPrivilegeEscalation: false (the API server refuses the pod): leave allowPrivilegeEscalation unset".into(),
-                });
+        for (field, context) in contexts {
+            if let Some(context) = context {
+                errors.extend(escalation_refused(&field, context));
             }
         }
     }
     errors
 }
 
-/// The user's volumes and mounts that repeat a volume name or mount path Ringmaster gives the
-/// same pod (which depends on the spec: `data` only with a DataStage, `dshm` only with
-/// InfiniBand, ...: [`build::reserved_volumes`]). Refused here, naming the spec's field: the
-/// API server would refuse the pod naming `spec.volumes[7]`.
+/// What the API server refuses with `allowPrivilegeEscalation: false` in the context at
+/// `field`: `privileged: true` (a CEL rule on `containerSecurityContext`; the containers the
+/// user adds have Kubernetes' schema, which carries none) and CAP_SYS_ADMIN added (a CEL
+/// rule cannot read the unbounded list cheaply enough).
+fn escalation_refused(field: &str, context: &SecurityContext) -> Vec<FieldError> {
+    if context.allow_privilege_escalation != Some(false) {
+        return Vec::new();
+    }
+    let mut errors = Vec::new();
+    if context.privileged == Some(true) {
+        errors.push(FieldError {
+            field: format!("{field}.privileged"),
+            message: "privileged: true cannot go with allowPrivilegeEscalation: false (a privileged container can always escalate; the API server refuses the pod): leave allowPrivilegeEscalation unset".into(),
+        });
+    }
+    let added = context
+        .capabilities
+        .iter()
+        .flat_map(|c| c.add.iter().flatten());
+    for (i, capability) in added.enumerate() {
+        if capability == "CAP_SYS_ADMIN" {
+            errors.push(FieldError {
+                field: format!("{field}.capabilities.add[{i}]"),
+                message: "CAP_SYS_ADMIN cannot go with allowPrivilegeEscalation: false (the API server refuses the pod): leave allowPrivilegeEscalation unset".into(),
+            });
+        }
+    }
+    errors
+}
+
+/// What the user's overrides set that Ringmaster sets in the same pod, or that undoes what
+/// it needs there: each refused here naming the spec's field, where the API server would
+/// refuse the pod naming `spec.volumes[7]`, or the pod would start and fail.
 fn overrides_that_clash(job: &ValidatedTrainingJob) -> Vec<FieldError> {
     let mut errors = Vec::new();
     for (role, overrides) in [
         (PodRole::Worker, &job.worker),
         (PodRole::Launcher, &job.launcher),
     ] {
-        if overrides.volumes.is_empty() && overrides.volume_mounts.is_empty() {
-            // Most jobs: nothing to check (every reconcile validates).
+        errors.extend(volumes_that_clash(job, role, overrides));
+        errors.extend(ports_that_clash(job, role, overrides));
+        errors.extend(capabilities_that_clash(job, role, overrides));
+        errors.extend(container_names_repeated(role, overrides));
+    }
+    errors
+}
+
+/// The user's volumes and mounts that repeat a volume name or mount path Ringmaster gives the
+/// same pod (which depends on the spec: `data` only with a DataStage, `dshm` only with
+/// InfiniBand, ...: [`build::reserved_volumes`]).
+fn volumes_that_clash(
+    job: &ValidatedTrainingJob,
+    role: PodRole,
+    overrides: &PodOverrides,
+) -> Vec<FieldError> {
+    let mut errors = Vec::new();
+    if overrides.volumes.is_empty() && overrides.volume_mounts.is_empty() {
+        // Most jobs: nothing to check (every reconcile validates).
+        return errors;
+    }
+    // Any claim name: what matters is that the DataStage's volume is there when it
+    // would be.
+    let claim = job.data.as_ref().map(|_| "claim");
+    let ours = build::reserved_volumes(job, role, ChildNaming::default(), claim);
+    let role = role.name();
+    for (i, volume) in overrides.volumes.iter().enumerate() {
+        if ours.iter().any(|(v, _)| v.name == volume.name) {
+            errors.push(FieldError {
+                field: format!("spec.{role}.volumes[{i}].name"),
+                message: format!(
+                    "{} is the name of a volume Ringmaster gives the {role} pod of this spec: name yours differently",
+                    volume.name
+                ),
+            });
+        }
+    }
+    for (i, mount) in overrides.volume_mounts.iter().enumerate() {
+        if let Some((_, taken)) = ours.iter().find(|(_, m)| m.mount_path == mount.mount_path) {
+            errors.push(FieldError {
+                field: format!("spec.{role}.volumeMounts[{i}].mountPath"),
+                message: format!(
+                    "Ringmaster mounts its {} volume at {} in the {role}: mount yours elsewhere",
+                    taken.name, mount.mount_path
+                ),
+            });
+        }
+    }
+    errors
+}
+
+/// The user's `ports` that repeat the name, or the number and protocol, of a port Ringmaster
+/// lists on the same container ([`build::reserved_ports`]: a worker's sshd and rendezvous).
+fn ports_that_clash(
+    job: &ValidatedTrainingJob,
+    role: PodRole,
+    overrides: &PodOverrides,
+) -> Vec<FieldError> {
+    let protocol = |p: &ContainerPort| p.protocol.clone().unwrap_or_else(|| "TCP".into());
+    let ours = build::reserved_ports(job, role);
+    let mut errors = Vec::new();
+    for (i, port) in overrides.ports.iter().enumerate() {
+        let Some(taken) = ours.iter().find(|o| {
+            (port.name.is_some() && o.name == port.name)
+                || (o.container_port == port.container_port && protocol(o) == protocol(port))
+        }) else {
             continue;
-        }
-        // Any claim name: what matters is that the DataStage's volume is there when it
-        // would be.
-        let claim = job.data.as_ref().map(|_| "claim");
-        let ours = build::reserved_volumes(job, role, ChildNaming::default(), claim);
-        let role = role.name();
-        for (i, volume) in overrides.volumes.iter().enumerate() {
-            if ours.iter().any(|(v, _)| v.name == volume.name) {
+        };
+        let (field, what) = if port.name.is_some() && taken.name == port.name {
+            (
+                "name",
+                format!("name {}", port.name.as_deref().unwrap_or_default()),
+            )
+        } else {
+            ("containerPort", format!("port {}", port.container_port))
+        };
+        errors.push(FieldError {
+            field: format!("spec.{}.ports[{i}].{field}", role.name()),
+            message: format!(
+                "{what} is Ringmaster's {} port ({}) on the {} container: pick another",
+                taken.name.as_deref().unwrap_or_default(),
+                taken.container_port,
+                role.name()
+            ),
+        });
+    }
+    errors
+}
+
+/// A capability the user drops that Ringmaster adds to the same container: IPC_LOCK on an
+/// InfiniBand worker, which RDMA needs to pin memory (the runtime drops after it adds, so the
+/// worker would start and NCCL fail on its first InfiniBand transfer).
+fn capabilities_that_clash(
+    job: &ValidatedTrainingJob,
+    role: PodRole,
+    overrides: &PodOverrides,
+) -> Vec<FieldError> {
+    if role != PodRole::Worker || job.infiniband.is_none() {
+        return Vec::new();
+    }
+    let dropped = overrides
+        .container_security_context
+        .iter()
+        .flat_map(|c| c.capabilities.iter())
+        .flat_map(|c| c.drop.iter().flatten());
+    dropped
+        .enumerate()
+        .filter(|(_, c)| c.trim_start_matches("CAP_") == build::RDMA_CAPABILITY)
+        .map(|(i, capability)| FieldError {
+            field: format!("spec.worker.containerSecurityContext.capabilities.drop[{i}]"),
+            message: format!(
+                "{capability} is the capability Ringmaster adds to InfiniBand workers (RDMA pins memory with it; see infiniband.enabled): don't drop it, or set infiniband.enabled: false"
+            ),
+        })
+        .collect()
+}
+
+/// A container name the user gives twice in one list of their containers (the schema makes
+/// each list a map by name, which the API server checks and the operator's schema check
+/// does not; a name in both lists is a CEL rule).
+fn container_names_repeated(role: PodRole, overrides: &PodOverrides) -> Vec<FieldError> {
+    let mut errors = Vec::new();
+    for (list, containers) in [
+        ("initContainers", &overrides.init_containers),
+        ("containers", &overrides.containers),
+    ] {
+        for (i, container) in containers.iter().enumerate() {
+            if containers[..i].iter().any(|c| c.name == container.name) {
                 errors.push(FieldError {
-                    field: format!("spec.{role}.volumes[{i}].name"),
+                    field: format!("spec.{}.{list}[{i}]", role.name()),
                     message: format!(
-                        "{} is the name of a volume Ringmaster gives the {role} pod of this spec: name yours differently",
-                        volume.name
-                    ),
-                });
-            }
-        }
-        for (i, mount) in overrides.volume_mounts.iter().enumerate() {
-            if let Some((_, taken)) = ours.iter().find(|(_, m)| m.mount_path == mount.mount_path) {
-                errors.push(FieldError {
-                    field: format!("spec.{role}.volumeMounts[{i}].mountPath"),
-                    message: format!(
-                        "Ringmaster mounts its {} volume at {} in the {role}: mount yours elsewhere",
-                        taken.name, mount.mount_path
+                        "{} names another container of {list} too: the containers of a pod need names of their own",
+                        container.name
                     ),
                 });
             }

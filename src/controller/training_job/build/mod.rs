@@ -26,7 +26,7 @@ use ringmaster_contract::trainer as trainer_contract;
 pub use self::mpi::{hostfile, launcher_command};
 pub use self::network_policy::network_policy;
 pub use self::pod_group::{pod_group, volcano_pod_group};
-pub use self::pods::{launcher_pod, worker_pod};
+pub use self::pods::{launcher_pod, reserved_ports, worker_pod};
 pub use self::secret::{RendezvousKey, SshKeys, ssh_secret};
 pub use self::security::{POD_FS_GROUP, PodSecurity, RDMA_CAPABILITY, pod_security};
 pub use self::service::worker_service;

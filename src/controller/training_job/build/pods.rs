@@ -11,7 +11,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use super::pod_group::join_gang;
-use super::security::{PodSecurity, pod_security};
+use super::security::{PodSecurity, added_container_security, pod_security};
 use super::volumes::{PodRole, reserved_volumes};
 use super::{
     BuildInputs, KNOWN_HOSTS, LAUNCHER_IP_ENV, env_var, hostfile, launcher_command, metadata,
@@ -109,11 +109,6 @@ fn worker_container(
     let host = names::worker_host(job, naming, index);
     let limits = worker_devices(job);
     let per_pod_env = per_pod_env_names(job);
-    let container_port = |name: &str, port: i32| ContainerPort {
-        name: Some(name.into()),
-        container_port: port,
-        ..ContainerPort::default()
-    };
     Container {
         // The controller reads this container's state by its name (observe.rs).
         name: WORKER_ROLE.into(),
@@ -122,10 +117,7 @@ fn worker_container(
             sshd_command(port, !per_pod_env.is_empty()),
             &per_pod_env,
         )),
-        ports: Some(vec![
-            container_port("ssh", port),
-            container_port("rendezvous", RENDEZVOUS_PORT.into()),
-        ]),
+        ports: Some(reserved_ports(job, PodRole::Worker)),
         readiness_probe: Some(Probe {
             exec: Some(ExecAction {
                 command: Some(strings([
@@ -148,6 +140,24 @@ fn worker_container(
         env: Some(rank_env(job, naming)),
         volume_mounts: Some(mounts),
         ..Container::default()
+    }
+}
+
+/// The ports Ringmaster lists on the main container of `role`'s pod: a worker's sshd (`ssh`,
+/// `mpi.sshPort`) and the trainers' rendezvous (`rendezvous`, [`RENDEZVOUS_PORT`]); none
+/// on the launcher. The user's `ports` must differ from them in name and number.
+pub fn reserved_ports(job: &ValidatedTrainingJob, role: PodRole) -> Vec<ContainerPort> {
+    let container_port = |name: &str, port: i32| ContainerPort {
+        name: Some(name.into()),
+        container_port: port,
+        ..ContainerPort::default()
+    };
+    match role {
+        PodRole::Worker => vec![
+            container_port("ssh", job.mpi.ssh_port),
+            container_port("rendezvous", RENDEZVOUS_PORT.into()),
+        ],
+        PodRole::Launcher => Vec::new(),
     }
 }
 
@@ -404,9 +414,11 @@ fn merge_overrides(pod: &mut Pod, overrides: &PodOverrides) {
     if let Some(class) = &overrides.priority_class_name {
         spec.priority_class_name = Some(class.clone());
     }
+    merge_pod_settings(spec, overrides);
     let container = &mut spec.containers[0];
     extend(&mut container.env, &overrides.env);
     extend(&mut container.volume_mounts, &overrides.volume_mounts);
+    extend(&mut container.ports, &overrides.ports);
     if let Some(resources) = &overrides.resources {
         // GPU and RDMA limits set by Ringmaster stay.
         let ours = container
@@ -420,6 +432,53 @@ fn merge_overrides(pod: &mut Pod, overrides: &PodOverrides) {
         }
         container.resources = Some(resources);
     }
+}
+
+/// The user's pod-level settings that Ringmaster has no value of its own for (pull secrets,
+/// ServiceAccount, affinity, spreading, runtime class, host IPC; the validate step refused
+/// what clashes with its own) and their containers: init containers first (Ringmaster has
+/// none), added ones after its own, each with Ringmaster's container defaults under its
+/// own security context ([`added_container_security`]). The API token stays off unless
+/// they turn it on.
+fn merge_pod_settings(spec: &mut PodSpec, overrides: &PodOverrides) {
+    extend(&mut spec.image_pull_secrets, &overrides.image_pull_secrets);
+    extend(
+        &mut spec.topology_spread_constraints,
+        &overrides.topology_spread_constraints,
+    );
+    if let Some(account) = &overrides.service_account_name {
+        spec.service_account_name = Some(account.clone());
+    }
+    if let Some(automount) = overrides.automount_service_account_token {
+        spec.automount_service_account_token = Some(automount);
+    }
+    if let Some(affinity) = &overrides.affinity {
+        spec.affinity = Some(affinity.clone());
+    }
+    if let Some(class) = &overrides.runtime_class_name {
+        spec.runtime_class_name = Some(class.clone());
+    }
+    if let Some(host_ipc) = overrides.host_ipc {
+        spec.host_ipc = Some(host_ipc);
+    }
+    let pod_security = spec.security_context.clone().unwrap_or_default();
+    let with_defaults = |containers: &[Container]| -> Vec<Container> {
+        containers
+            .iter()
+            .map(|c| Container {
+                security_context: Some(added_container_security(
+                    &pod_security,
+                    c.security_context.as_ref(),
+                )),
+                ..c.clone()
+            })
+            .collect()
+    };
+    extend(
+        &mut spec.init_containers,
+        &with_defaults(&overrides.init_containers),
+    );
+    spec.containers.extend(with_defaults(&overrides.containers));
 }
 
 /// Puts a pod where its Kueue admission says: the flavors' node labels win over the spec's

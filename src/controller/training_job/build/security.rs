@@ -90,6 +90,41 @@ pub fn pod_security(
     let mut pod = overlay(ours_pod, &theirs_pod);
     pod.sysctls = sysctls(ssh_sysctl, theirs_pod.sysctls.unwrap_or_default());
 
+    let required: Vec<String> = (role == PodRole::Worker && job.infiniband.is_some())
+        .then(|| RDMA_CAPABILITY.to_string())
+        .into_iter()
+        .collect();
+    let container = container_security(&pod, &theirs, required);
+    PodSecurity { pod, container }
+}
+
+/// The security context of a container the user adds to a pod (`initContainers`,
+/// `containers`) whose context is `pod`: Ringmaster's container defaults under `theirs`, as
+/// for the main container ([`pod_security`]) but with no capability of Ringmaster's, so the
+/// pod still meets the Pod Security level its own containers do. A container that asks for
+/// `runAsUser: 0` and says nothing of `runAsNonRoot` gets `runAsNonRoot: false`, as the
+/// main container loses Ringmaster's `true` then: the pod's `true` would stop the kubelet
+/// from starting it.
+pub fn added_container_security(
+    pod: &PodSecurityContext,
+    theirs: Option<&SecurityContext>,
+) -> SecurityContext {
+    let mut theirs = theirs.cloned().unwrap_or_default();
+    if theirs.run_as_user == Some(0) && theirs.run_as_non_root.is_none() {
+        theirs.run_as_non_root = Some(false);
+    }
+    container_security(pod, &theirs, Vec::new())
+}
+
+/// A container's security context in a pod whose context is `pod`: `allowPrivilegeEscalation:
+/// false` (unless `theirs` makes it privileged or adds SYS_ADMIN), every capability dropped
+/// unless it may run as root (or `theirs` says what to drop), `required` capabilities added
+/// before theirs; every other field `theirs` sets wins.
+fn container_security(
+    pod: &PodSecurityContext,
+    theirs: &SecurityContext,
+    required: Vec<String>,
+) -> SecurityContext {
     let their_capabilities = theirs.capabilities.clone().unwrap_or_default();
     let escalates = theirs.privileged == Some(true)
         || their_capabilities
@@ -101,11 +136,8 @@ pub fn pod_security(
         allow_privilege_escalation: (!escalates).then_some(false),
         ..SecurityContext::default()
     };
-    let mut container = overlay(ours, &theirs);
-    let mut add: Vec<String> = Vec::new();
-    if role == PodRole::Worker && job.infiniband.is_some() {
-        add.push(RDMA_CAPABILITY.into());
-    }
+    let mut container = overlay(ours, theirs);
+    let mut add = required;
     for capability in their_capabilities.add.into_iter().flatten() {
         if !add.contains(&capability) {
             add.push(capability);
@@ -122,7 +154,7 @@ pub fn pod_security(
     let add = (!add.is_empty()).then_some(add);
     container.capabilities =
         (add.is_some() || drop.is_some()).then_some(Capabilities { add, drop });
-    PodSecurity { pod, container }
+    container
 }
 
 /// Ringmaster's sysctl (if any) and the user's; theirs win by name.
