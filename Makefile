@@ -84,8 +84,8 @@ tools: ## Build the control plane's binaries into the cache
 	e2e/tools/build.sh
 
 .PHONY: crds
-crds: ## Regenerate crds/ from the Rust types (and their copies in the chart and config/crd)
-	$(CARGO) run --quiet --locked -- crd --output-dir crds
+crds: ## Regenerate crds/ from the Rust types (and their copies in the chart and config/crd) and docs/api.md
+	$(CARGO) run --quiet --locked -- crd --output-dir crds --api-reference docs/api.md
 	cp crds/*.yaml charts/ringmaster/crds/
 	cp crds/*.yaml config/crd/bases/
 

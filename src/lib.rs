@@ -4,11 +4,12 @@
 //! split into validate → build → apply → status steps); `validation` the schema and CEL
 //! checks the validate steps share; `kueue` the part of Kueue's API a queued TrainingJob
 //! uses; `gang` the scheduler-plugins or Volcano PodGroup a gang-scheduled job
-//! gets; `crdgen` prints the CRDs; `report` takes running jobs' progress reports; `metrics`, `server` and
+//! gets; `crdgen` prints the CRDs and `apidocs` their reference; `report` takes running jobs' progress reports; `metrics`, `server` and
 //! `telemetry` are the operator's plumbing.
 
 pub mod aks;
 pub mod api;
+pub mod apidocs;
 pub mod controller;
 pub mod crdgen;
 pub mod gang;

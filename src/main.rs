@@ -41,6 +41,9 @@ enum Command {
         /// Write `<name>.yaml` per CRD into this folder instead of printing.
         #[arg(long, value_name = "DIR")]
         output_dir: Option<PathBuf>,
+        /// Also write the API reference (Markdown, every field of both kinds) to this file.
+        #[arg(long, value_name = "FILE")]
+        api_reference: Option<PathBuf>,
     },
 }
 
@@ -300,7 +303,18 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     ringmaster::tls::install_provider();
     match cli.command {
-        Command::Crd { output_dir } => print_crds(output_dir),
+        Command::Crd {
+            output_dir,
+            api_reference,
+        } => match api_reference
+            .map(|path| ringmaster::apidocs::write(&path).map_err(|e| (path, e)))
+        {
+            Some(Err((path, error))) => {
+                eprintln!("ringmaster crd: writing {}: {error}", path.display());
+                ExitCode::FAILURE
+            }
+            _ => print_crds(output_dir),
+        },
         Command::Stage(args) => stage(&args),
         Command::Run(args) => {
             telemetry::init(args.log_format);

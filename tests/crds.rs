@@ -26,6 +26,16 @@ fn crds_folder_is_current() {
 }
 
 #[test]
+fn the_api_reference_is_current() {
+    let path = fixtures::root().join("docs/api.md");
+    let have = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        have == ringmaster::apidocs::reference(),
+        "docs/api.md is stale; run `make crds`"
+    );
+}
+
+#[test]
 fn crds_have_short_names_and_status() {
     for crd in crdgen::all() {
         let names = &crd.spec.names;

@@ -15,8 +15,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::{
-    Operator, TestNamespace, apply, client, ensure_crds, events_for, eventually, pods, ready_since,
-    repo_root, sas_secret, tool, wait_phase, wait_stage_phase,
+    Operator, TestNamespace, apply, client, ensure_crds, events_for, eventually, phase_is, pods,
+    ready_since, repo_root, sas_secret, tool, wait_phase, wait_stage_phase,
 };
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
@@ -275,6 +275,104 @@ async fn the_cpu_sample_trains_across_real_pods_over_ssh_with_open_mpi() {
     // Every rank ran: the launcher printed rank 0's steps, and `mpirun` reached both workers.
     let launcher_log = logs(&client, &ns.name, "sample-launcher").await;
     assert!(launcher_log.contains(r#""event":"step""#), "{launcher_log}");
+}
+
+/// A real launcher reports its ranks' progress to the operator's endpoint (HTTPS on the
+/// node's bridge, a token the kubelet projected for the launcher pod): while the job trains,
+/// `kubectl get tj` shows PROGRESS and ETA, and the status the whole run's figures at the end
+/// (issue 40, item 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_launcher_reports_progress_that_kubectl_shows_while_the_job_trains() {
+    let _node = REAL_NODE_IN_USE.lock().await;
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "real-progress").await;
+    let config = ringmaster::controller::OperatorConfig {
+        restart_backoff: std::time::Duration::from_millis(500),
+        data_stage_destinations: common::e2e_destinations(),
+        ..ringmaster::controller::OperatorConfig::default()
+    };
+    let bridge = Some(NODE_BRIDGE_ADDRESS.parse().unwrap());
+    let operator = Operator::start_reporting(&client, &ns.name, config, bridge).await;
+    let job = sample_on_real_node("progress", |spec| {
+        // Long enough for a progress write after the hold-back (30 s) while it runs.
+        spec["trainer"]["steps"] = json!(4000);
+        spec["trainer"]["imageSize"] = json!(32);
+        spec["trainer"]["extraArgs"] = json!(["--log-every=5"]);
+        spec["worker"]["env"] =
+            json!([{"name": "RINGMASTER_PROGRESS_INTERVAL_SECONDS", "value": "2"}]);
+    });
+    apply(&client, &job, &ns.name, false).await.unwrap();
+    wait_phase(
+        &client,
+        &ns.name,
+        "progress",
+        TrainingJobPhase::Running,
+        240,
+    )
+    .await;
+
+    let kubectl = |args: &[&str]| {
+        let out = std::process::Command::new(common::tool("kubectl"))
+            .arg("--kubeconfig")
+            .arg(ringmaster_e2e::cluster::kubeconfig_path())
+            .args(args)
+            .output()
+            .expect("kubectl runs");
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let mut table = String::new();
+    let mut progress = Value::Null;
+    for _ in 0..120 {
+        let status = common::job_status(&client, &ns.name, "progress").await;
+        progress = status["progress"].clone();
+        if progress["timeRemaining"].is_string() {
+            table = kubectl(&["get", "tj", "-n", &ns.name, "-o", "wide"]);
+            break;
+        }
+        assert!(
+            !phase_is(&status, TrainingJobPhase::Succeeded),
+            "ended before any progress was shown: {status:#}"
+        );
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
+    eprintln!("kubectl get tj -o wide, while it trains:\n{table}");
+    assert_eq!(progress["totalSteps"], 4000, "{progress:#}");
+    let step = progress["step"].as_i64().unwrap();
+    assert!(step > 0 && step < 4000, "{progress:#}");
+    assert!(
+        progress["imagesPerSecond"].as_i64().unwrap() > 0,
+        "{progress:#}"
+    );
+    let row = table.lines().nth(1).unwrap_or_default();
+    assert!(
+        row.contains(progress["percentDone"].as_str().unwrap()),
+        "{table}"
+    );
+    let metrics = operator.get("/metrics").await;
+    assert!(
+        metrics.contains("ringmaster_trainingjob_progress_steps{name=\"progress\""),
+        "{metrics}"
+    );
+    // Its fabric: the TCP ring, on every rank, as the trainer said it.
+    let status = common::job_status(&client, &ns.name, "progress").await;
+    assert_eq!(status["fabric"]["collective"], "tcp-ring", "{status:#}");
+    assert_eq!(status["fabric"]["worldSize"], 4, "{status:#}");
+    // No Kubernetes API rights in the launcher: its token is for the report audience only.
+    let launcher = common::current_launcher(&client, &ns.name, "progress").await;
+    let api = exec(
+        &ns.name,
+        &launcher,
+        &[
+            "sh",
+            "-c",
+            "ls /var/run/secrets/kubernetes.io 2>&1; cat /var/run/secrets/ringmaster.dev/progress/token | cut -d. -f2 | wc -c",
+        ],
+    );
+    assert!(api.contains("No such file"), "no API token mounted: {api}");
+
+    let jobs: Api<ringmaster::api::TrainingJob> = Api::namespaced(client.clone(), &ns.name);
+    jobs.delete("progress", &Default::default()).await.unwrap();
 }
 
 /// `infiniband.preflight` with InfiniBand off (the real node has no GPU, no RDMA): the
