@@ -71,6 +71,19 @@ async fn every_invalid_fixture_is_refused_with_its_message() {
                 "{}: the API server refused what only the operator should: {e}",
                 path.display()
             )),
+            Err(kube::Error::Api(status)) if header("api-refusal").is_some() => {
+                // A refusal before validation (server-side apply's own checks): its code and words.
+                let wanted = header("api-refusal").unwrap();
+                let (code, words) = wanted.split_once(' ').unwrap_or((&wanted, ""));
+                if status.code.to_string() != code || !status.message.contains(words) {
+                    failures.push(format!(
+                        "{}: wanted {wanted}, got {}: {}",
+                        path.display(),
+                        status.code,
+                        status.message
+                    ));
+                }
+            }
             Err(kube::Error::Api(status)) => {
                 let message = status.message.clone();
                 let ok_field = message.contains(&field);
