@@ -127,6 +127,7 @@ impl Contender {
         kubeconfig: &std::path::Path,
         namespace: &str,
         metrics_port: u16,
+        progress_port: Option<u16>,
         log: std::fs::File,
     ) -> tokio::process::Command {
         let mut command = tokio::process::Command::new(&self.binary);
@@ -136,6 +137,13 @@ impl Contender {
                     .args(["run", "--namespace", namespace, "--metrics-bind-address"])
                     .arg(format!("127.0.0.1:{metrics_port}"))
                     .env("RUST_LOG", "warn");
+                if let Some(port) = progress_port {
+                    // Its certificate's Secret in the run's namespace, deleted with it.
+                    command
+                        .arg(format!("--progress-bind-address=127.0.0.1:{port}"))
+                        .arg(format!("--progress-url=https://127.0.0.1:{port}"))
+                        .args(["--leader-election-namespace", namespace]);
+                }
                 if let Some(class) = &self.launcher_priority_class {
                     command.args(["--launcher-priority-class", class]);
                 }

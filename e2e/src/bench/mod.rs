@@ -1,11 +1,12 @@
 //! bench-operator's parts: the operators it measures side by side, the identities that let
 //! the API server's audit log count each one's requests, and the /proc readings of CPU and
-//! memory.
+//! memory, and the progress reports of running jobs.
 
 pub mod audit;
 pub mod contender;
 pub mod identity;
 pub mod process;
+pub mod reports;
 
 use std::collections::BTreeMap;
 

@@ -62,6 +62,13 @@ struct Args {
     /// Worker failures to time with every job Running (Ringmaster only; 0: none).
     #[arg(long, default_value_t = 0)]
     failures: u32,
+    /// With every job Running (Ringmaster only): each job's launcher reports its progress
+    /// every 15 s for this many seconds, and what that costs is measured (0: no reports).
+    #[arg(long, default_value_t = 0)]
+    report_seconds: u64,
+    /// Port of Ringmaster's progress endpoint (with --report-seconds).
+    #[arg(long, default_value_t = 18443)]
+    progress_port: u16,
     /// Port of Ringmaster's metrics and readiness.
     #[arg(long, default_value_t = 18089)]
     metrics_port: u16,
@@ -112,6 +119,19 @@ struct Figures {
     failure_to_restarting: Vec<f64>,
     /// Seconds the API server spent answering everyone, and how many requests, by request.
     apiserver_time: BTreeMap<String, (f64, f64)>,
+    /// The progress-report phase (`--report-seconds`).
+    reporting: Option<Reporting>,
+}
+
+/// What jobs' progress reports cost, over the report phase.
+#[derive(Debug, Default)]
+struct Reporting {
+    reports: ringmaster_e2e::bench::reports::ReportFigures,
+    operator_cpu: f64,
+    apiserver_cpu: f64,
+    requests: RequestCounts,
+    /// Jobs whose status showed reported progress at the end.
+    jobs_with_progress: usize,
 }
 
 #[tokio::main]
@@ -375,6 +395,8 @@ async fn measure(
         )
         .await
         .map_err(|e| format!("making namespace {namespace}: {e}"))?;
+    let reports_wanted = args.report_seconds > 0 && contender.operator == Operator::Ringmaster;
+    let progress_port = reports_wanted.then_some(args.progress_port);
     let identity = identity::for_operator(client, kubeconfig, &contender.label, 4)
         .await
         .map_err(|e| e.to_string())?;
@@ -382,7 +404,13 @@ async fn measure(
     let log = std::fs::File::create(&log_path)
         .map_err(|e| format!("creating {}: {e}", log_path.display()))?;
     let mut operator = contender
-        .command(&identity.kubeconfig, &namespace, args.metrics_port, log)
+        .command(
+            &identity.kubeconfig,
+            &namespace,
+            args.metrics_port,
+            progress_port,
+            log,
+        )
         .spawn()
         .map_err(|e| format!("starting {}: {e}", contender.binary.display()))?;
     let pid = operator.id().ok_or("the operator exited at once")?;
@@ -490,6 +518,12 @@ async fn measure(
         } else {
             Vec::new()
         };
+    let reporting = if reports_wanted && all_running.is_some() {
+        let identity = &identity.username;
+        Some(measure_reports(client, audit, pid, &namespace, &job_store, identity, args).await?)
+    } else {
+        None
+    };
     let peak = Usage::of(pid).unwrap_or(operator_after).peak_rss_mib;
     let _ = operator.kill().await;
     watch.abort();
@@ -519,7 +553,100 @@ async fn measure(
             })
             .filter(|(_, (seconds, _))| *seconds > 0.0)
             .collect(),
+        reporting,
     })
+}
+
+/// Every job's launcher reports for `--report-seconds`; the operator's and the API server's
+/// CPU and the operator's API requests meanwhile, and how many jobs' status shows progress.
+async fn measure_reports(
+    client: &Client,
+    audit: &AuditLog,
+    pid: u32,
+    namespace: &str,
+    job_store: &Store<DynamicObject>,
+    username: &str,
+    args: &Args,
+) -> Result<Reporting, String> {
+    use ringmaster_contract::progress::DEFAULT_INTERVAL_SECONDS;
+    let mark = audit.mark();
+    let operator_before = Usage::of(pid).unwrap_or_default();
+    let apiserver_before = usage_of("kube-apiserver");
+    let interval = Duration::from_secs(DEFAULT_INTERVAL_SECONDS);
+    let reports =
+        ringmaster_e2e::bench::reports::run(client, namespace, args.report_seconds, interval)
+            .await?;
+    let operator_after = Usage::of(pid).unwrap_or_default();
+    let apiserver_after = usage_of("kube-apiserver");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let requests = audit
+        .requests_since(mark, username)
+        .map_err(|e| format!("reading {}: {e}", audit.path().display()))?;
+    let jobs_with_progress = job_store
+        .state()
+        .iter()
+        .filter(|j| {
+            j.data["status"]["progress"]["step"]
+                .as_u64()
+                .is_some_and(|s| s > 0)
+        })
+        .count();
+    Ok(Reporting {
+        reports,
+        operator_cpu: operator_after.cpu_seconds - operator_before.cpu_seconds,
+        apiserver_cpu: apiserver_after.cpu_seconds - apiserver_before.cpu_seconds,
+        requests,
+        jobs_with_progress,
+    })
+}
+
+fn print_reporting(r: &Reporting, jobs: u32) {
+    let f = &r.reports;
+    let mut latencies = f.latencies.clone();
+    latencies.sort_by(f64::total_cmp);
+    let at =
+        |p: f64| percentile(&latencies, p).map_or("-".into(), |s| format!("{:.1} ms", s * 1000.0));
+    println!(
+        "progress reports: {jobs} jobs, every 15 s, over {:.0} s",
+        f.seconds
+    );
+    println!(
+        "  reports sent / accepted        {:8} / {}",
+        f.sent, f.accepted
+    );
+    if let Some(error) = &f.first_error {
+        println!("  first refusal or error: {error}");
+    }
+    println!(
+        "  report latency p50 / p99       {} / {}",
+        at(0.5),
+        at(0.99)
+    );
+    println!(
+        "  reports per second             {:8.1}",
+        f.sent as f64 / f.seconds
+    );
+    println!(
+        "  operator CPU                   {:8.2} s ({:.1} ms per report)",
+        r.operator_cpu,
+        1000.0 * r.operator_cpu / f.accepted.max(1) as f64
+    );
+    println!("  API server CPU                 {:8.2} s", r.apiserver_cpu);
+    println!(
+        "  operator's API requests        {:8} ({:.2} per second)",
+        r.requests.total(),
+        r.requests.total() as f64 / f.seconds
+    );
+    for (what, n) in &r.requests.0 {
+        println!(
+            "    {what:<40} {n:7} ({:.2} per job)",
+            *n as f64 / f64::from(jobs)
+        );
+    }
+    println!(
+        "  jobs whose status shows progress {} of {jobs}",
+        r.jobs_with_progress
+    );
 }
 
 /// The API server's time by request, from its /metrics (see
@@ -608,6 +735,9 @@ async fn time_failures(
 }
 
 fn print_one(f: &Figures, jobs: u32) {
+    if let Some(reporting) = &f.reporting {
+        print_reporting(reporting, jobs);
+    }
     match f.all_running {
         Some(s) => println!("every job Running after          {s:8.2} s"),
         None => println!(
