@@ -393,6 +393,82 @@ fn the_launcher_runs_mpirun_over_every_rank_with_the_trainer() {
     );
 }
 
+/// The variables PyTorch DDP and Horovod read, as each rank of the user's program gets them:
+/// the launcher's command is run by `sh` with each MPI's own variables, as mpirun gives them.
+#[test]
+fn a_users_program_gets_the_ranks_framework_environment_from_any_mpi() {
+    let job = sample("trainingjob-cpu-small.yaml", |o| {
+        o["spec"].as_object_mut().unwrap().remove("trainer");
+        o["spec"]["command"] = json!(["python", "train.py"]);
+    });
+    let command = build::launcher_command(&job);
+    let at = command
+        .iter()
+        .position(|a| a == "sh")
+        .expect("the ranks' wrapper");
+    assert_eq!(
+        &command[at + 3..],
+        ["ringmaster-rank", "python", "train.py"]
+    );
+    let launcher = value(&build::launcher_pod(&job, &BuildInputs::default()));
+    let env = launcher["spec"]["containers"][0]["env"].as_array().unwrap();
+    let master = env
+        .iter()
+        .find(|e| e["name"] == "MASTER_ADDR")
+        .expect("MASTER_ADDR");
+    assert!(
+        master["value"]
+            .as_str()
+            .unwrap()
+            .starts_with("resnet18-cpu-worker-0."),
+        "{master}"
+    );
+    assert!(
+        env.iter()
+            .any(|e| e["name"] == "MASTER_PORT" && e["value"] == "29500")
+    );
+    let open_mpi = [
+        ("OMPI_COMM_WORLD_RANK", "3"),
+        ("OMPI_COMM_WORLD_SIZE", "4"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+    ];
+    let hydra = [
+        ("PMI_RANK", "2"),
+        ("PMI_SIZE", "4"),
+        ("MPI_LOCALRANKID", "0"),
+        ("MPI_LOCALNRANKS", "2"),
+    ];
+    let users_own = [("OMPI_COMM_WORLD_RANK", "3"), ("RANK", "7")];
+    let cases: [(&[(&str, &str)], &str); 3] = [
+        (&open_mpi, "3 4 1 2"),
+        (&hydra, "2 4 0 2"),
+        (&users_own, "7 1 0 1"),
+    ];
+    for (mpi_env, want) in cases {
+        let out = std::process::Command::new("/bin/sh")
+            .args(&command[at + 1..at + 4])
+            .args([
+                "sh",
+                "-c",
+                "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE",
+            ])
+            .env_clear()
+            .env("PATH", "/usr/bin:/bin")
+            .envs(mpi_env.iter().copied())
+            .output()
+            .expect("sh runs");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            want,
+            "{mpi_env:?}"
+        );
+    }
+    // The built-in trainer finds its ranks itself: no wrapper, no MASTER_ADDR.
+    let trainer = sample("trainingjob-cpu-small.yaml", |_| {});
+    assert!(!build::launcher_command(&trainer).contains(&"ringmaster-rank".to_string()));
+}
+
 #[test]
 fn mpich_and_a_users_command() {
     let job = sample("trainingjob-cpu-small.yaml", |o| {

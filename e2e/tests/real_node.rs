@@ -375,6 +375,55 @@ async fn a_real_launcher_reports_progress_that_kubectl_shows_while_the_job_train
     jobs.delete("progress", &Default::default()).await.unwrap();
 }
 
+/// A user's own program (`command`) under Open MPI gets the variables PyTorch DDP and
+/// Horovod read, per rank: RANK and WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE on each
+/// worker, and MASTER_ADDR/MASTER_PORT naming worker 0 (issue 40, item 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_users_program_gets_each_ranks_framework_environment_from_open_mpi() {
+    let _node = REAL_NODE_IN_USE.lock().await;
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "real-ddp-env").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    let job = sample_on_real_node("ddp-env", |spec| {
+        spec.as_object_mut().unwrap().remove("trainer");
+        spec["command"] = json!([
+            "sh",
+            "-c",
+            "echo rank=$RANK world=$WORLD_SIZE local=$LOCAL_RANK/$LOCAL_WORLD_SIZE master=$MASTER_ADDR:$MASTER_PORT host=$(hostname)"
+        ]);
+    });
+    apply(&client, &job, &ns.name, false).await.unwrap();
+    wait_phase(
+        &client,
+        &ns.name,
+        "ddp-env",
+        TrainingJobPhase::Succeeded,
+        240,
+    )
+    .await;
+    let log = logs(&client, &ns.name, "ddp-env-launcher").await;
+    let mut lines: Vec<&str> = log.lines().filter(|l| l.starts_with("rank=")).collect();
+    lines.sort();
+    assert_eq!(lines.len(), 4, "{log}");
+    for (rank, line) in lines.iter().enumerate() {
+        let fields: Vec<&str> = line.split(' ').collect();
+        assert_eq!(fields[0], format!("rank={rank}"), "{log}");
+        assert_eq!(fields[1], "world=4", "{log}");
+        // Open MPI fills a worker's slots in order: ranks 0, 1 on worker 0, 2, 3 on worker 1.
+        assert_eq!(fields[2], format!("local={}/2", rank % 2), "{log}");
+        assert!(
+            fields[3].starts_with("master=ddp-env-worker-0.") && fields[3].ends_with(":29500"),
+            "{log}"
+        );
+        assert_eq!(
+            fields[4],
+            format!("host=ddp-env-worker-{}", rank / 2),
+            "{log}"
+        );
+    }
+}
+
 /// `infiniband.preflight` with InfiniBand off (the real node has no GPU, no RDMA): the
 /// ranks time their TCP ring across the pods before the first step and, below an
 /// impossible threshold, every rank stops; the job fails at once (no restart) with reason

@@ -219,6 +219,7 @@ mod tests {
                 std::path::Path::new("/k"),
                 "ns",
                 1,
+                Some(2),
                 tempfile_for_log(),
             );
             command
@@ -229,9 +230,14 @@ mod tests {
         };
         assert!(args(Operator::MpiOperatorRaised).contains(&"--threadiness".to_string()));
         assert!(!args(Operator::MpiOperatorDefaults).contains(&"--threadiness".to_string()));
-        assert_eq!(
-            args(Operator::Ringmaster)[..3],
-            ["run", "--namespace", "ns"]
+        let ringmaster = args(Operator::Ringmaster);
+        assert_eq!(ringmaster[..3], ["run", "--namespace", "ns"]);
+        // Reports go to its endpoint, its certificate in the run's namespace.
+        assert!(ringmaster.contains(&"--progress-url=https://127.0.0.1:2".to_string()));
+        assert!(
+            !args(Operator::MpiOperatorRaised)
+                .iter()
+                .any(|a| a.starts_with("--progress"))
         );
     }
 

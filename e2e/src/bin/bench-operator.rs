@@ -27,7 +27,7 @@ use ringmaster::controller::training_job::names;
 use ringmaster_e2e::bench::audit::{AuditLog, RequestCounts};
 use ringmaster_e2e::bench::contender::{Contender, LAUNCHER_PRIORITY_CLASS, Operator};
 use ringmaster_e2e::bench::process::{self, Usage};
-use ringmaster_e2e::bench::{identity, percentile};
+use ringmaster_e2e::bench::{delta, identity, percentile};
 use ringmaster_e2e::nodes::{self, PoolMode, PoolShape};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -62,6 +62,14 @@ struct Args {
     /// Worker failures to time with every job Running (Ringmaster only; 0: none).
     #[arg(long, default_value_t = 0)]
     failures: u32,
+    /// Measure every contender this many times, the order reversed each time (the first
+    /// contender of one repeat is the last of the next), and report median, min and max.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]
+    repeats: u32,
+    /// Start each repeat after the first on a freshly started local cluster (e2e/cluster.sh
+    /// down, then up), so no repeat inherits another's etcd, caches or nodes.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    fresh_cluster: bool,
     /// With every job Running (Ringmaster only): each job's launcher reports its progress
     /// every 15 s for this many seconds, and what that costs is measured (0: no reports).
     #[arg(long, default_value_t = 0)]
@@ -121,6 +129,10 @@ struct Figures {
     apiserver_time: BTreeMap<String, (f64, f64)>,
     /// The progress-report phase (`--report-seconds`).
     reporting: Option<Reporting>,
+    /// The API server's time by client (flow schema): seconds executing, requests.
+    apiserver_by_client: BTreeMap<String, (f64, f64)>,
+    /// Which repeat (from 1).
+    repeat: u32,
 }
 
 /// What jobs' progress reports cost, over the report phase.
@@ -179,13 +191,7 @@ async fn run(args: Args) -> Result<(), String> {
             "--launcher-priority-class-for {unknown}: no Ringmaster contender has that label"
         ));
     }
-    if !args.launcher_priority_for.is_empty() {
-        apply_launcher_priority_class(&client).await?;
-    }
     if let Some(binary) = &args.mpi_operator {
-        let mut crd = binary.clone().into_os_string();
-        crd.push(".crd.yaml");
-        apply_crd_file(&client, std::path::Path::new(&crd)).await?;
         contenders.push(Contender {
             label: "mpi-operator-raised".into(),
             operator: Operator::MpiOperatorRaised,
@@ -201,14 +207,8 @@ async fn run(args: Args) -> Result<(), String> {
             });
         }
     }
-    apply_ringmaster_crds(&client).await?;
     let pods = args.jobs * (args.workers + 1);
     let node_count = pods.div_ceil(100);
-    let shape =
-        PoolShape::new("bench", "Standard_D4s_v5", PoolMode::User).map_err(|e| e.to_string())?;
-    nodes::add(&client, &shape, node_count)
-        .await
-        .map_err(|e| e.to_string())?;
     println!(
         "{} jobs × {} workers ({pods} pods) on {node_count} more KWOK nodes; {} in turn",
         args.jobs,
@@ -219,16 +219,41 @@ async fn run(args: Args) -> Result<(), String> {
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let mut all = Vec::new();
-    for contender in &contenders {
-        let figures = measure(&client, &kubeconfig, &audit, contender, &args).await?;
-        print_one(&figures, args.jobs);
-        all.push(figures);
+    let mut runs = Vec::new();
+    let mut client = client;
+    for repeat in 1..=args.repeats {
+        if repeat > 1 && args.fresh_cluster {
+            client = fresh_cluster().await?;
+        }
+        prepare(&client, &args, node_count).await?;
+        // Alternate: every contender goes first in some repeat and last in another.
+        let mut order: Vec<&Contender> = contenders.iter().collect();
+        if repeat % 2 == 0 {
+            order.reverse();
+        }
+        let names: Vec<&str> = order.iter().map(|c| c.label.as_str()).collect();
+        println!(
+            "\n=== repeat {repeat} of {}: {}",
+            args.repeats,
+            names.join(", ")
+        );
+        let mut all = Vec::new();
+        for contender in order {
+            let mut figures = measure(&client, &kubeconfig, &audit, contender, &args).await?;
+            figures.repeat = repeat;
+            print_one(&figures, args.jobs);
+            all.push(figures);
+        }
+        all.sort_by_key(|f| contenders.iter().position(|c| c.label == f.label));
+        print_table(&all, args.jobs, args.workers);
+        runs.extend(all);
+        nodes::remove(&client, "bench")
+            .await
+            .map_err(|e| e.to_string())?;
     }
-    print_table(&all, args.jobs, args.workers);
-    nodes::remove(&client, "bench")
-        .await
-        .map_err(|e| e.to_string())?;
+    if args.repeats > 1 {
+        print_summary(&runs, &contenders, &args);
+    }
     if !args.launcher_priority_for.is_empty() {
         Api::<k8s_openapi::api::scheduling::v1::PriorityClass>::all(client.clone())
             .delete(LAUNCHER_PRIORITY_CLASS, &Default::default())
@@ -236,6 +261,46 @@ async fn run(args: Args) -> Result<(), String> {
             .map_err(|e| format!("deleting PriorityClass {LAUNCHER_PRIORITY_CLASS}: {e}"))?;
     }
     Ok(())
+}
+
+/// What every repeat needs on its cluster: the CRDs, the launchers' PriorityClass when
+/// asked for, and the KWOK nodes the jobs' pods go to.
+async fn prepare(client: &Client, args: &Args, node_count: u32) -> Result<(), String> {
+    if !args.launcher_priority_for.is_empty() {
+        apply_launcher_priority_class(client).await?;
+    }
+    if let Some(binary) = &args.mpi_operator {
+        let mut crd = binary.clone().into_os_string();
+        crd.push(".crd.yaml");
+        apply_crd_file(client, std::path::Path::new(&crd)).await?;
+    }
+    apply_ringmaster_crds(client).await?;
+    let shape =
+        PoolShape::new("bench", "Standard_D4s_v5", PoolMode::User).map_err(|e| e.to_string())?;
+    nodes::add(client, &shape, node_count)
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+/// Stops the local cluster and starts it again (e2e/cluster.sh), and a client of the new one.
+async fn fresh_cluster() -> Result<Client, String> {
+    let root = ringmaster_e2e::cluster::repo_root().map_err(|e| e.to_string())?;
+    for step in ["down", "up"] {
+        println!("\n(e2e/cluster.sh {step}: a fresh cluster for the next repeat)");
+        let status = tokio::process::Command::new(root.join("e2e/cluster.sh"))
+            .arg(step)
+            .stdout(std::process::Stdio::null())
+            .status()
+            .await
+            .map_err(|e| format!("running e2e/cluster.sh {step}: {e}"))?;
+        if !status.success() {
+            return Err(format!("e2e/cluster.sh {step} failed ({status})"));
+        }
+    }
+    ringmaster_e2e::cluster::client()
+        .await
+        .map_err(|e| e.to_string())
 }
 
 async fn http_get(port: u16, path: &str) -> Option<String> {
@@ -436,7 +501,7 @@ async fn measure(
         .await
         .map_err(|e| e.to_string())?;
 
-    let apiserver_time_before = apiserver_time(client).await;
+    let (apiserver_time_before, by_client_before) = apiserver_time(client).await;
     let mark = audit.mark();
     let operator_before = Usage::of(pid).unwrap_or_default();
     let apiserver_before = usage_of("kube-apiserver");
@@ -501,7 +566,7 @@ async fn measure(
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     let measured = start.elapsed().as_secs_f64();
-    let apiserver_time_after = apiserver_time(client).await;
+    let (apiserver_time_after, by_client_after) = apiserver_time(client).await;
     let apiserver_after = usage_of("kube-apiserver");
     let etcd_after = usage_of("etcd");
     let operator_after = Usage::of(pid).unwrap_or_default();
@@ -542,18 +607,10 @@ async fn measure(
         etcd_cpu: etcd_after.cpu_seconds - etcd_before.cpu_seconds,
         requests,
         failure_to_restarting,
-        apiserver_time: apiserver_time_after
-            .into_iter()
-            .map(|(what, (seconds, count))| {
-                let (s0, c0) = apiserver_time_before
-                    .get(&what)
-                    .copied()
-                    .unwrap_or_default();
-                (what, (seconds - s0, count - c0))
-            })
-            .filter(|(_, (seconds, _))| *seconds > 0.0)
-            .collect(),
+        apiserver_time: delta(&apiserver_time_before, apiserver_time_after),
         reporting,
+        apiserver_by_client: delta(&by_client_before, by_client_after),
+        repeat: 0,
     })
 }
 
@@ -619,8 +676,8 @@ fn print_reporting(r: &Reporting, jobs: u32) {
     }
     println!(
         "  report latency p50 / p99       {} / {}",
-        at(0.5),
-        at(0.99)
+        at(50.0),
+        at(99.0)
     );
     println!(
         "  reports per second             {:8.1}",
@@ -649,14 +706,116 @@ fn print_reporting(r: &Reporting, jobs: u32) {
     );
 }
 
-/// The API server's time by request, from its /metrics (see
-/// [`ringmaster_e2e::bench::apiserver_time_by_request`]).
-async fn apiserver_time(client: &Client) -> BTreeMap<String, (f64, f64)> {
+/// The API server's time by request and by client, from its /metrics (see
+/// [`ringmaster_e2e::bench::apiserver_time_by_request`] and `…_by_client`).
+async fn apiserver_time(client: &Client) -> (TimeBy, TimeBy) {
     let request = http::Request::get("/metrics")
         .body(Vec::new())
         .expect("a GET request");
     let text = client.request_text(request).await.unwrap_or_default();
-    ringmaster_e2e::bench::apiserver_time_by_request(&text)
+    (
+        ringmaster_e2e::bench::apiserver_time_by_request(&text),
+        ringmaster_e2e::bench::apiserver_time_by_client(&text),
+    )
+}
+
+/// Seconds and requests, by request or by client.
+type TimeBy = BTreeMap<String, (f64, f64)>;
+
+/// Every contender over the repeats: median [min–max] of each figure, the spread of its
+/// time to all Running, and the API server's per-client profile of its slowest and fastest
+/// repeat.
+fn print_summary(runs: &[Figures], contenders: &[Contender], args: &Args) {
+    let jobs = f64::from(args.jobs);
+    println!(
+        "\n{} jobs × {} workers, {} repeats (order alternated{}): median [min–max]\n",
+        args.jobs,
+        args.workers,
+        args.repeats,
+        if args.fresh_cluster {
+            ", a fresh cluster each"
+        } else {
+            ""
+        }
+    );
+    let of = |label: &str| -> Vec<&Figures> { runs.iter().filter(|f| f.label == label).collect() };
+    let mut header = String::from("| |");
+    let mut rule = String::from("|---|");
+    for c in contenders {
+        header.push_str(&format!(" {} |", c.label));
+        rule.push_str("---:|");
+    }
+    println!("{header}\n{rule}");
+    let row = |name: &str, value: &dyn Fn(&Figures) -> Option<f64>, digits: usize| {
+        let cells: String = contenders
+            .iter()
+            .map(|c| {
+                let values: Vec<f64> = of(&c.label).into_iter().filter_map(value).collect();
+                match ringmaster_e2e::bench::spread(&values) {
+                    Some((m, lo, hi)) => format!(" {m:.digits$} [{lo:.digits$}–{hi:.digits$}] |"),
+                    None => " – |".into(),
+                }
+            })
+            .collect();
+        println!("| {name} |{cells}");
+    };
+    row("every job Running after (s)", &|f| f.all_running, 1);
+    row("half the jobs Running after (s)", &|f| f.half_running, 1);
+    row("operator CPU (s)", &|f| Some(f.operator.cpu_seconds), 1);
+    row(
+        "operator peak RSS (MiB)",
+        &|f| Some(f.operator.peak_rss_mib),
+        0,
+    );
+    row("API server CPU (s)", &|f| Some(f.apiserver_cpu), 1);
+    row("etcd CPU (s)", &|f| Some(f.etcd_cpu), 1);
+    row(
+        "API requests per job",
+        &|f| Some(f.requests.total() as f64 / jobs),
+        1,
+    );
+    let ratios: String = contenders
+        .iter()
+        .map(|c| {
+            let times: Vec<f64> = of(&c.label).iter().filter_map(|f| f.all_running).collect();
+            match ringmaster_e2e::bench::spread(&times) {
+                Some((_, lo, hi)) if lo > 0.0 => format!(" {:.2} |", hi / lo),
+                _ => " – |".into(),
+            }
+        })
+        .collect();
+    println!("| max/min of every job Running |{ratios}");
+    for c in contenders {
+        let mut timed: Vec<&Figures> = of(&c.label)
+            .into_iter()
+            .filter(|f| f.all_running.is_some())
+            .collect();
+        timed.sort_by(|a, b| {
+            a.all_running
+                .partial_cmp(&b.all_running)
+                .expect("finite times")
+        });
+        let ends = [("fastest", timed.first()), ("slowest", timed.last())];
+        for (which, figures) in ends {
+            if let Some(f) = figures {
+                print_client_profile(&c.label, which, f);
+            }
+        }
+    }
+}
+
+/// The API server's time by client during one run.
+fn print_client_profile(label: &str, which: &str, f: &Figures) {
+    println!(
+        "\nAPI server's time by client, {label}'s {which} repeat (repeat {}, {:.1} s to all Running):",
+        f.repeat,
+        f.all_running.unwrap_or(f.measured)
+    );
+    let mut clients: Vec<(&String, &(f64, f64))> = f.apiserver_by_client.iter().collect();
+    clients.sort_by(|a, b| b.1.0.total_cmp(&a.1.0));
+    for (flow, (seconds, requests)) in clients.into_iter().take(8) {
+        println!("  {flow:<32} {seconds:8.1} s executing, {requests:8.0} requests");
+    }
 }
 
 fn job_name(index: u32) -> String {

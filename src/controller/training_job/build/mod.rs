@@ -32,7 +32,7 @@ pub use self::security::{POD_FS_GROUP, PodSecurity, RDMA_CAPABILITY, pod_securit
 pub use self::service::worker_service;
 pub use self::volumes::{PodRole, reserved_volumes};
 use super::names::{self, ChildNaming, RENDEZVOUS_PORT, SSH_MOUNT, SSH_SECRET_MOUNT};
-use super::spec::{TrainerSettings, ValidatedTrainingJob};
+use super::spec::{Program, TrainerSettings, ValidatedTrainingJob};
 use super::state::Placement;
 use crate::gang::GangScheduler;
 
@@ -158,6 +158,12 @@ fn rank_env(job: &ValidatedTrainingJob, naming: ChildNaming) -> Vec<EnvVar> {
         trainer_contract::RENDEZVOUS_KEY_FILE_ENV.into(),
         format!("{SSH_SECRET_MOUNT}/{}", trainer_contract::RENDEZVOUS_KEY),
     );
+    if matches!(job.program, Program::Command(_)) {
+        // The user's framework finds rank 0 where our trainer's rendezvous would be (the
+        // job's NetworkPolicy admits the job's own pods to any port).
+        env.insert("MASTER_ADDR".into(), names::worker_host(job, naming, 0));
+        env.insert("MASTER_PORT".into(), RENDEZVOUS_PORT.to_string());
+    }
     if let Some(ib) = &job.infiniband {
         for (k, v) in DEFAULT_IB_ENV {
             env.insert((*k).into(), (*v).into());

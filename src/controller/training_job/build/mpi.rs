@@ -12,6 +12,26 @@ use crate::api::MpiImplementation;
 use crate::controller::training_job::names::{self, ChildNaming};
 use crate::controller::training_job::spec::{Program, ValidatedTrainingJob};
 
+/// The per-rank variables PyTorch's `init_process_group("env://")`, Horovod and most
+/// frameworks read, from what each MPI gives its ranks (Open MPI's `OMPI_COMM_WORLD_*`,
+/// Hydra's `PMI_*` and `MPI_LOCAL*`, PMIx's `PMIX_RANK`); a value the user set stays. The
+/// shared ones (`MASTER_ADDR`, `MASTER_PORT`) travel with the job's environment. Only
+/// `/bin/sh` is needed in the image.
+pub const FRAMEWORK_ENV_SCRIPT: &str = concat!(
+    r#"export RANK="${RANK:-${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-${PMIX_RANK:-0}}}}" "#,
+    r#"WORLD_SIZE="${WORLD_SIZE:-${OMPI_COMM_WORLD_SIZE:-${PMI_SIZE:-1}}}" "#,
+    r#"LOCAL_RANK="${LOCAL_RANK:-${OMPI_COMM_WORLD_LOCAL_RANK:-${MPI_LOCALRANKID:-0}}}" "#,
+    r#"LOCAL_WORLD_SIZE="${LOCAL_WORLD_SIZE:-${OMPI_COMM_WORLD_LOCAL_SIZE:-${MPI_LOCALNRANKS:-1}}}"; "#,
+    r#"exec "$@""#,
+);
+
+/// The user's program, run by each rank through [`FRAMEWORK_ENV_SCRIPT`].
+fn with_framework_env(user: &[String]) -> Vec<String> {
+    let mut command = strings(["sh", "-c", FRAMEWORK_ENV_SCRIPT, "ringmaster-rank"]);
+    command.extend(user.iter().cloned());
+    command
+}
+
 /// A worker's hostfile line: its DNS name and how many ranks it runs.
 fn hostfile_line(mpi: MpiImplementation, host: &str, slots: u32) -> String {
     match mpi {
@@ -145,7 +165,7 @@ pub fn launcher_command(job: &ValidatedTrainingJob) -> Vec<String> {
     command.extend(job.mpi.extra_args.iter().cloned());
     match &job.program {
         Program::Command(user) => {
-            command.extend(user.iter().cloned());
+            command.extend(with_framework_env(user));
             command
         }
         Program::Trainer(settings) => {
