@@ -95,7 +95,7 @@ manifests: ## Regenerate the kustomize bases config/rbac and config/manager from
 
 .PHONY: build
 build: ## Build the operator
-	$(CARGO) build --locked
+	RINGMASTER_GIT_COMMIT=$$(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(CARGO) build --locked
 
 .PHONY: bench-operator
 BENCH_JOBS ?= 100

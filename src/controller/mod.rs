@@ -30,7 +30,7 @@ use kube::{Api, Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{DataStage, TrainingJob, condition_reasons, condition_types};
+use crate::api::{DataStage, TrainingJob, TrainingJobPhase, condition_reasons, condition_types};
 use crate::kueue::{ResourceFlavor, Workload};
 use crate::metrics::Metrics;
 use crate::validation::FieldErrors;
@@ -892,31 +892,55 @@ fn spawn_readiness(
     });
 }
 
-/// Counts the TrainingJobs by phase from the cache every few seconds, for the gauge.
+/// Counts the TrainingJobs and DataStages by namespace and phase, and each DataStage's copy,
+/// from the caches every few seconds, for the gauges (a listing also drops the series of
+/// what is gone).
 fn spawn_phase_gauge(
     ctx: &Arc<Context>,
     jobs: Store<DeserializeGuard<TrainingJob>>,
     shutdown: CancellationToken,
 ) {
     let metrics = ctx.metrics.clone();
+    let stages = ctx.data_stages.clone();
     tokio::spawn(async move {
         loop {
-            let phases = jobs
-                .state()
-                .iter()
-                .filter_map(|j| {
-                    j.0.as_ref()
-                        .ok()
-                        .map(|j| j.status.as_ref().map(|s| s.phase).unwrap_or_default())
-                })
-                .collect::<Vec<_>>();
-            metrics.set_training_jobs_by_phase(&phases);
+            metrics.set_training_jobs_by_phase(&job_phases(&jobs));
+            metrics.set_data_stages(&data_stage_samples(&stages));
             tokio::select! {
                 () = shutdown.cancelled() => break,
                 () = tokio::time::sleep(Duration::from_secs(5)) => {}
             }
         }
     });
+}
+
+/// Each readable cached TrainingJob's namespace and phase.
+fn job_phases(jobs: &Store<DeserializeGuard<TrainingJob>>) -> Vec<(String, TrainingJobPhase)> {
+    jobs.state()
+        .iter()
+        .filter_map(|j| {
+            let job = j.0.as_ref().ok()?;
+            let phase = job.status.as_ref().map(|s| s.phase).unwrap_or_default();
+            Some((job.namespace().unwrap_or_default(), phase))
+        })
+        .collect()
+}
+
+/// What each cached DataStage shows in the metrics.
+fn data_stage_samples(stages: &Store<DataStage>) -> Vec<crate::metrics::DataStageSample> {
+    stages
+        .state()
+        .iter()
+        .map(|stage| {
+            let status = stage.status.clone().unwrap_or_default();
+            crate::metrics::DataStageSample {
+                namespace: stage.namespace().unwrap_or_default(),
+                name: stage.name_any(),
+                phase: status.phase,
+                progress: status.progress,
+            }
+        })
+        .collect()
 }
 
 /// Waits until a controller's cache has its first full list; false if it never will.
