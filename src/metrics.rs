@@ -24,8 +24,8 @@ const DATA_STAGE_PHASES: [DataStagePhase; 5] = [
     DataStagePhase::Failed,
 ];
 
-/// Every phase, so the gauge shows zeros rather than missing series.
-const PHASES: [TrainingJobPhase; 10] = [
+/// Every TrainingJob phase, so a namespace's gauge shows zeros rather than missing series.
+const TRAINING_JOB_PHASES: [TrainingJobPhase; 10] = [
     TrainingJobPhase::Pending,
     TrainingJobPhase::WaitingForData,
     TrainingJobPhase::Queued,
@@ -385,7 +385,7 @@ impl Metrics {
         let mut listed = self.listed.lock().expect("metrics lock");
         set_by_phase(
             &self.jobs_by_phase,
-            &PHASES,
+            &TRAINING_JOB_PHASES,
             jobs,
             &mut listed.job_namespaces,
         );

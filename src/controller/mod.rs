@@ -926,11 +926,13 @@ fn job_phases(jobs: &Store<DeserializeGuard<TrainingJob>>) -> Vec<(String, Train
         .collect()
 }
 
-/// What each cached DataStage shows in the metrics.
+/// What each cached DataStage shows in the metrics; one being deleted shows nothing (its
+/// reconcile took its series off already, and they must not come back).
 fn data_stage_samples(stages: &Store<DataStage>) -> Vec<crate::metrics::DataStageSample> {
     stages
         .state()
         .iter()
+        .filter(|stage| stage.meta().deletion_timestamp.is_none())
         .map(|stage| {
             let status = stage.status.clone().unwrap_or_default();
             crate::metrics::DataStageSample {
@@ -987,6 +989,41 @@ impl Context {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn data_stage(name: &str, deleting: bool) -> DataStage {
+        let mut stage: DataStage = serde_json::from_value(serde_json::json!({
+            "apiVersion": "ringmaster.dev/v1alpha1",
+            "kind": "DataStage",
+            "metadata": {"name": name, "namespace": "team-a"},
+            "spec": {
+                "source": {"azureBlob": {
+                    "account": "a", "container": "c",
+                    "auth": {"sasTokenSecretRef": {"name": "s", "key": "k"}},
+                }},
+                "destination": {"existingClaim": {"claimName": "data"}},
+            },
+            "status": {"phase": "Copying", "progress": {"bytesDone": 7, "bytesTotal": 9}},
+        }))
+        .unwrap();
+        if deleting {
+            stage.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
+        }
+        stage
+    }
+
+    #[test]
+    fn data_stages_being_deleted_are_not_shown_in_the_metrics() {
+        let (store, mut writer) = reflector::store();
+        for stage in [data_stage("kept", false), data_stage("going", true)] {
+            writer.apply_watcher_event(&watcher::Event::Apply(stage));
+        }
+        let samples = data_stage_samples(&store);
+        let names = samples.iter().map(|s| s.name.as_str()).collect::<Vec<_>>();
+        assert_eq!(names, ["kept"]);
+        assert_eq!(samples[0].namespace, "team-a");
+        assert_eq!(samples[0].phase, crate::api::DataStagePhase::Copying);
+        assert_eq!(samples[0].progress.as_ref().map(|p| p.bytes_done), Some(7));
+    }
 
     fn api_error(code: u16) -> kube::Error {
         kube::Error::Api(
