@@ -97,27 +97,24 @@ struct DataStageGauges {
 
 impl DataStageGauges {
     fn new() -> Self {
-        let gauge = |name: &str, help: &str| {
-            GaugeVec::new(Opts::new(name, help), &["namespace", "name"]).expect("valid metric")
-        };
         Self {
-            copied_bytes: gauge(
+            copied_bytes: object_gauge(
                 "ringmaster_datastage_copied_bytes",
                 "Bytes a DataStage's stager copied or found there and verified",
             ),
-            size_bytes: gauge(
+            size_bytes: object_gauge(
                 "ringmaster_datastage_size_bytes",
                 "Bytes under a DataStage's source prefix",
             ),
-            copied_files: gauge(
+            copied_files: object_gauge(
                 "ringmaster_datastage_copied_files",
                 "Blobs a DataStage's stager copied or found there and verified",
             ),
-            files: gauge(
+            files: object_gauge(
                 "ringmaster_datastage_files",
                 "Blobs under a DataStage's source prefix",
             ),
-            rate: gauge(
+            rate: object_gauge(
                 "ringmaster_datastage_copy_rate_bytes_per_second",
                 "A copying DataStage's current rate in bytes per second",
             ),
@@ -138,26 +135,24 @@ impl DataStageGauges {
     /// while it copies (a finished copy has no rate, and its last one would mislead).
     fn set(&self, stage: &DataStageSample) {
         let labels = [stage.namespace.as_str(), stage.name.as_str()];
-        let copying = stage.phase == DataStagePhase::Copying;
-        let values = stage.progress.as_ref().map(|p| {
-            [
-                (&self.copied_bytes, Some(p.bytes_done)),
-                (&self.size_bytes, Some(p.bytes_total)),
-                (&self.copied_files, Some(p.files_done)),
-                (&self.files, Some(p.files_total)),
-                (&self.rate, copying.then_some(p.bytes_per_second)),
-            ]
-        });
-        for (gauge, value) in values.into_iter().flatten() {
-            match value {
-                Some(value) => gauge.with_label_values(&labels).set(value as f64),
-                None => {
-                    let _ = gauge.remove_label_values(&labels);
-                }
-            }
-        }
-        if stage.progress.is_none() {
+        let Some(progress) = &stage.progress else {
             self.forget(&labels);
+            return;
+        };
+        let counts = [
+            (&self.copied_bytes, progress.bytes_done),
+            (&self.size_bytes, progress.bytes_total),
+            (&self.copied_files, progress.files_done),
+            (&self.files, progress.files_total),
+        ];
+        for (gauge, value) in counts {
+            gauge.with_label_values(&labels).set(value as f64);
+        }
+        if stage.phase == DataStagePhase::Copying {
+            let rate = progress.bytes_per_second as f64;
+            self.rate.with_label_values(&labels).set(rate);
+        } else {
+            let _ = self.rate.remove_label_values(&labels);
         }
     }
 
@@ -181,27 +176,24 @@ struct JobProgressGauges {
 
 impl JobProgressGauges {
     fn new() -> Self {
-        let gauge = |name: &str, help: &str| {
-            GaugeVec::new(Opts::new(name, help), &["namespace", "name"]).expect("valid metric")
-        };
         Self {
-            steps: gauge(
+            steps: object_gauge(
                 "ringmaster_trainingjob_progress_steps",
                 "Steps a running TrainingJob reported done",
             ),
-            total_steps: gauge(
+            total_steps: object_gauge(
                 "ringmaster_trainingjob_progress_total_steps",
                 "Steps a running TrainingJob trains in all, as it reported",
             ),
-            loss: gauge(
+            loss: object_gauge(
                 "ringmaster_trainingjob_progress_loss",
                 "The loss a running TrainingJob reported last",
             ),
-            images_per_second: gauge(
+            images_per_second: object_gauge(
                 "ringmaster_trainingjob_progress_images_per_second",
                 "Images per second over all ranks of a running TrainingJob (recent rate)",
             ),
-            seconds_remaining: gauge(
+            seconds_remaining: object_gauge(
                 "ringmaster_trainingjob_progress_seconds_remaining",
                 "Estimated seconds until a running TrainingJob's last step",
             ),
@@ -493,6 +485,11 @@ fn set_by_phase<P: Copy + Debug + PartialEq>(
         }
     }
     *listed = namespaces;
+}
+
+/// A gauge with a series per object (labels `namespace`, `name`).
+fn object_gauge(name: &str, help: &str) -> GaugeVec {
+    GaugeVec::new(Opts::new(name, help), &["namespace", "name"]).expect("valid metric")
 }
 
 /// `ringmaster_build_info`: 1, labelled with what was built.
