@@ -16,6 +16,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends musl-tools && r
  && rustup target add x86_64-unknown-linux-musl
 WORKDIR /src
 COPY . .
+# The commit ringmaster_build_info names: --build-arg RINGMASTER_GIT_COMMIT=$(git rev-parse --short HEAD).
+ARG RINGMASTER_GIT_COMMIT=unknown
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     cargo build --release --locked --target x86_64-unknown-linux-musl -p ringmaster --bin ringmaster \

@@ -90,12 +90,12 @@ crds: ## Regenerate crds/ from the Rust types (and their copies in the chart and
 	cp crds/*.yaml config/crd/bases/
 
 .PHONY: manifests
-manifests: ## Regenerate the kustomize bases config/rbac and config/manager from the Helm chart
+manifests: ## Regenerate the kustomize bases config/rbac and config/manager, and the monitoring component's ServiceMonitor, from the Helm chart
 	e2e/tools/manifests.sh
 
 .PHONY: build
 build: ## Build the operator
-	$(CARGO) build --locked
+	RINGMASTER_GIT_COMMIT=$$(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(CARGO) build --locked
 
 .PHONY: bench-operator
 BENCH_JOBS ?= 100

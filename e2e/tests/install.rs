@@ -189,6 +189,140 @@ async fn the_chart_lints_refuses_bad_values_and_matches_the_kustomize_bases() {
     assert_eq!(objects(&built), expected);
 }
 
+/// Each component in config/components and the chart switch it stands for (the aks-pools
+/// component's placeholders as values).
+const COMPONENTS: &[(&str, &str)] = &[
+    ("kueue", "kueue.enabled=true"),
+    (
+        "gang-scheduling",
+        "gangScheduler=scheduler-plugins-scheduler",
+    ),
+    ("gang-scheduling-volcano", "gangScheduler=volcano"),
+    (
+        "aks-pools",
+        "aks.subscription=00000000-0000-0000-0000-000000000000,\
+         aks.resourceGroup=my-resource-group,aks.cluster=my-cluster",
+    ),
+    ("monitoring", "metrics.serviceMonitor.enabled=true"),
+];
+
+/// `kubectl kustomize` of an overlay of config/default with `components`. kustomize takes
+/// no absolute paths, so the overlay sits beside a link to config/.
+async fn kustomize_with(components: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(
+        common::repo_root().join("config"),
+        dir.path().join("config"),
+    )
+    .unwrap();
+    let overlay = dir.path().join("overlay");
+    std::fs::create_dir(&overlay).unwrap();
+    let components = components
+        .iter()
+        .map(|c| format!("../config/components/{c}"))
+        .collect::<Vec<_>>();
+    let kustomization = json!({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": ["../config/default"],
+        "components": components,
+    });
+    std::fs::write(
+        overlay.join("kustomization.yaml"),
+        kustomization.to_string(),
+    )
+    .unwrap();
+    let (ok, built) = run(tool("kubectl"), &["kustomize", overlay.to_str().unwrap()]).await;
+    assert!(ok, "{built}");
+    built
+}
+
+/// `helm template` of the chart with its CRDs, as `make manifests` renders it, with `sets`.
+async fn render_for_kustomize(chart: &str, sets: &str) -> String {
+    let (ok, rendered) = helm(&[
+        "template",
+        "ringmaster",
+        chart,
+        "--namespace",
+        "ringmaster-system",
+        "--kube-version",
+        "1.36.0",
+        "--include-crds",
+        "--set",
+        "kustomize=true",
+        "--set",
+        sets,
+    ])
+    .await;
+    assert!(ok, "{sets}: {rendered}");
+    rendered
+}
+
+/// An overlay of config/default with components makes, object for object and field for
+/// field, what the chart makes (as `make manifests` renders it) with their switches: each
+/// component alone, and all of them together (each appends to the same lists).
+#[tokio::test]
+async fn each_kustomize_component_makes_what_its_chart_switch_makes() {
+    let chart = chart();
+    let chart = chart.to_str().unwrap();
+    let everything = (
+        COMPONENTS
+            .iter()
+            .filter(|(c, _)| *c != "gang-scheduling-volcano")
+            .map(|(c, _)| *c)
+            .collect::<Vec<_>>(),
+        COMPONENTS
+            .iter()
+            .filter(|(c, _)| *c != "gang-scheduling-volcano")
+            .map(|(_, set)| *set)
+            .collect::<Vec<_>>()
+            .join(","),
+    );
+    let cases = COMPONENTS
+        .iter()
+        .map(|(c, set)| (vec![*c], set.to_string()))
+        .chain([everything]);
+    for (components, sets) in cases {
+        let mut built = whole_objects(&kustomize_with(&components).await);
+        let namespace = (
+            "Namespace".into(),
+            String::new(),
+            "ringmaster-system".into(),
+        );
+        assert!(built.remove(&namespace).is_some(), "{components:?}");
+        let rendered = whole_objects(&render_for_kustomize(chart, &sets).await);
+        assert_ne!(
+            rendered,
+            whole_objects(&render_for_kustomize(chart, "kustomize=true").await),
+            "{sets} changes nothing: the comparison would prove nothing"
+        );
+        // The CRDs are copies of one file (tests/crds.rs) that no component changes, and
+        // kustomize re-emits their long descriptions as folded double-quoted strings that
+        // serde_saphyr does not read back to the same text: they are compared by name.
+        let is_crd = |key: &&(String, String, String)| key.0 == "CustomResourceDefinition";
+        let differing = built
+            .keys()
+            .chain(rendered.keys())
+            .filter(|key| {
+                let (have, want) = (built.get(*key), rendered.get(*key));
+                if is_crd(key) {
+                    have.is_none() || want.is_none()
+                } else {
+                    have != want
+                }
+            })
+            .collect::<BTreeSet<_>>();
+        let first = differing
+            .first()
+            .map(|key| (built.get(*key), rendered.get(*key)));
+        assert!(
+            differing.is_empty(),
+            "{components:?} differs from the chart with {sets} in {differing:?}; \
+             the first (kustomize, helm): {first:#?}"
+        );
+    }
+}
+
 /// The ClusterRole and leader-election Role the chart renders, with Kueue and with each gang
 /// scheduler's API, grant exactly the calls the operator's code makes
 /// (tests/support/operator_rbac.rs lists them, and where they are made); the users'

@@ -30,7 +30,7 @@ use kube::{Api, Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{DataStage, TrainingJob, condition_reasons, condition_types};
+use crate::api::{DataStage, TrainingJob, TrainingJobPhase, condition_reasons, condition_types};
 use crate::kueue::{ResourceFlavor, Workload};
 use crate::metrics::Metrics;
 use crate::validation::FieldErrors;
@@ -892,31 +892,57 @@ fn spawn_readiness(
     });
 }
 
-/// Counts the TrainingJobs by phase from the cache every few seconds, for the gauge.
+/// Counts the TrainingJobs and DataStages by namespace and phase, and each DataStage's copy,
+/// from the caches every few seconds, for the gauges (a listing also drops the series of
+/// what is gone).
 fn spawn_phase_gauge(
     ctx: &Arc<Context>,
     jobs: Store<DeserializeGuard<TrainingJob>>,
     shutdown: CancellationToken,
 ) {
     let metrics = ctx.metrics.clone();
+    let stages = ctx.data_stages.clone();
     tokio::spawn(async move {
         loop {
-            let phases = jobs
-                .state()
-                .iter()
-                .filter_map(|j| {
-                    j.0.as_ref()
-                        .ok()
-                        .map(|j| j.status.as_ref().map(|s| s.phase).unwrap_or_default())
-                })
-                .collect::<Vec<_>>();
-            metrics.set_training_jobs_by_phase(&phases);
+            metrics.set_training_jobs_by_phase(&job_phases(&jobs));
+            metrics.set_data_stages(&data_stage_samples(&stages));
             tokio::select! {
                 () = shutdown.cancelled() => break,
                 () = tokio::time::sleep(Duration::from_secs(5)) => {}
             }
         }
     });
+}
+
+/// Each readable cached TrainingJob's namespace and phase.
+fn job_phases(jobs: &Store<DeserializeGuard<TrainingJob>>) -> Vec<(String, TrainingJobPhase)> {
+    jobs.state()
+        .iter()
+        .filter_map(|j| {
+            let job = j.0.as_ref().ok()?;
+            let phase = job.status.as_ref().map(|s| s.phase).unwrap_or_default();
+            Some((job.namespace().unwrap_or_default(), phase))
+        })
+        .collect()
+}
+
+/// What each cached DataStage shows in the metrics; one being deleted shows nothing (its
+/// reconcile took its series off already, and they must not come back).
+fn data_stage_samples(stages: &Store<DataStage>) -> Vec<crate::metrics::DataStageSample> {
+    stages
+        .state()
+        .iter()
+        .filter(|stage| stage.meta().deletion_timestamp.is_none())
+        .map(|stage| {
+            let status = stage.status.clone().unwrap_or_default();
+            crate::metrics::DataStageSample {
+                namespace: stage.namespace().unwrap_or_default(),
+                name: stage.name_any(),
+                phase: status.phase,
+                progress: status.progress,
+            }
+        })
+        .collect()
 }
 
 /// Waits until a controller's cache has its first full list; false if it never will.
@@ -963,6 +989,41 @@ impl Context {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn data_stage(name: &str, deleting: bool) -> DataStage {
+        let mut stage: DataStage = serde_json::from_value(serde_json::json!({
+            "apiVersion": "ringmaster.dev/v1alpha1",
+            "kind": "DataStage",
+            "metadata": {"name": name, "namespace": "team-a"},
+            "spec": {
+                "source": {"azureBlob": {
+                    "account": "a", "container": "c",
+                    "auth": {"sasTokenSecretRef": {"name": "s", "key": "k"}},
+                }},
+                "destination": {"existingClaim": {"claimName": "data"}},
+            },
+            "status": {"phase": "Copying", "progress": {"bytesDone": 7, "bytesTotal": 9}},
+        }))
+        .unwrap();
+        if deleting {
+            stage.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
+        }
+        stage
+    }
+
+    #[test]
+    fn data_stages_being_deleted_are_not_shown_in_the_metrics() {
+        let (store, mut writer) = reflector::store();
+        for stage in [data_stage("kept", false), data_stage("going", true)] {
+            writer.apply_watcher_event(&watcher::Event::Apply(stage));
+        }
+        let samples = data_stage_samples(&store);
+        let names = samples.iter().map(|s| s.name.as_str()).collect::<Vec<_>>();
+        assert_eq!(names, ["kept"]);
+        assert_eq!(samples[0].namespace, "team-a");
+        assert_eq!(samples[0].phase, crate::api::DataStagePhase::Copying);
+        assert_eq!(samples[0].progress.as_ref().map(|p| p.bytes_done), Some(7));
+    }
 
     fn api_error(code: u16) -> kube::Error {
         kube::Error::Api(

@@ -55,6 +55,13 @@ pub async fn reconcile(
         name: key.clone(),
         source,
     };
+    if object.meta().deletion_timestamp.is_some() {
+        // Its series go now, not at the next listing of the cache.
+        let meta = object.meta();
+        let namespace = meta.namespace.as_deref().unwrap_or_default();
+        ctx.metrics
+            .forget_data_stage(namespace, meta.name.as_deref().unwrap_or_default());
+    }
     if let Ok(raw) = &object.0
         && raw.meta().deletion_timestamp.is_some()
     {

@@ -260,7 +260,8 @@ async fn record_restart(
     let about = plan.about.as_ref();
     write_status(ctx, object, &seen.old, &new, &plan.message, about).await?;
     ctx.status_written(&object_key(object));
-    ctx.metrics.training_job_restarted();
+    ctx.metrics
+        .training_job_restarted(object.meta().namespace.as_deref().unwrap_or_default());
     Ok(())
 }
 
@@ -396,7 +397,8 @@ fn record_time_to_running(
         && let Some(created) = job.meta().creation_timestamp.as_ref()
     {
         let seconds = now().0.duration_since(created.0).as_secs_f64();
-        ctx.metrics.training_job_running_after(seconds);
+        ctx.metrics
+            .training_job_running_after(&job.namespace().unwrap_or_default(), seconds);
     }
 }
 
