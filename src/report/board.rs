@@ -146,12 +146,20 @@ impl Board {
         !std::mem::replace(&mut entry.pending, true)
     }
 
-    /// The job's entry, for its reconcile (which has now read it).
+    /// The job's entry, for its reconcile. The reconcile it asked for stays asked until
+    /// [`Board::settled`]: while the job's status write is held back, its reconcile comes
+    /// back by itself when the write is due, and reports meanwhile need not wake it.
     pub fn read(&self, key: &str) -> Option<Entry> {
+        self.read_quietly(key)
+    }
+
+    /// The job's status now shows its reports (written, or nothing to write): the next
+    /// report asks for a reconcile again.
+    pub fn settled(&self, key: &str) {
         let mut entries = self.entries.lock().expect("report board poisoned");
-        let entry = entries.get_mut(key)?;
-        entry.pending = false;
-        Some(entry.clone())
+        if let Some(entry) = entries.get_mut(key) {
+            entry.pending = false;
+        }
     }
 
     /// The job's entry, leaving a reconcile it asked for still asked.

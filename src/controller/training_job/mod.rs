@@ -198,6 +198,10 @@ async fn run(
     }
     let new = with_live_reports(ctx, validated, &seen, new);
     let progress_wait = report(ctx, object, &seen.old, &new, &plan, restarting).await?;
+    if progress_wait.is_none() {
+        let key = crate::report::job_key(&validated.namespace, &validated.name);
+        ctx.reports.board.settled(&key);
+    }
     let kueue_requeue = kueue.requeue;
     let pods_exist = !seen.pods.is_empty() || plan.unseen_pods || !written.pods.is_empty();
     settle(ctx, object, validated, (&plan, &new), kueue, pods_exist).await?;
