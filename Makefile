@@ -100,7 +100,8 @@ build: ## Build the operator
 .PHONY: bench-operator
 BENCH_JOBS ?= 100
 BENCH_WORKERS ?= 4
-bench-operator: ## Benchmark: Ringmaster next to Kubeflow MPI Operator (limits raised, then its defaults), BENCH_JOBS × BENCH_WORKERS jobs at once on the local cluster; BENCH_BEFORE=<commit> adds Ringmaster as built at that commit
+BENCH_REPEATS ?= 3
+bench-operator: ## Benchmark: Ringmaster next to Kubeflow MPI Operator (limits raised, then its defaults), BENCH_JOBS × BENCH_WORKERS jobs at once on the local cluster, BENCH_REPEATS times in alternating order on a fresh cluster each (median [min–max]); BENCH_BEFORE=<commit> adds Ringmaster as built at that commit; BENCH_ARGS="--report-seconds 120" adds the cost of running jobs' progress reports
 	$(if $(BENCH_BEFORE),e2e/tools/ringmaster-at.sh $(BENCH_BEFORE) >/dev/null)
 	$(CARGO) build --release --locked -p ringmaster -p ringmaster-e2e --bin ringmaster --bin bench-operator
 	e2e/tools/peers.sh mpi-operator >/dev/null
@@ -109,7 +110,7 @@ bench-operator: ## Benchmark: Ringmaster next to Kubeflow MPI Operator (limits r
 	  $(if $(BENCH_BEFORE),--ringmaster $(BENCH_BEFORE)=$$(e2e/tools/ringmaster-at.sh $(BENCH_BEFORE))) \
 	  --ringmaster $(CARGO_TARGET_DIR)/release/ringmaster \
 	  --mpi-operator $$(e2e/tools/peers.sh mpi-operator) \
-	  --jobs $(BENCH_JOBS) --workers $(BENCH_WORKERS) $(BENCH_ARGS)
+	  --jobs $(BENCH_JOBS) --workers $(BENCH_WORKERS) --repeats $(BENCH_REPEATS) $(BENCH_ARGS)
 
 .PHONY: bench-allreduce
 bench-allreduce: mpi ## Benchmark: TCP-ring all-reduce vs Open MPI's MPI_Allreduce, 4 ranks, 4 KiB..256 MiB
