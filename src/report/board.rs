@@ -234,8 +234,13 @@ mod tests {
         assert_eq!(progress.time_remaining.as_deref(), Some("4m15s"));
         assert_eq!(progress.estimated_completion_time, Some(Time(at(15 + 255))));
         assert!(
+            !board.record("ns/a", "uid-1", step(155, Some(1000)), at(16)),
+            "read, its write held back: no new reconcile"
+        );
+        board.settled("ns/a");
+        assert!(
             board.record("ns/a", "uid-1", step(160, Some(1000)), at(30)),
-            "read: ask again"
+            "written: the next report asks again"
         );
     }
 
