@@ -146,6 +146,16 @@ test-gpu: gpu-bundle ## GPU tests (needs an NVIDIA GPU with cuDNN, cuBLAS, NVRTC
 bench-gpu: gpu-bundle ## Benchmark on a GPU: ResNet-50 bf16 at 224 px, batch 256 and 128, ours next to PyTorch eager, fused SGD, CUDA graphs, torch.compile and max-autotune, 3 alternating repeats, memory by NVML
 	trainer/gpu/run.sh bench
 
+.PHONY: bench-loader
+LOADER_DATA := $(RINGMASTER_CACHE)/imagenet-sized
+bench-loader: ## Benchmark: the image-folder loader on 2,560 ImageNet-sized JPEGs (images/s, CPU cores busy) on all CPUs and on one; on a GPU machine `trainer/gpu/run.sh bench loader` adds nvJPEG
+	$(CARGO) build --release --locked -p ringmaster-trainer
+	test -d $(LOADER_DATA) || { rm -rf $(LOADER_DATA).tmp && \
+	  $(CARGO_TARGET_DIR)/release/ringmaster-trainer make-dataset --out $(LOADER_DATA).tmp --classes 10 --per-class 256 --imagenet-sizes && \
+	  mv $(LOADER_DATA).tmp $(LOADER_DATA); }
+	$(CARGO_TARGET_DIR)/release/ringmaster-trainer bench-loader --data-dir $(LOADER_DATA) --batches 9
+	RAYON_NUM_THREADS=1 $(CARGO_TARGET_DIR)/release/ringmaster-trainer bench-loader --data-dir $(LOADER_DATA) --batches 2
+
 .PHONY: bench-trainer
 bench-trainer: ## Benchmark: CPU images/s of ResNet-18 at 64×64 and ResNet-50 at 224×224, batch 32 (release)
 	$(CARGO) build --release --locked -p ringmaster-trainer

@@ -5,7 +5,7 @@
 use std::fmt::Write;
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
-    CustomResourceDefinition, JSONSchemaProps,
+    CustomResourceDefinition, JSONSchemaProps, ValidationRule,
 };
 
 use crate::crdgen;
@@ -84,14 +84,8 @@ fn rules(out: &mut String, path: &str, schema: &JSONSchemaProps) {
         return;
     };
     let _ = writeln!(out, "Rules on `{path}`:\n");
-    for rule in rules {
-        let message = rule.message.as_deref().unwrap_or("(no message)");
-        let _ = writeln!(
-            out,
-            "- {} — `{}`",
-            cell(message),
-            rule.rule.replace('|', "\\|")
-        );
+    for (message, rule) in rules.iter().map(rule_text) {
+        let _ = writeln!(out, "- {message} — `{rule}`");
     }
     out.push('\n');
 }
@@ -132,15 +126,20 @@ fn fields(out: &mut String, path: &str, schema: &JSONSchemaProps) {
 
 /// A nested object's rules, as rows of their own.
 fn nested_rules(out: &mut String, path: &str, schema: &JSONSchemaProps) {
-    for rule in schema.x_kubernetes_validations.iter().flatten() {
-        let message = rule.message.as_deref().unwrap_or("(no message)");
-        let _ = writeln!(
-            out,
-            "| `{path}` | rule | {} (`{}`) |",
-            cell(message),
-            rule.rule.replace('|', "\\|")
-        );
+    for (message, rule) in schema
+        .x_kubernetes_validations
+        .iter()
+        .flatten()
+        .map(rule_text)
+    {
+        let _ = writeln!(out, "| `{path}` | rule | {message} (`{rule}`) |");
     }
+}
+
+/// A CEL rule's message and expression, escaped for a Markdown table.
+fn rule_text(rule: &ValidationRule) -> (String, String) {
+    let message = rule.message.as_deref().unwrap_or("(no message)");
+    (cell(message), rule.rule.replace('|', "\\|"))
 }
 
 fn type_of(field: &JSONSchemaProps, kubernetes: Option<&str>) -> String {

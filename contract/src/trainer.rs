@@ -77,6 +77,20 @@ pub enum Precision {
     Bf16,
 }
 
+/// Where an image folder's JPEGs are decoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Decoder {
+    /// On the GPU with nvJPEG when training on a GPU and nvJPEG loads, else on the CPUs;
+    /// rank 0 says which on stderr.
+    Auto,
+    /// On the CPUs.
+    Cpu,
+    /// On the GPU with nvJPEG (its hardware decoder where the GPU has one); an error when
+    /// it cannot be.
+    Nvjpeg,
+}
+
 /// Learning-rate schedule after warm-up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -120,7 +134,7 @@ macro_rules! display_as_flag {
         }
     )*};
 }
-display_as_flag!(Model, Device, Precision, Schedule, CollectiveKind);
+display_as_flag!(Model, Device, Precision, Schedule, CollectiveKind, Decoder);
 
 /// Defaults of [`TrainArgs`], shared by its flags and its `Default`.
 pub mod defaults {
@@ -253,6 +267,9 @@ pub struct TrainArgs {
     /// An ImageNet-style folder of class folders of JPEG and PNG images.
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
+    /// Where --data-dir's JPEGs are decoded.
+    #[arg(long, value_enum, default_value_t = Decoder::Auto)]
+    pub decoder: Decoder,
     /// A generated dataset of this many classes that a small network can learn (tests, demos).
     #[arg(long)]
     pub learnable_classes: Option<usize>,
@@ -422,6 +439,7 @@ impl Default for TrainArgs {
             label_smoothing: defaults::LABEL_SMOOTHING,
             synthetic: false,
             data_dir: None,
+            decoder: Decoder::Auto,
             learnable_classes: None,
             dataset_size: defaults::DATASET_SIZE,
             classes: defaults::CLASSES,
@@ -546,6 +564,9 @@ impl TrainArgs {
         }
         if let Some(gbps) = self.preflight_min_bus_gbps {
             flag("preflight-min-bus-gbps", gbps.to_string());
+        }
+        if self.decoder != d.decoder {
+            flag("decoder", self.decoder.to_string());
         }
         if self.preflight_bytes != d.preflight_bytes {
             flag("preflight-bytes", self.preflight_bytes.to_string());
@@ -1176,6 +1197,7 @@ mod tests {
             label_smoothing: 0.1,
             synthetic: false,
             data_dir: Some("/data/imagenet".into()),
+            decoder: Decoder::Nvjpeg,
             learnable_classes: None,
             dataset_size: 512,
             classes: 10,

@@ -47,18 +47,17 @@ async fn helm(args: &[&str]) -> (bool, String) {
     run(tool("helm"), args).await
 }
 
+/// `helm template` of the chart as `release` for Kubernetes 1.36, with `flags` and one `--set`.
+async fn template(chart: &str, release: &str, flags: &[&str], set: &str) -> (bool, String) {
+    let mut args = vec!["template", release, chart, "--kube-version", "1.36.0"];
+    args.extend_from_slice(flags);
+    args.extend(["--set", set]);
+    helm(&args).await
+}
+
 /// `helm template` of the chart as release `x` with one `--set`.
 async fn template_with(chart: &str, set: &str) -> (bool, String) {
-    helm(&[
-        "template",
-        "x",
-        chart,
-        "--kube-version",
-        "1.36.0",
-        "--set",
-        set,
-    ])
-    .await
+    template(chart, "x", &[], set).await
 }
 
 /// `(kind, namespace, name)` of every object in a multi-document YAML stream.
@@ -239,21 +238,14 @@ async fn kustomize_with(components: &[&str]) -> String {
 
 /// `helm template` of the chart with its CRDs, as `make manifests` renders it, with `sets`.
 async fn render_for_kustomize(chart: &str, sets: &str) -> String {
-    let (ok, rendered) = helm(&[
-        "template",
-        "ringmaster",
-        chart,
+    let flags = [
         "--namespace",
         "ringmaster-system",
-        "--kube-version",
-        "1.36.0",
         "--include-crds",
         "--set",
         "kustomize=true",
-        "--set",
-        sets,
-    ])
-    .await;
+    ];
+    let (ok, rendered) = template(chart, "ringmaster", &flags, sets).await;
     assert!(ok, "{sets}: {rendered}");
     rendered
 }

@@ -150,7 +150,8 @@ impl Board {
     /// [`Board::settled`]: while the job's status write is held back, its reconcile comes
     /// back by itself when the write is due, and reports meanwhile need not wake it.
     pub fn read(&self, key: &str) -> Option<Entry> {
-        self.read_quietly(key)
+        let entries = self.entries.lock().expect("report board poisoned");
+        entries.get(key).cloned()
     }
 
     /// The job's status now shows its reports (written, or nothing to write): the next
@@ -160,12 +161,6 @@ impl Board {
         if let Some(entry) = entries.get_mut(key) {
             entry.pending = false;
         }
-    }
-
-    /// The job's entry, leaving a reconcile it asked for still asked.
-    pub fn read_quietly(&self, key: &str) -> Option<Entry> {
-        let entries = self.entries.lock().expect("report board poisoned");
-        entries.get(key).cloned()
     }
 
     /// Forgets a job that no longer runs; whether it was known.

@@ -153,7 +153,7 @@ async fn take_report(
     let key = job_key(&namespace, &name);
     let now = k8s_openapi::jiff::Timestamp::now();
     let ask = ctx.reports.board.record(&key, &caller.pod_uid, report, now);
-    if let Some(entry) = ctx.reports.board.read_quietly(&key)
+    if let Some(entry) = ctx.reports.board.read(&key)
         && let Some(progress) = entry.progress()
     {
         let remaining = progress

@@ -19,7 +19,9 @@
 #                              device memory by NVML, the same for every engine), REPEATS (3)
 #                              times, the engines' order reversed every other repeat; rows
 #                              go to $LOGS/bench.jsonl, and summarize.py prints median, min,
-#                              max and spread. `loader`: the image-folder loader alone.
+#                              max and spread. `loader`: the image-folder loader alone,
+#                              on the CPUs and with nvJPEG (its library from the Python
+#                              environment's nvidia-nvjpeg wheel, or LD_LIBRARY_PATH).
 #   trainer/gpu/run.sh exec COMMAND...
 #                              runs COMMAND with CUDA's libraries found as below (a profiler
 #                              around the trainer, compare_step.py after a --dump-step).
@@ -170,15 +172,38 @@ bench_engines() {
   "$python" "$here/summarize.py" "$rows"
 }
 
-# The image-folder loader alone, on this machine's CPUs.
+# The image-folder loader alone, on ImageNet-sized JPEGs (2,560, `make-dataset
+# --imagenet-sizes`): on all of this machine's CPUs and on 4, then with nvJPEG on the GPU,
+# its file reading on 4 threads and on all; each a JSON line with images/s and the CPU cores
+# it kept busy.
 bench_loader() {
-  local seconds data
-  seconds=$(limit 120)
+  local seconds data threads decoder
+  seconds=$(limit 240)
   if [ "$seconds" -eq 0 ]; then skip "the loader"; return; fi
   data=$(mktemp -d)
-  timeout "$seconds" sh -c '"$1" make-dataset --out "$2" --classes 8 --per-class 128 --image-size 256 >/dev/null &&
-    "$1" bench-loader --data-dir "$2" --batch-size 256 --batches 8' _ "$bundle/ringmaster-trainer" "$data" \
-    || echo "the loader: exit $?" >&2
+  timeout "$seconds" "$bundle/ringmaster-trainer" make-dataset --out "$data" --classes 10 \
+    --per-class 256 --imagenet-sizes || echo "make-dataset: exit $?" >&2
+  for decoder in cpu nvjpeg; do
+    for threads in 4 "$(nproc)"; do
+      seconds=$(limit 60)
+      if [ "$seconds" -eq 0 ]; then skip "the loader ($decoder, $threads threads)"; continue; fi
+      RAYON_NUM_THREADS=$threads timeout "$seconds" "$bundle/ringmaster-trainer" bench-loader \
+        --data-dir "$data" --batch-size 256 --batches 9 --decoder "$decoder" \
+        || echo "the loader ($decoder, $threads threads): exit $?" >&2
+    done
+  done
+  # Training from the folder, each decoder feeding ResNet-50 bf16 at batch 256: the last
+  # lines (the summary's images/s is the whole run's, warm-up and cuDNN's search included;
+  # the step lines' are the recent steps').
+  for decoder in cpu nvjpeg; do
+    seconds=$(limit 100)
+    if [ "$seconds" -eq 0 ]; then skip "training from the folder ($decoder)"; continue; fi
+    echo "== train from ImageNet-sized JPEGs, --decoder $decoder"
+    timeout --kill-after=10 "$seconds" "$bundle/ringmaster-trainer" train --device cuda \
+      --precision bf16 --model resnet50 --batch-size 256 --image-size 224 --data-dir "$data" \
+      --steps 50 --log-every 10 --decoder "$decoder" 2>&1 | tail -n 8 \
+      || echo "training with --decoder $decoder: exit $?" >&2
+  done
   rm -rf "$data"
 }
 

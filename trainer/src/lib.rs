@@ -5,6 +5,7 @@
 //! * `collective` — all-reduce behind one trait: single rank, TCP ring.
 //! * `gpu` — the GPUs and CUDA libraries this machine offers, and what `--device auto` picks.
 //! * `bench` — `bench-allreduce`, with nccl-tests' bandwidth figures.
+//! * `loader_bench` — `bench-loader`: the image-folder loader alone, on the CPUs or with nvJPEG.
 //! * `preflight` — the opt-in check of the fabric's bandwidth before the first step.
 //! * `train` — the training loop over the ranks.
 //! * `resume` — the run's checkpoint: written while training goes on, gone on from at a restart.
@@ -19,6 +20,7 @@ pub mod engine;
 pub mod failure;
 pub mod gpu;
 pub mod launch;
+pub mod loader_bench;
 pub mod preflight;
 pub mod report;
 pub mod resume;

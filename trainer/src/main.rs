@@ -41,6 +41,11 @@ enum Command {
         /// Seed.
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Instead of learnable squares of --image-size: photos of ImageNet's mix of sizes
+        /// (mostly 500 px on the long side, a tenth up to 1,600) and file sizes (about
+        /// 110 kB, 4:2:0 at quality 90), for timing loaders; they teach nothing.
+        #[arg(long)]
+        imagenet_sizes: bool,
     },
     /// Print this rank's view: version, rank and world, CPU threads, what this trainer can
     /// run (devices, precisions, models, collectives) and whether NCCL is usable here.
@@ -59,21 +64,18 @@ enum Command {
     /// data): images/s and step time as one JSON line (`--device cuda`: with the device
     /// memory it took, and where it went).
     BenchEngine(EngineArgs),
-    /// Time the ImageNet-folder loader alone (read, decode, crop, normalise) on this
-    /// machine's CPUs: can it feed the GPU? One JSON line.
-    BenchLoader {
-        /// The image folder (`train/<class>/*.jpg`, as `make-dataset` writes).
-        #[arg(long)]
-        data_dir: PathBuf,
-        /// Images per batch.
-        #[arg(long, default_value_t = 256)]
-        batch_size: usize,
-        /// Side of the square crops.
-        #[arg(long, default_value_t = 224)]
-        image_size: usize,
-        /// Batches to time.
-        #[arg(long, default_value_t = 10)]
-        batches: usize,
+    /// Time the ImageNet-folder loader alone (read, decode, crop, normalise), on this
+    /// machine's CPUs or with JPEGs decoded on the GPU (`--decoder nvjpeg`): can it feed the
+    /// GPU, and with how many cores? One JSON line.
+    BenchLoader(ringmaster_trainer::loader_bench::LoaderBenchArgs),
+    /// Whether nvJPEG's hardware decoder works on this GPU (the GPU loader runs this as a
+    /// child process before it uses the decoder: where it fails, it breaks the CUDA context
+    /// of the process that tried). Exit 0 when it decodes.
+    #[command(hide = true)]
+    ProbeNvjpeg {
+        /// The GPU.
+        #[arg(long, default_value_t = 0)]
+        gpu: usize,
     },
     /// Run an MPI launcher command, passing its output through, and write rank 0's JSON
     /// summary to the termination-message file, or, when a rank failed, that rank's failure
@@ -215,29 +217,22 @@ fn main() -> ExitCode {
             }
         }
         Command::BenchEngine(args) => bench_engine(&args).map_err(Failure::from),
-        Command::BenchLoader {
-            data_dir,
-            batch_size,
-            image_size,
-            batches,
-        } => bench_loader(&data_dir, batch_size, image_size, batches).map_err(Failure::from),
+        Command::BenchLoader(args) => ringmaster_trainer::loader_bench::run(&args)
+            .map(|line| println!("{line}"))
+            .map_err(Failure::from),
         Command::MakeDataset {
             out,
             classes,
             per_class,
             image_size,
             seed,
-        } => ringmaster_trainer::engine::image_folder::write_learnable(
-            &out, classes, per_class, image_size, seed,
-        )
-        .map(|n| {
-            eprintln!(
-                "wrote {n} images of {classes} classes under {}",
-                out.join("train").display()
-            )
-        })
-        .map_err(|e| Failure::from(format!("writing {}: {e}", out.display()))),
+            imagenet_sizes,
+        } => make_dataset(&out, classes, per_class, image_size, seed, imagenet_sizes),
         Command::BenchAllreduce(args) => bench_allreduce(args),
+        Command::ProbeNvjpeg { gpu } => {
+            ringmaster_trainer::engine::image_folder::hardware_probe::run(gpu)
+                .map_err(Failure::from)
+        }
         Command::Launch {
             termination_message,
             command,
@@ -516,32 +511,31 @@ fn dump_step(
     Ok(())
 }
 
-fn bench_loader(
-    dir: &std::path::Path,
-    batch_size: usize,
+/// `make-dataset`: the learnable squares, or ImageNet-sized photos.
+fn make_dataset(
+    out: &std::path::Path,
+    classes: usize,
+    per_class: usize,
     image_size: usize,
-    batches: usize,
-) -> Result<(), String> {
-    use ringmaster_trainer::engine::image_folder::ImageFolder;
-    let folder = ImageFolder::open(dir, image_size, 0).map_err(|e| e.to_string())?;
-    if folder.is_empty() {
-        return Err(format!("{}: no images", dir.display()));
+    seed: u64,
+    imagenet_sizes: bool,
+) -> Result<(), Failure> {
+    use ringmaster_trainer::engine::image_folder::{imagenet_sized, write_learnable};
+    let fail = |e: std::io::Error| Failure::from(format!("writing {}: {e}", out.display()));
+    let under = out.join("train");
+    if imagenet_sizes {
+        let (n, bytes) = imagenet_sized::write(out, classes, per_class, seed).map_err(fail)?;
+        eprintln!(
+            "wrote {n} ImageNet-sized images ({} kB on average) of {classes} classes under {}",
+            bytes / n.max(1) as u64 / 1000,
+            under.display()
+        );
+    } else {
+        let n = write_learnable(out, classes, per_class, image_size, seed).map_err(fail)?;
+        eprintln!(
+            "wrote {n} images of {classes} classes under {}",
+            under.display()
+        );
     }
-    let started = std::time::Instant::now();
-    for b in 0..batches {
-        let indices: Vec<usize> = (0..batch_size)
-            .map(|i| (b * batch_size + i) % folder.len())
-            .collect();
-        folder.batch(&indices, b).map_err(|e| e.to_string())?;
-    }
-    let seconds = started.elapsed().as_secs_f64();
-    let line = serde_json::json!({
-        "loader": "imageFolder",
-        "threads": rayon::current_num_threads(),
-        "imageSize": image_size,
-        "images": batches * batch_size,
-        "imagesPerSecond": (batches * batch_size) as f64 / seconds,
-    });
-    println!("{line}");
     Ok(())
 }

@@ -13,7 +13,7 @@ use ringmaster_contract::trainer::{
     Summary, exit,
 };
 pub use ringmaster_contract::trainer::{
-    Device, Model as ModelName, Precision, Schedule, TrainArgs,
+    Decoder, Device, Model as ModelName, Precision, Schedule, TrainArgs,
 };
 
 use crate::collective::{Collective, CollectiveError, ReduceOp, overlap};
@@ -21,6 +21,7 @@ use crate::engine::backend::{CudaBackend, CudaError};
 use crate::engine::buckets::{BUCKET_ELEMENTS, GradientBuckets};
 use crate::engine::checkpoint::{self, CheckpointError};
 use crate::engine::data::{LearnableData, SyntheticData, shard};
+use crate::engine::image_folder::gpu::{DeviceImages, GpuLoader, GpuLoaderError};
 use crate::engine::image_folder::{ImageFolder, ImageFolderError};
 use crate::engine::step::{self, RecordedStep};
 use crate::engine::tensor::DType;
@@ -52,6 +53,9 @@ pub enum TrainError {
     /// Reading images failed.
     #[error(transparent)]
     Images(#[from] ImageFolderError),
+    /// Decoding images on the GPU failed, or could not start.
+    #[error("the GPU loader: {0}")]
+    GpuLoader(#[from] GpuLoaderError),
     /// The CUDA engine could not start on this rank's GPU.
     #[error("the CUDA engine on GPU {ordinal}: {source}")]
     Cuda {
@@ -137,18 +141,96 @@ impl Dataset {
         })
     }
 
-    fn batch(&self, indices: &[usize], epoch: usize) -> HostBatch {
-        match &self.images {
-            Source::Synthetic(d) => Ok(d.batch(indices)),
-            Source::Learnable(d) => Ok(d.batch(indices)),
-            Source::Folder(d) => d.batch(indices, epoch),
+    fn batch(&self, indices: &[usize], epoch: usize, gpu: Option<&mut GpuLoader>) -> ReadBatch {
+        let host = |batch: (Tensor, Vec<usize>)| (Images::Host(batch.0), batch.1);
+        match (&self.images, gpu) {
+            (Source::Synthetic(d), _) => Ok(host(d.batch(indices))),
+            (Source::Learnable(d), _) => Ok(host(d.batch(indices))),
+            (Source::Folder(d), None) => Ok(host(d.batch(indices, epoch)?)),
+            (Source::Folder(d), Some(loader)) => {
+                let files = d.read_files(indices)?;
+                let batch = loader.decode(loader.plan(indices, epoch, files)?)?;
+                Ok((Images::Device(batch.images), batch.labels))
+            }
+        }
+    }
+
+    /// The GPU loader for this run, when its images are a folder, it trains on GPU
+    /// `gpu` (`None`: on the CPU) and `--decoder` lets it; `auto` falls back to the CPUs
+    /// when nvJPEG cannot start, and rank 0 says which it uses.
+    fn gpu_loader(
+        &self,
+        args: &TrainArgs,
+        gpu: Option<usize>,
+        rank: usize,
+    ) -> Result<Option<GpuLoader>, TrainError> {
+        let Source::Folder(folder) = &self.images else {
+            return Ok(None);
+        };
+        let say = |what: String| {
+            if rank == 0 {
+                eprintln!("ringmaster-trainer: decoding JPEGs {what}");
+            }
+        };
+        match (gpu, args.decoder) {
+            (_, Decoder::Cpu) => Ok(None),
+            (None, Decoder::Nvjpeg) => Err(TrainError::Settings(
+                "--decoder nvjpeg decodes on the GPU, and this run trains on the CPU".into(),
+            )),
+            (None, Decoder::Auto) => Ok(None),
+            (Some(ordinal), decoder) => match this_program()
+                .and_then(|program| GpuLoader::probed(folder.clone(), ordinal, &program))
+            {
+                Ok(loader) => {
+                    say(format!("on the GPU ({})", loader.describe()));
+                    Ok(Some(loader))
+                }
+                Err(e) if decoder == Decoder::Auto => {
+                    say(format!("on the CPUs: {e}"));
+                    Ok(None)
+                }
+                Err(e) => Err(e.into()),
+            },
         }
     }
 }
 
-/// A batch as the reader thread makes it: NCHW images on the host and their labels, or
-/// why the source could not make it.
-type HostBatch = Result<(Tensor, Vec<usize>), ImageFolderError>;
+/// This trainer's executable, for the GPU loader's probe.
+fn this_program() -> Result<PathBuf, GpuLoaderError> {
+    std::env::current_exe().map_err(|e| GpuLoaderError::Cuda {
+        context: "finding this program for nvJPEG's probe",
+        message: e.to_string(),
+    })
+}
+
+/// A batch's images, as the reader thread makes them: NCHW on the host, or on the GPU
+/// (decoded there by nvJPEG).
+enum Images {
+    Host(Tensor),
+    Device(DeviceImages),
+}
+
+impl Images {
+    /// On `be`'s device as `dtype`.
+    fn upload<B: Backend>(self, be: &B, dtype: DType) -> Tensor<B> {
+        match self {
+            Images::Host(images) => Tensor::upload(be, &images, dtype),
+            Images::Device(mut images) => {
+                let mut data = be.zeros(images.shape.iter().product(), dtype);
+                be.upload_device_images_into(&mut images, &mut data);
+                Tensor {
+                    shape: images.shape.to_vec(),
+                    dtype,
+                    data,
+                }
+            }
+        }
+    }
+}
+
+/// A batch as the reader thread makes it: its images and their labels, or why the source
+/// could not make it.
+type ReadBatch = Result<(Images, Vec<usize>), TrainError>;
 
 /// Trains on `collective`'s ranks, on GPU `gpu_ordinal` (the local rank) when the device
 /// is CUDA; returns rank 0's summary.
@@ -188,7 +270,7 @@ pub fn run(
                 ordinal: gpu_ordinal,
                 source,
             })?;
-            train_on(args, collective, be, dtype)
+            train_on(args, collective, be, dtype, Some(gpu_ordinal))
         }
         // The check refuses bf16 on `cpu`: only `auto` that found no usable GPU gets here.
         Device::Cpu if dtype == DType::Bf16 => Err(TrainError::Settings(format!(
@@ -196,16 +278,18 @@ pub fn run(
             reason.as_deref().unwrap_or("no usable GPU")
         ))),
         // `resolve_device` turns `auto` into one of the others.
-        Device::Cpu | Device::Auto => train_on(args, collective, CpuBackend, dtype),
+        Device::Cpu | Device::Auto => train_on(args, collective, CpuBackend, dtype, None),
     }
 }
 
-/// The training loop on backend `be` with activations in `dtype`.
+/// The training loop on backend `be` with activations in `dtype`; `gpu`: its GPU, where
+/// the JPEGs may be decoded too.
 fn train_on<B: Backend>(
     args: &TrainArgs,
     collective: &mut dyn Collective,
     be: B,
     dtype: DType,
+    gpu: Option<usize>,
 ) -> Result<Summary, TrainError> {
     if !be.supports(dtype) {
         return Err(TrainError::Settings(format!(
@@ -215,8 +299,9 @@ fn train_on<B: Backend>(
         )));
     }
     let dataset = Dataset::open(args)?;
+    let loader = dataset.gpu_loader(args, gpu, collective.rank())?;
     let mut trainer = Trainer::new(args, collective, be, dtype, &dataset)?;
-    let trained = trainer.train(&dataset);
+    let trained = trainer.train(&dataset, loader);
     // A checkpoint being written is finished, also when training failed: the run that
     // starts again goes on from it.
     if let Some(checkpointer) = &mut trainer.checkpointer {
@@ -317,7 +402,8 @@ fn read_batches(
     args: &TrainArgs,
     layout: Layout,
     start_step: usize,
-    batches: SyncSender<HostBatch>,
+    batches: SyncSender<ReadBatch>,
+    mut gpu: Option<GpuLoader>,
 ) {
     for step in start_step..layout.total_steps {
         let epoch = step / layout.steps_per_epoch;
@@ -331,7 +417,11 @@ fn read_batches(
                 args.seed,
             );
             let micro = layout.micro;
-            let batch = dataset.batch(&indices[in_epoch * micro..(in_epoch + 1) * micro], epoch);
+            let batch = dataset.batch(
+                &indices[in_epoch * micro..(in_epoch + 1) * micro],
+                epoch,
+                gpu.as_mut(),
+            );
             let failed = batch.is_err();
             if batches.send(batch).is_err() || failed {
                 return;
@@ -348,16 +438,16 @@ fn read_batches(
 struct Feed<B: Backend> {
     /// From the reader thread. Dropped with the feed, on any return or panic, so a reader
     /// blocked on a full channel stops and the thread scope can end.
-    prefetched: Receiver<HostBatch>,
+    prefetched: Receiver<ReadBatch>,
     /// Received, not yet on the device: the first batch, or a failure waiting for its turn.
-    upcoming: Option<HostBatch>,
+    upcoming: Option<ReadBatch>,
     /// On the device, for the next micro-batch.
     on_device: Option<(Tensor<B>, Vec<usize>)>,
 }
 
 impl<B: Backend> Feed<B> {
     /// The feed from `prefetched`, with its first batch received.
-    fn new(prefetched: Receiver<HostBatch>) -> Self {
+    fn new(prefetched: Receiver<ReadBatch>) -> Self {
         let mut feed = Self {
             prefetched,
             upcoming: None,
@@ -367,14 +457,14 @@ impl<B: Backend> Feed<B> {
         feed
     }
 
-    fn receive(&self) -> HostBatch {
+    fn receive(&self) -> ReadBatch {
         self.prefetched
             .recv()
             .expect("the reader thread sends every batch or an error")
     }
 
     /// The next batch the source made; a failure is kept for its turn (`None`).
-    fn next_received(&mut self) -> Option<(Tensor, Vec<usize>)> {
+    fn next_received(&mut self) -> Option<(Images, Vec<usize>)> {
         match self.receive() {
             Ok(batch) => Some(batch),
             failed => {
@@ -394,7 +484,7 @@ impl<B: Backend> Feed<B> {
             (Some(uploaded), _) => uploaded,
             (None, Some(batch)) => {
                 let (images, labels) = batch?;
-                (Tensor::upload(be, &images, dtype), labels)
+                (images.upload(be, dtype), labels)
             }
             (None, None) => unreachable!("every micro-batch is received ahead"),
         })
@@ -403,8 +493,21 @@ impl<B: Backend> Feed<B> {
     /// Receives the next micro-batch and queues its upload.
     fn upload_next(&mut self, be: &B, dtype: DType) {
         if let Some((images, labels)) = self.next_received() {
-            self.on_device = Some((Tensor::upload(be, &images, dtype), labels));
+            self.on_device = Some((images.upload(be, dtype), labels));
         }
+    }
+}
+
+/// A batch into the recorded step's inputs.
+fn load<B: Backend>(
+    recorded: &mut RecordedStep<B>,
+    model: &Model<B>,
+    images: Images,
+    labels: &[usize],
+) {
+    match images {
+        Images::Host(images) => recorded.load(model, &images, labels),
+        Images::Device(mut images) => recorded.load_device(model, &mut images, labels),
     }
 }
 
@@ -512,11 +615,11 @@ impl<'a, B: Backend> Trainer<'a, B> {
 
     /// Every step from the start step on, a thread reading and decoding the next batches
     /// of `dataset` while this one computes.
-    fn train(&mut self, dataset: &Dataset) -> Result<(), TrainError> {
+    fn train(&mut self, dataset: &Dataset, gpu: Option<GpuLoader>) -> Result<(), TrainError> {
         let (batches, prefetched) = std::sync::mpsc::sync_channel(2 * self.args.micro_batches);
         let (args, layout, start_step) = (self.args, self.layout, self.start_step);
         std::thread::scope(|scope| {
-            scope.spawn(move || read_batches(dataset, args, layout, start_step, batches));
+            scope.spawn(move || read_batches(dataset, args, layout, start_step, batches, gpu));
             let mut feed = Feed::new(prefetched);
             for step in start_step..layout.total_steps {
                 self.step(&mut feed, step)?;
@@ -573,7 +676,7 @@ impl<'a, B: Backend> Trainer<'a, B> {
         let model = &mut self.model;
         if let Some(batch) = feed.upcoming.take() {
             let (images, labels) = batch?;
-            recorded.load(model, &images, &labels);
+            load(recorded, model, images, &labels);
         }
         let replayed_before = recorded.recorded();
         recorded.run(model, self.args.label_smoothing);
@@ -586,7 +689,7 @@ impl<'a, B: Backend> Trainer<'a, B> {
         if step + 1 != self.layout.total_steps {
             // Into the step's own inputs: the device reads them in order.
             if let Some((images, labels)) = feed.next_received() {
-                recorded.load(model, &images, &labels);
+                load(recorded, model, images, &labels);
             }
         }
         let stats = recorded.stats(model);

@@ -52,3 +52,18 @@ fn a_kernel_that_does_not_compile_is_reported_with_nvrtcs_log() {
         other => panic!("expected an NVRTC error, got {other:?}"),
     }
 }
+
+/// The GPU loader's crop kernel (`image_folder/crop.cu`) compiles for the same GPUs.
+#[test]
+fn the_gpu_loaders_crop_kernel_compiles_for_every_gpu_generation_on_aks() {
+    use ringmaster_trainer::engine::image_folder::gpu;
+    for &(major, minor) in ARCHES {
+        let cubin = compile_kernels(gpu::SOURCE, major, minor)
+            .unwrap_or_else(|e| panic!("crop.cu does not compile for sm_{major}{minor}: {e}"));
+        let symbol = b"\0crop_resize_normalize\0";
+        assert!(
+            cubin.windows(symbol.len()).any(|w| w == symbol),
+            "sm_{major}{minor}: no crop_resize_normalize in the CUBIN"
+        );
+    }
+}

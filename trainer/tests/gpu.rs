@@ -32,6 +32,10 @@ mod common;
 #[path = "gpu/ranks.rs"]
 mod ranks;
 
+/// The image-folder loader with nvJPEG.
+#[path = "gpu/loader.rs"]
+mod loader;
+
 const F32_TOL: f32 = 1e-4;
 const BF16_TOL: f32 = 2e-2;
 

@@ -15,46 +15,18 @@ use std::collections::BTreeMap;
 /// (`apiserver_request_duration_seconds`). Watches and other long-running requests are left
 /// out: their duration is how long they stayed open.
 pub fn apiserver_time_by_request(metrics: &str) -> BTreeMap<String, (f64, f64)> {
-    let mut by_request: BTreeMap<String, (f64, f64)> = BTreeMap::new();
-    for line in metrics.lines() {
-        let (is_sum, rest) = if let Some(rest) =
-            line.strip_prefix("apiserver_request_duration_seconds_sum{")
-        {
-            (true, rest)
-        } else if let Some(rest) = line.strip_prefix("apiserver_request_duration_seconds_count{") {
-            (false, rest)
-        } else {
-            continue;
-        };
-        let Some((labels, value)) = rest.rsplit_once("} ") else {
-            continue;
-        };
-        let Ok(value) = value.trim().parse::<f64>() else {
-            continue;
-        };
-        let label = |name: &str| {
-            labels
-                .split(',')
-                .find_map(|kv| kv.strip_prefix(&format!("{name}=\"")))
-                .map(|v| v.trim_end_matches('"'))
-                .unwrap_or("")
-        };
+    histogram_sums(metrics, "apiserver_request_duration_seconds", |labels| {
+        let label = |name| labels.get(name);
         let verb = label("verb");
         if matches!(verb, "WATCH" | "CONNECT") {
-            continue;
+            return None;
         }
         let resource = match label("subresource") {
             "" => label("resource").to_string(),
             sub => format!("{}/{sub}", label("resource")),
         };
-        let entry = by_request.entry(format!("{verb} {resource}")).or_default();
-        if is_sum {
-            entry.0 += value;
-        } else {
-            entry.1 += value;
-        }
-    }
-    by_request
+        Some(format!("{verb} {resource}"))
+    })
 }
 
 /// Where the API server's time went by client: seconds it spent executing requests and
@@ -64,15 +36,45 @@ pub fn apiserver_time_by_request(metrics: &str) -> BTreeMap<String, (f64, f64)> 
 /// own per-client profile, at no cost (an audit log of every client would cost it more than
 /// what it measures).
 pub fn apiserver_time_by_client(metrics: &str) -> BTreeMap<String, (f64, f64)> {
-    let mut by_client: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    histogram_sums(
+        metrics,
+        "apiserver_flowcontrol_request_execution_seconds",
+        |labels| {
+            Some(match labels.get("flow_schema") {
+                "" => "?".to_string(),
+                flow => flow.to_string(),
+            })
+        },
+    )
+}
+
+/// A series' labels, as Prometheus text writes them (`a="x",b="y"`).
+struct Labels<'a>(&'a str);
+
+impl<'a> Labels<'a> {
+    /// Label `name`'s value; "" when the series has none.
+    fn get(&self, name: &str) -> &'a str {
+        self.0
+            .split(',')
+            .find_map(|kv| kv.strip_prefix(name)?.strip_prefix("=\""))
+            .map(|v| v.trim_end_matches('"'))
+            .unwrap_or("")
+    }
+}
+
+/// The `_sum` and `_count` of histogram `name` in Prometheus text, added up by the key
+/// `key` makes of each series' labels (`None` leaves the series out).
+fn histogram_sums(
+    metrics: &str,
+    name: &str,
+    key: impl Fn(&Labels) -> Option<String>,
+) -> BTreeMap<String, (f64, f64)> {
+    let (sum_prefix, count_prefix) = (format!("{name}_sum{{"), format!("{name}_count{{"));
+    let mut sums: BTreeMap<String, (f64, f64)> = BTreeMap::new();
     for line in metrics.lines() {
-        let (is_sum, rest) = if let Some(rest) =
-            line.strip_prefix("apiserver_flowcontrol_request_execution_seconds_sum{")
-        {
+        let (is_sum, rest) = if let Some(rest) = line.strip_prefix(&sum_prefix) {
             (true, rest)
-        } else if let Some(rest) =
-            line.strip_prefix("apiserver_flowcontrol_request_execution_seconds_count{")
-        {
+        } else if let Some(rest) = line.strip_prefix(&count_prefix) {
             (false, rest)
         } else {
             continue;
@@ -83,19 +85,17 @@ pub fn apiserver_time_by_client(metrics: &str) -> BTreeMap<String, (f64, f64)> {
         let Ok(value) = value.trim().parse::<f64>() else {
             continue;
         };
-        let flow = labels
-            .split(',')
-            .find_map(|kv| kv.strip_prefix("flow_schema=\""))
-            .map(|v| v.trim_end_matches('"'))
-            .unwrap_or("?");
-        let entry = by_client.entry(flow.to_string()).or_default();
+        let Some(what) = key(&Labels(labels)) else {
+            continue;
+        };
+        let entry = sums.entry(what).or_default();
         if is_sum {
             entry.0 += value;
         } else {
             entry.1 += value;
         }
     }
-    by_client
+    sums
 }
 
 /// `after` less `before`, entry by entry, keeping those that grew.

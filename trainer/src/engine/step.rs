@@ -8,6 +8,7 @@
 //! The SGD update stays outside (its learning rate changes every step).
 
 use super::backend::Backend;
+use super::image_folder::gpu::DeviceImages;
 use super::model::{Model, StepStats};
 use super::tensor::{DType, Tensor};
 
@@ -61,6 +62,22 @@ impl<B: Backend> RecordedStep<B> {
         assert_eq!(images.shape, self.images.shape, "a batch of another shape");
         let be = model.backend();
         be.upload_into(&images.data, &images.shape, &mut self.images.data);
+        be.upload_into(
+            &model.loss_labels(labels),
+            &[labels.len()],
+            &mut self.labels,
+        );
+    }
+
+    /// [`RecordedStep::load`] from images the GPU loader made (CUDA only).
+    pub fn load_device(&mut self, model: &Model<B>, images: &mut DeviceImages, labels: &[usize]) {
+        assert_eq!(
+            images.shape[..],
+            self.images.shape[..],
+            "a batch of another shape"
+        );
+        let be = model.backend();
+        be.upload_device_images_into(images, &mut self.images.data);
         be.upload_into(
             &model.loss_labels(labels),
             &[labels.len()],

@@ -27,6 +27,7 @@ pub use cuda::{CudaBackend, CudaError};
 use std::ops::Range;
 
 use crate::collective::{Collective, CollectiveError, ReduceOp};
+use crate::engine::image_folder::gpu::DeviceImages;
 use crate::engine::tensor::DType;
 
 /// Shapes of a 2-D convolution over an NCHW batch with a `[out, in, k, k]` weight.
@@ -254,6 +255,17 @@ pub trait Backend: Clone + std::fmt::Debug + 'static {
     /// [`Backend::upload`] into an existing buffer of `host.len()` elements (its type),
     /// e.g. a step's inputs at the fixed address a recording reads.
     fn upload_into(&self, host: &[f32], shape: &[usize], buf: &mut Self::Buf);
+
+    /// [`Backend::upload_into`] from images the GPU loader made on this backend's GPU
+    /// (`images.shape` is NCHW, as an upload's): converted on the device, and
+    /// `images.consumed` set to when that is done. Only the CUDA backend is given any.
+    fn upload_device_images_into(&self, images: &mut DeviceImages, buf: &mut Self::Buf) {
+        let _ = (images, buf);
+        unreachable!(
+            "the {} backend is given no device images (the GPU loader feeds CUDA only)",
+            self.name()
+        )
+    }
 
     /// Records the device work `work` queues and queues it once; [`Backend::replay`] then
     /// queues it again with one launch: the same kernels on the same addresses, arena

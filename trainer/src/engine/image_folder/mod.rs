@@ -6,6 +6,10 @@
 //! function of `(seed, epoch, index)` and the image's size, so runs repeat.
 
 pub mod decode;
+pub mod gpu;
+pub mod hardware_probe;
+pub mod imagenet_sized;
+pub mod nvjpeg;
 pub mod resample;
 
 use std::path::{Path, PathBuf};
@@ -149,24 +153,83 @@ impl ImageFolder {
     /// Image `index` as the model sees it in `epoch`: the crop is chosen on the full-size
     /// image, which is decoded only as large as the crop needs ([`Encoded::decode`]).
     fn sample(&self, index: usize, epoch: usize, out: &mut [f32]) -> Result<(), ImageFolderError> {
-        let (path, _) = &self.samples[index];
-        let bytes = std::fs::read(path).map_err(|source| ImageFolderError::Read {
+        let bytes = self.read(index)?;
+        self.sample_from(index, epoch, &bytes, out)
+    }
+
+    /// The bytes of image `index`'s file.
+    pub fn read(&self, index: usize) -> Result<Vec<u8>, ImageFolderError> {
+        let path = &self.samples[index].0;
+        std::fs::read(path).map_err(|source| ImageFolderError::Read {
             path: path.display().to_string(),
             source,
-        })?;
-        let decode_error = |source| ImageFolderError::Decode {
-            path: path.display().to_string(),
-            source,
-        };
-        let image = Encoded::new(&bytes).map_err(decode_error)?;
+        })
+    }
+
+    /// The bytes of the files of `indices`, read in parallel.
+    pub fn read_files(&self, indices: &[usize]) -> Result<Vec<Vec<u8>>, ImageFolderError> {
+        indices.par_iter().map(|&i| self.read(i)).collect()
+    }
+
+    /// Image `index`'s label.
+    pub fn label(&self, index: usize) -> usize {
+        self.samples[index].1
+    }
+
+    /// Side of the square crops.
+    pub fn image_size(&self) -> usize {
+        self.image_size
+    }
+
+    /// Image `index` (its file's `bytes`) as the model sees it in `epoch`, decoded on the
+    /// CPU into planar `out` (`[3][size][size]`).
+    pub fn sample_from(
+        &self,
+        index: usize,
+        epoch: usize,
+        bytes: &[u8],
+        out: &mut [f32],
+    ) -> Result<(), ImageFolderError> {
+        let image = Encoded::new(bytes).map_err(|source| self.decode_error(index, source))?;
         let (width, height) = image.dimensions();
+        let choice = self.augmentation(index, epoch, width, height);
+        resized_crop(image, choice.crop, choice.flip, self.image_size, out)
+            .map_err(|source| self.decode_error(index, source))
+    }
+
+    /// A decoding failure of image `index`, naming its file.
+    pub fn decode_error(&self, index: usize, source: DecodeError) -> ImageFolderError {
+        ImageFolderError::Decode {
+            path: self.samples[index].0.display().to_string(),
+            source,
+        }
+    }
+
+    /// The random choices for image `index` (full size `width × height`) in `epoch`: the
+    /// same wherever it is decoded (CPU or GPU), as they depend on nothing else.
+    pub fn augmentation(
+        &self,
+        index: usize,
+        epoch: usize,
+        width: usize,
+        height: usize,
+    ) -> Augmentation {
         let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ 0x1a6e_f01d);
         rng.set_stream(epoch as u64);
         rng.set_word_pos(index as u128 * 64);
-        let (x0, y0, cw, ch) = random_resized_crop(width, height, &mut rng);
+        let crop = random_resized_crop(width, height, &mut rng);
         let flip = rng.random_bool(0.5);
-        resized_crop(image, (x0, y0, cw, ch), flip, self.image_size, out).map_err(decode_error)
+        Augmentation { crop, flip }
     }
+}
+
+/// What augmentation does to one image in one epoch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Augmentation {
+    /// `(x, y, width, height)` in the full-size image's pixels.
+    pub crop: (usize, usize, usize, usize),
+    /// Mirrored left to right.
+    pub flip: bool,
 }
 
 /// `crop` (in the full-size image's pixels) of `image`, decoded only as large as the crop

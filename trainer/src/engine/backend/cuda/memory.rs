@@ -17,6 +17,7 @@ use super::{CudaBackend, CudaError, driver};
 use crate::engine::backend::Backend;
 use crate::engine::backend::arena::{ArenaBook, Lease, Placement};
 use crate::engine::backend::kernels::{self, Operand};
+use crate::engine::image_folder::gpu::DeviceImages;
 use crate::engine::tensor::DType;
 
 /// Alignment of arena allocations (cuDNN and tensor cores want 128 bytes or more).
@@ -364,6 +365,31 @@ impl CudaBackend {
                 self.synchronize();
             }
         }
+    }
+
+    /// [`Backend::upload_device_images_into`]: NCHW f32 images on this GPU into `buf`
+    /// (NHWC, its type) on the compute stream, `images.consumed` recorded after.
+    pub(super) fn convert_device_images(&self, images: &mut DeviceImages, buf: &mut CudaBuf) {
+        let len = images.shape.iter().product::<usize>();
+        assert_eq!(
+            len, buf.len,
+            "device images into a buffer of another length"
+        );
+        assert_eq!(
+            images.values.len(),
+            len,
+            "device images of another length than their shape"
+        );
+        // SAFETY: `len` f32s of device memory, complete (the loader waited for them), and
+        // not freed before `consumed`, recorded below, has passed (DeviceImages' drop).
+        let source = unsafe { Operand::new(images.address(), len, DType::F32) };
+        kernels::nchw_to_nhwc(self, images.shape, source, buf.op());
+        let consumed = self
+            .inner
+            .stream
+            .record_event(None)
+            .unwrap_or_else(|e| panic!("recording a device batch's conversion: {e}"));
+        images.consumed = Some(consumed);
     }
 
     /// [`Backend::download`]: `buf` as f32 on the host, 4-D

@@ -54,6 +54,7 @@ use self::memory::{Arena, Staging};
 use super::kernels;
 use super::{Backend, BatchNormConfig, BnEpilogue, BnEpilogueGrad, ConvShape, Matrix, PoolShape};
 use crate::collective::{Collective, CollectiveError, ReduceOp};
+use crate::engine::image_folder::gpu::DeviceImages;
 use crate::engine::tensor::DType;
 
 /// Why the CUDA backend could not start.
@@ -348,6 +349,10 @@ impl Backend for CudaBackend {
 
     fn upload_into(&self, host: &[f32], shape: &[usize], buf: &mut CudaBuf) {
         self.copy_to_device(host, shape, buf);
+    }
+
+    fn upload_device_images_into(&self, images: &mut DeviceImages, buf: &mut CudaBuf) {
+        self.convert_device_images(images, buf);
     }
 
     fn record(&self, work: &mut dyn FnMut()) -> Option<cudarc::driver::CudaGraph> {
