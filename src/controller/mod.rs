@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
@@ -236,6 +236,8 @@ pub struct Context {
     pub pods: Store<Pod>,
     /// The writer of `pods`, taken by [`run`].
     pods_writer: Mutex<Option<Writer<Pod>>>,
+    /// Which of `pods` belong to which job, kept from the same watch.
+    pub pod_index: training_job::pod_index::PodIndex,
     /// Every DataStage in scope, cached: a TrainingJob reads its DataStage from here, not
     /// from the API server on each reconcile.
     pub data_stages: Store<DataStage>,
@@ -294,6 +296,7 @@ impl Context {
             config,
             pods,
             pods_writer: Mutex::new(Some(pods_writer)),
+            pod_index: Default::default(),
             data_stages,
             data_stages_writer: Mutex::new(Some(data_stages_writer)),
             workloads,
@@ -725,6 +728,10 @@ pub async fn run(
         .default_backoff()
         .modify(training_job::observe::strip_for_cache)
         .reflect(pods_writer)
+        .inspect_ok({
+            let index = ctx.pod_index.clone();
+            move |event| index.apply(event)
+        })
         .filter(move |event| {
             std::future::ready(event.as_ref().map_or(true, |e| wake_filter.wakes(e)))
         })
@@ -980,7 +987,9 @@ impl Context {
             .as_mut()
             .expect("the pod cache's writer is not taken in tests");
         for pod in pods {
-            writer.apply_watcher_event(&watcher::Event::Apply(pod));
+            let event = watcher::Event::Apply(pod);
+            writer.apply_watcher_event(&event);
+            self.pod_index.apply(&event);
         }
         self.caches_synced.store(true, Ordering::Release);
     }

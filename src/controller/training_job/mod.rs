@@ -9,6 +9,7 @@ pub mod live;
 pub mod names;
 pub mod observe;
 pub mod plan;
+pub mod pod_index;
 pub mod pool;
 pub mod queue;
 pub mod recent;

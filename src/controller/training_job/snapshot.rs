@@ -137,25 +137,25 @@ fn data_state(ctx: &Context, job: &ValidatedTrainingJob) -> DataState {
     }
 }
 
-/// The pods from the shared cache that carry the job's name label (same namespace), in one
-/// pass: those owned by this UID, and who holds the names of the others (an earlier job of
-/// the same name whose pods are still terminating, or pods left without a controller).
+/// The pods from the shared cache that carry the job's name label (same namespace), found
+/// through the pod index: those owned by this UID, and who holds the names of the others (an
+/// earlier job of the same name whose pods are still terminating, or pods left without a
+/// controller).
 fn pods_of(
     ctx: &Context,
     job: &TrainingJob,
     now: &Time,
 ) -> (Vec<Arc<Pod>>, BTreeMap<String, NameHolder>) {
-    let namespace = job.namespace();
+    let namespace = job.namespace().unwrap_or_default();
     let name = job.name_any();
     let uid = job.uid();
     let (ours, others): (Vec<Arc<Pod>>, Vec<Arc<Pod>>) = ctx
-        .pods
-        .state()
-        .into_iter()
-        .filter(|pod| {
-            pod.metadata.namespace == namespace
-                && pod.labels().get(names::JOB_NAME_LABEL) == Some(&name)
-        })
+        .pod_index
+        .names(&namespace, &name)
+        .iter()
+        .filter_map(|pod| ctx.pods.get(&ObjectRef::new(pod).within(&namespace)))
+        // The cache may be a moment ahead of the index, or behind it.
+        .filter(|pod| pod.labels().get(names::JOB_NAME_LABEL) == Some(&name))
         .partition(|pod| {
             pod.owner_references()
                 .iter()
