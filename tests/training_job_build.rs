@@ -111,7 +111,8 @@ fn gpu_worker_pods_get_gpus_rdma_shared_memory_data_and_ssh() {
         command[2],
         "umask 077 && cp /etc/ringmaster/ssh-secret/ssh-privatekey /etc/ringmaster/ssh-secret/authorized_keys /etc/ringmaster/ssh/ && { printf '* ' && cat /etc/ringmaster/ssh-secret/ssh-publickey && echo; } > /etc/ringmaster/ssh/known_hosts && exec \"$@\""
     );
-    assert_eq!(&command[3..5], ["sh", "/usr/sbin/sshd"]);
+    assert_eq!(&command[3..5], ["sh", "sh"]);
+    assert_eq!(&command[7..9], ["ringmaster-sshd", "-D"]);
     assert!(command.contains(&"StrictModes=no"), "{command:?}");
     assert!(
         command.contains(&"AuthorizedKeysFile=/etc/ringmaster/ssh/authorized_keys"),
@@ -404,8 +405,9 @@ fn a_users_program_gets_the_ranks_framework_environment_from_any_mpi() {
     let command = build::launcher_command(&job);
     let at = command
         .iter()
-        .position(|a| a == "sh")
-        .expect("the ranks' wrapper");
+        .position(|a| a == "ringmaster-rank")
+        .expect("the ranks' wrapper")
+        - 3;
     assert_eq!(
         &command[at + 3..],
         ["ringmaster-rank", "python", "train.py"]
@@ -477,6 +479,9 @@ fn mpich_and_a_users_command() {
         o["spec"]["command"] = json!(["python", "train.py", "--epochs", "1"]);
     });
     let command = build::launcher_command(&job);
+    // `ringmaster-trainer launch` when the image has it, Hydra either way.
+    assert_eq!(command[3], "ringmaster-launcher");
+    let command = &command[4..];
     assert_eq!(
         &command[..5],
         [
@@ -1906,4 +1911,112 @@ fn the_known_hosts_each_container_writes_holds_the_jobs_public_key_for_any_host(
         let private = ssh_key::PrivateKey::from_openssh(&keys.private_key).unwrap();
         assert_eq!(&host_key, private.public_key(), "pod {i}");
     }
+}
+
+/// A folder of fake programs (`name`: a shell script that prints its name and arguments).
+fn fake_programs(dir: &std::path::Path, names: &[&str]) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir).unwrap();
+    for name in names {
+        let path = dir.join(name);
+        std::fs::write(&path, format!("#!/bin/sh\necho {name} \"$@\"\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+}
+
+/// `command` run with only `path` on the PATH and `env`: its exit code, stdout and stderr.
+fn run_with(
+    command: &[String],
+    path: &std::path::Path,
+    env: &[(&str, &str)],
+) -> (i32, String, String) {
+    let out = std::process::Command::new(&command[0])
+        .args(&command[1..])
+        .env_clear()
+        .env("PATH", format!("{}:/usr/bin:/bin", path.display()))
+        .envs(env.iter().copied())
+        .output()
+        .expect("sh runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The worker finds sshd in the image, or runs the one `RINGMASTER_SSHD` names, and says so
+/// plainly when there is none.
+#[test]
+fn a_worker_runs_the_sshd_it_is_told_of_and_says_when_there_is_none() {
+    let job = sample("trainingjob-cpu-small.yaml", |_| {});
+    let worker = value(&build::worker_pod(&job, 0, &BuildInputs::default()));
+    let command: Vec<String> =
+        serde_json::from_value(worker["spec"]["containers"][0]["command"].clone()).unwrap();
+    // What the key-copying script execs: the sshd finder and sshd's flags.
+    let sshd = &command[4..];
+    assert_eq!(&sshd[..2], ["sh", "-c"]);
+    let dir = std::env::temp_dir().join(format!("sshd-finder-{}", std::process::id()));
+    fake_programs(&dir, &["my-sshd"]);
+    let mine = dir.join("my-sshd");
+    let (code, out, _) = run_with(sshd, &dir, &[("RINGMASTER_SSHD", mine.to_str().unwrap())]);
+    assert_eq!(code, 0);
+    assert!(out.starts_with("my-sshd -D -e -p 2222 "), "{out}");
+    let (code, _, err) = run_with(sshd, &dir, &[("RINGMASTER_SSHD", "/opt/none/sshd")]);
+    assert_eq!(code, 127);
+    assert!(
+        err.contains("no sshd at /opt/none/sshd (RINGMASTER_SSHD)"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// A user's program is launched by `ringmaster-trainer launch` (progress, result, the
+/// exception's line) when the image has it, else by the MPI launcher alone, with a word.
+#[test]
+fn a_users_launcher_uses_the_trainers_wrapper_when_the_image_has_it() {
+    let job = sample("trainingjob-cpu-small.yaml", |o| {
+        o["spec"].as_object_mut().unwrap().remove("trainer");
+        o["spec"]["command"] = json!(["python3", "train.py"]);
+    });
+    let command = build::launcher_command(&job);
+    let with = std::env::temp_dir().join(format!("launch-with-{}", std::process::id()));
+    fake_programs(&with, &["ringmaster-trainer", "mpirun"]);
+    let (code, out, _) = run_with(&command, &with, &[]);
+    assert_eq!(code, 0);
+    assert!(
+        out.starts_with("ringmaster-trainer launch --termination-message /dev/termination-log -- mpirun --hostfile "),
+        "{out}"
+    );
+    assert!(
+        out.trim_end().ends_with("ringmaster-rank python3 train.py"),
+        "{out}"
+    );
+    let without = std::env::temp_dir().join(format!("launch-without-{}", std::process::id()));
+    fake_programs(&without, &["mpirun"]);
+    let (code, out, err) = run_with(&command, &without, &[]);
+    assert_eq!(code, 0);
+    assert!(out.starts_with("mpirun --hostfile "), "{out}");
+    assert!(err.contains("no ringmaster-trainer on its PATH"), "{err}");
+    // Its launcher has what a report needs: the endpoint and the pod-bound token.
+    let inputs = BuildInputs {
+        progress: Some(ringmaster::report::ProgressEndpoint {
+            url: "https://ringmaster-progress.ringmaster-system.svc:8443".into(),
+            ca_pem: "-----BEGIN CERTIFICATE-----".into(),
+        }),
+        ..BuildInputs::default()
+    };
+    let launcher = value(&build::launcher_pod(&job, &inputs));
+    let env = launcher["spec"]["containers"][0]["env"].as_array().unwrap();
+    assert!(
+        env.iter()
+            .any(|e| e["name"] == ringmaster_contract::progress::URL_ENV),
+        "{env:?}"
+    );
+    let volumes = launcher["spec"]["volumes"].as_array().unwrap();
+    assert!(volumes.iter().any(
+        |v| v["projected"]["sources"][0]["serviceAccountToken"]["audience"]
+            == ringmaster_contract::progress::AUDIENCE
+    ));
+    std::fs::remove_dir_all(with).ok();
+    std::fs::remove_dir_all(without).ok();
 }

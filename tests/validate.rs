@@ -215,3 +215,44 @@ fn everyday_mpirun_flags_pass() {
     ]);
     training_job::validate::validate_value(&object, None).expect("everyday mpirun flags");
 }
+
+/// The samples of your own program (PyTorch DDP, Horovod): each TrainingJob is valid and
+/// runs a script its Dockerfile puts where the job looks for it, and the script is Python
+/// that compiles. (The DDP sample also trains on the real node: e2e's `real_node`.)
+#[test]
+fn the_framework_samples_run_the_script_their_image_holds() {
+    for sample in ["pytorch-ddp", "horovod"] {
+        let dir = fixtures::root().join("config/samples").join(sample);
+        let objects = fixtures::ringmaster_objects(&dir.join("trainingjob.yaml"));
+        let job = training_job::validate::validate_value(&objects[0], None)
+            .unwrap_or_else(|e| panic!("{sample} is invalid: {e}"));
+        let training_job::validate::Program::Command(command) = &job.program else {
+            panic!("{sample} runs its own program");
+        };
+        let script = format!("/opt/ringmaster/samples/{sample}/train.py");
+        assert_eq!(
+            command[..2],
+            ["python3".to_string(), script.clone()],
+            "{sample}"
+        );
+        let dockerfile = std::fs::read_to_string(dir.join("Dockerfile")).unwrap();
+        assert!(
+            dockerfile.contains(&format!("COPY train.py {script}")),
+            "{sample}'s Dockerfile puts train.py at {script}"
+        );
+        let compiled = std::process::Command::new("python3")
+            .args(["-m", "py_compile"])
+            .arg(dir.join("train.py"))
+            .env(
+                "PYTHONPYCACHEPREFIX",
+                std::env::temp_dir().join("ringmaster-pycache"),
+            )
+            .output()
+            .expect("python3 runs");
+        assert!(
+            compiled.status.success(),
+            "{sample}: {}",
+            String::from_utf8_lossy(&compiled.stderr)
+        );
+    }
+}

@@ -31,6 +31,11 @@ const IMAGE: &str = "ringmaster.local/ringmaster-trainer:e2e";
 /// The same files, run as root (as many MPI images are). Jobs on it say `runAsUser: 0`
 /// ([`as_root`]): Ringmaster's pods are non-root otherwise.
 const ROOT_IMAGE: &str = "ringmaster.local/ringmaster-trainer:e2e-root";
+
+/// A user's PyTorch image built on the trainer's, as config/samples/pytorch-ddp/Dockerfile
+/// builds one (Debian's PyTorch 1.13 with gloo, CPU; the sample's script in it): made by
+/// `tools/image.sh`.
+const PYTORCH_IMAGE: &str = "ringmaster.local/pytorch:e2e";
 /// The image DataStage copy Jobs run: the Dockerfile's operator image (entrypoint
 /// `ringmaster`, uid 65532), made from the same files.
 const STAGER_IMAGE: &str = "ringmaster.local/ringmaster:e2e";
@@ -432,6 +437,133 @@ async fn a_users_program_gets_each_ranks_framework_environment_from_open_mpi() {
             "{log}"
         );
     }
+}
+
+/// The PyTorch DDP sample (config/samples/pytorch-ddp/train.py, gloo on the CPU) in a user's
+/// image built on the trainer's: 2 workers × 2 ranks train to Succeeded, its progress shows in
+/// the status while it trains (its JSON lines, reported by the launcher), and its summary
+/// line is the job's result (issue 40, item 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pytorch_ddp_sample_trains_two_workers_of_two_ranks_with_its_progress_in_the_status() {
+    let _node = REAL_NODE_IN_USE.lock().await;
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "real-ddp").await;
+    let bridge = Some(NODE_BRIDGE_ADDRESS.parse().unwrap());
+    let config = ringmaster::controller::OperatorConfig {
+        data_stage_destinations: common::e2e_destinations(),
+        ..ringmaster::controller::OperatorConfig::default()
+    };
+    let _operator = Operator::start_reporting(&client, &ns.name, config, bridge).await;
+    // About 75 s on the real node's two cores: the first progress write comes ~30 s in.
+    let steps = 3000;
+    let job = sample_on_real_node("ddp", |spec| {
+        spec.as_object_mut().unwrap().remove("trainer");
+        spec["image"] = json!(PYTORCH_IMAGE);
+        // Long enough for a progress write after the hold-back (30 s) while it trains.
+        spec["command"] = json!([
+            "python3",
+            "/opt/ringmaster/samples/pytorch-ddp/train.py",
+            format!("--steps={steps}"),
+            "--batch-size=32",
+            "--log-every=25"
+        ]);
+        spec["worker"]["env"] =
+            json!([{"name": "RINGMASTER_PROGRESS_INTERVAL_SECONDS", "value": "2"}]);
+    });
+    apply(&client, &job, &ns.name, false).await.unwrap();
+    wait_phase(&client, &ns.name, "ddp", TrainingJobPhase::Running, 240).await;
+    let mut progress = Value::Null;
+    for _ in 0..150 {
+        let status = common::job_status(&client, &ns.name, "ddp").await;
+        progress = status["progress"].clone();
+        if progress["timeRemaining"].is_string() {
+            break;
+        }
+        assert!(
+            !phase_is(&status, TrainingJobPhase::Succeeded),
+            "ended before any progress was shown: {status:#}"
+        );
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
+    eprintln!("the DDP job's progress while it trains: {progress}");
+    assert_eq!(progress["totalSteps"], steps, "{progress:#}");
+    let step = progress["step"].as_i64().unwrap();
+    assert!(step > 0 && step < steps, "{progress:#}");
+    assert!(
+        progress["imagesPerSecond"].as_i64().unwrap() > 0,
+        "{progress:#}"
+    );
+
+    let status = wait_phase(&client, &ns.name, "ddp", TrainingJobPhase::Succeeded, 600).await;
+    let log = logs(
+        &client,
+        &ns.name,
+        &common::current_launcher(&client, &ns.name, "ddp").await,
+    )
+    .await;
+    let summary = Summary::find_in(&log).unwrap_or_else(|| panic!("no summary line: {log}"));
+    assert_eq!(
+        (summary.world_size, summary.global_batch),
+        (4, 128),
+        "{summary:?}"
+    );
+    assert_eq!(status["result"]["steps"], steps, "{status:#}");
+    assert_eq!(
+        status["result"]["finalLoss"].as_f64(),
+        summary.final_loss,
+        "{status:#}"
+    );
+    // It learned: the loss is well under chance's ln 10 = 2.30.
+    assert!(summary.final_loss.unwrap() < 1.0, "{summary:?}");
+    assert_eq!(status["restarts"], 0, "{status:#}");
+}
+
+/// A DDP script whose rank 1 raises while the others wait in a barrier: the job fails at
+/// once (a program's own failure is not retried), and its message is the Python exception's
+/// last line and the rank, not `mpirun`'s banner (issue 40, item 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ddp_script_that_raises_fails_the_job_with_the_exceptions_last_line() {
+    let _node = REAL_NODE_IN_USE.lock().await;
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "real-ddp-raise").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    let script = "import torch.distributed as dist\n\
+                  dist.init_process_group('gloo')\n\
+                  if dist.get_rank() == 1:\n    raise ValueError('the labels have 3 classes, the model 10')\n\
+                  dist.barrier()\n";
+    let job = sample_on_real_node("ddp-raise", |spec| {
+        spec.as_object_mut().unwrap().remove("trainer");
+        spec["image"] = json!(PYTORCH_IMAGE);
+        spec["command"] = json!(["python3", "-c", script]);
+    });
+    apply(&client, &job, &ns.name, false).await.unwrap();
+    let status = wait_phase(
+        &client,
+        &ns.name,
+        "ddp-raise",
+        TrainingJobPhase::Failed,
+        300,
+    )
+    .await;
+    let failed = common::condition(&status, "Failed");
+    let message = failed["message"].as_str().unwrap_or_default();
+    eprintln!("the job's Failed condition: {message}");
+    assert!(
+        message.contains("rank 1: ValueError: the labels have 3 classes, the model 10"),
+        "{failed:#}"
+    );
+    assert_eq!(
+        status["restarts"], 0,
+        "a verdict, not a restart: {status:#}"
+    );
+    assert!(
+        status["lastFailure"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("ValueError: the labels have 3 classes")),
+        "{status:#}"
+    );
 }
 
 /// `infiniband.preflight` with InfiniBand off (the real node has no GPU, no RDMA): the

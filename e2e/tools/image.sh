@@ -9,12 +9,21 @@
 #   ringmaster.local/ringmaster-trainer:e2e-root   (the same files, run as root)
 #   ringmaster.local/ringmaster:e2e                (the same files, run as the Dockerfile's
 #       operator image is: `ringmaster` as entrypoint, uid 65532; DataStage copy Jobs run it)
+#   ringmaster.local/pytorch:e2e                   (uid 1000: a user's PyTorch image built on
+#       the trainer's, as config/samples/pytorch-ddp/Dockerfile builds one: the same layers
+#       plus PyTorch and the sample's train.py at /opt/ringmaster/samples/pytorch-ddp/)
 #       layer 1: Debian bookworm from debootstrap, set up by trainer/image/setup.sh (the
 #                script the Dockerfile's trainer stage runs) with MPICH added; cached by the
 #                script's hash, made once (a few minutes: packages come from the Debian
 #                mirror).
 #       layer 2: /usr/local/bin/ringmaster-trainer and /usr/local/bin/ringmaster, the
 #                binaries given; remade when they change.
+#       pytorch's layer between them: Debian's python3-torch (PyTorch 1.13, CPU, built with
+#                gloo) installed over layer 1, the files it made or changed; cached by layer
+#                1's key. PyPI's only Linux x86_64 wheel of PyTorch is the CUDA one, which
+#                pulls ~3 GB of NVIDIA libraries; the CPU wheels are on download.pytorch.org,
+#                which this project's machines cannot reach.
+#       pytorch's last layer: the samples' scripts (config/samples/pytorch-ddp).
 #
 # Usage: image.sh TRAINER_BINARY RINGMASTER_BINARY
 set -euo pipefail
@@ -63,8 +72,41 @@ if [ ! -f "$base" ]; then
   log "root filesystem made in $((SECONDS - started)) s ($(du -h "$base" | cut -f1))"
 fi
 
+# PyTorch's layer: what installing python3-torch over layer 1 made or changed (by ctime:
+# everything unpacked from layer 1 is older than the marker).
+torch_packages=(python3-torch)
+# The package's own tests (libtorch-test) and apt's caches are of no use in the image.
+torch_recipe="apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends ${torch_packages[*]} && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/apt/archives/*.deb /var/log/* /usr/lib/libtorch-test"
+torch_key=$(printf '%s %s\n' "$base_key" "$torch_recipe" | sha256sum | cut -c1-16)
+torch_layer="$cache/pytorch-layer-$torch_key.tar"
+if [ ! -f "$torch_layer" ]; then
+  started=$SECONDS
+  log "making the PyTorch image's layer: Debian's ${torch_packages[*]} over the trainer's (first time: a few minutes)"
+  work=$(mktemp -d "$cache/torch.XXXXXX")
+  trap 'umount "$work/rootfs/proc" 2>/dev/null || true; rm -rf "$work"' EXIT
+  mkdir "$work/rootfs"
+  tar --numeric-owner --xattrs -C "$work/rootfs" -xf "$base"
+  touch "$work/marker"
+  sleep 1
+  cp /etc/resolv.conf "$work/rootfs/etc/resolv.conf"
+  printf '#!/bin/sh\nexit 101\n' >"$work/rootfs/usr/sbin/policy-rc.d"
+  chmod +x "$work/rootfs/usr/sbin/policy-rc.d"
+  mount -t proc proc "$work/rootfs/proc"
+  chroot "$work/rootfs" /bin/sh -c "$torch_recipe" \
+    >"$work/install.log" 2>&1 || { tail -30 "$work/install.log" >&2; exit 1; }
+  umount "$work/rootfs/proc"
+  rm -f "$work/rootfs/usr/sbin/policy-rc.d"
+  : >"$work/rootfs/etc/resolv.conf"
+  (cd "$work/rootfs" && find . -mindepth 1 -cnewer "$work/marker" ! -path './proc/*' ! -path './tmp/*' -print0 \
+    | tar --numeric-owner --xattrs --null --no-recursion -T - -cf "$torch_layer.partial")
+  mv "$torch_layer.partial" "$torch_layer"
+  rm -rf "$work"; trap - EXIT
+  log "PyTorch's layer made in $((SECONDS - started)) s ($(du -h "$torch_layer" | cut -f1))"
+fi
+samples="$root/config/samples/pytorch-ddp"
+
 # Layer 2 and the archive, named by what they hold.
-key=$(printf '%s %s %s\n' "$base_key" "$(sha "$trainer_bin")" "$(sha "$ringmaster_bin")" | sha256sum | cut -c1-16)
+key=$(printf '%s %s %s %s %s\n' "$base_key" "$(sha "$trainer_bin")" "$(sha "$ringmaster_bin")" "$torch_key" "$(cat "$samples"/*.py | sha256sum)" | sha256sum | cut -c1-16)
 archive="$cache/ringmaster-node-images-$key.tar"
 if [ -f "$archive" ]; then echo "$archive"; exit 0; fi
 log "packing the images (trainer and ringmaster binaries changed)"
@@ -92,6 +134,11 @@ catatonit=$(command -v catatonit || echo /usr/bin/catatonit)
 install -m 0755 "$catatonit" "$work/pause/pause"
 tar --numeric-owner --owner=0 --group=0 -C "$work/pause" -cf "$work/pause.tar" .
 pause_layer=$(layer_of_tar "$work/pause.tar")
+torch_layer_blob=$(layer_of_tar "$torch_layer")
+mkdir -p "$work/samples/opt/ringmaster/samples/pytorch-ddp"
+install -m 0644 "$samples"/*.py "$work/samples/opt/ringmaster/samples/pytorch-ddp/"
+tar --numeric-owner --owner=0 --group=0 -C "$work/samples" -cf "$work/samples.tar" .
+samples_layer=$(layer_of_tar "$work/samples.tar")
 
 tar_layer='"mediaType":"application/vnd.oci.image.layer.v1.tar"'
 # image NAME USER CONFIG-EXTRA LAYER... → one manifest entry for index.json
@@ -115,6 +162,7 @@ entries=(
   "$(image ringmaster.local/ringmaster-trainer:e2e 1000:1000 "$trainer_config" "$base_layer" "$bins_layer")"
   "$(image ringmaster.local/ringmaster-trainer:e2e-root 0:0 "$trainer_config" "$base_layer" "$bins_layer")"
   "$(image ringmaster.local/ringmaster:e2e 65532:65532 ',"Entrypoint":["/usr/local/bin/ringmaster"],"Cmd":["run"]' "$base_layer" "$bins_layer")"
+  "$(image ringmaster.local/pytorch:e2e 1000:1000 "$trainer_config" "$base_layer" "$torch_layer_blob" "$bins_layer" "$samples_layer")"
 )
 (IFS=,; printf '{"schemaVersion":2,"manifests":[%s]}' "${entries[*]}") >"$work/layout/index.json"
 printf '{"imageLayoutVersion":"1.0.0"}' >"$work/layout/oci-layout"

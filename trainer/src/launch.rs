@@ -3,14 +3,18 @@
 //! operator turns into the TrainingJob's `status.result`), or, when the run failed, the
 //! failing rank's own failure line (which the operator shows on the job in place of the
 //! tail of `mpirun`'s log), and leaves with the trainer's exit code ([`exit`]) so the
-//! operator can tell a lost peer from a verdict. While the ranks run, their progress goes to
-//! the operator ([`crate::report`]) when the launcher's environment names where.
+//! operator can tell a lost peer from a verdict. A program that prints no failure line (a
+//! user's own, such as a PyTorch script) is read on stderr instead: its exception's line
+//! ([`crate::program_error`]). While the ranks run, their progress goes to the operator
+//! ([`crate::report`]) when the launcher's environment names where.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
 use ringmaster_contract::trainer::{Failure, Line, exit};
+
+use crate::program_error::ProgramError;
 
 /// Errors running the launcher.
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +64,11 @@ impl TerminationMessage {
     fn text(self, cause: Option<&Failure>) -> Option<String> {
         self.summary.or_else(|| cause.map(Failure::to_line))
     }
+
+    /// Whether the program printed its summary.
+    fn has_summary(&self) -> bool {
+        self.summary.is_some()
+    }
 }
 
 /// The code to leave with after the MPI launcher exited with `code` (`None`: it was killed
@@ -86,9 +95,9 @@ pub fn exit_code_after(mpirun: Option<i32>, signal: Option<i32>, cause: Option<&
     }
 }
 
-/// Runs `command`, copies its stdout to ours, writes the last summary line (or the failure
-/// that caused the others) to `termination_message` and returns the exit code to leave with
-/// ([`exit_code_after`]).
+/// Runs `command`, copies its stdout and stderr to ours, writes the last summary line (or
+/// the failure that caused the others, else the exception a program raised) to
+/// `termination_message` and returns the exit code to leave with ([`exit_code_after`]).
 pub fn run(command: &[String], termination_message: &Path) -> Result<u8, LaunchError> {
     let (program, args) = command.split_first().ok_or(LaunchError::NoCommand)?;
     // Caught from before the spawn: a SIGTERM that arrives while the child starts waits for
@@ -97,13 +106,41 @@ pub fn run(command: &[String], termination_message: &Path) -> Result<u8, LaunchE
     let mut child = Command::new(program)
         .args(args)
         .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .spawn()
         .map_err(|source| LaunchError::Spawn {
             program: program.clone(),
             source,
         })?;
     forward_termination(signals, child.id());
+    let stderr = child.stderr.take().expect("piped stderr");
+    let stderr = std::thread::spawn(move || pass_stderr(stderr));
     let stdout = child.stdout.take().expect("piped stdout");
+    let message = pass_stdout(stdout)?;
+    let status = child.wait()?;
+    let said_on_stderr = stderr.join().unwrap_or_default();
+    use std::os::unix::process::ExitStatusExt;
+    let cause = message.cause();
+    let code = exit_code_after(status.code(), status.signal(), cause.as_ref());
+    let cause = match cause {
+        None if !message.has_summary() => said_on_stderr.failure(code),
+        cause => cause,
+    };
+    if let Some(message) = message.text(cause.as_ref()) {
+        // The termination message may be missing outside Kubernetes: that is not an error.
+        if let Err(error) = std::fs::write(termination_message, message) {
+            eprintln!(
+                "ringmaster-trainer launch: writing {}: {error}",
+                termination_message.display()
+            );
+        }
+    }
+    Ok(code)
+}
+
+/// Copies the ranks' stdout to ours, reading the contract's lines from it, and reports their
+/// progress while it runs.
+fn pass_stdout(stdout: impl std::io::Read) -> Result<TerminationMessage, LaunchError> {
     let mut message = TerminationMessage::default();
     let reporter = crate::report::Endpoint::from_env().and_then(crate::report::Reporter::start);
     let mut out = std::io::stdout().lock();
@@ -119,23 +156,22 @@ pub fn run(command: &[String], termination_message: &Path) -> Result<u8, LaunchE
     if let Some(reporter) = reporter {
         reporter.finish();
     }
-    let status = child.wait()?;
-    let cause = message.cause();
-    if let Some(message) = message.text(cause.as_ref()) {
-        // The termination message may be missing outside Kubernetes: that is not an error.
-        if let Err(error) = std::fs::write(termination_message, message) {
-            eprintln!(
-                "ringmaster-trainer launch: writing {}: {error}",
-                termination_message.display()
-            );
-        }
+    Ok(message)
+}
+
+/// Copies the ranks' (and `mpirun`'s) stderr to ours, line by line as it comes, reading the
+/// errors in it. Lines need not be UTF-8; a write that fails (our stderr closed) is no reason
+/// to stop reading, which would block the ranks.
+fn pass_stderr(stderr: impl std::io::Read) -> ProgramError {
+    let mut said = ProgramError::default();
+    let mut reader = BufReader::new(stderr);
+    let mut line = Vec::new();
+    while reader.read_until(b'\n', &mut line).unwrap_or(0) > 0 {
+        let _ = std::io::stderr().write_all(&line);
+        said.read(&String::from_utf8_lossy(&line));
+        line.clear();
     }
-    use std::os::unix::process::ExitStatusExt;
-    Ok(exit_code_after(
-        status.code(),
-        status.signal(),
-        cause.as_ref(),
-    ))
+    said
 }
 
 /// Passes SIGTERM and SIGINT on to the MPI launcher, which stops its ranks and exits, and
@@ -208,6 +244,29 @@ mod tests {
         assert!(!file.exists());
         let code = run_sh("echo 'ssh: connect refused'; exit 1", &file);
         assert_eq!(code, 1);
+        assert!(!file.exists());
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    /// A program that prints no failure line (a Python script): the exception its traceback
+    /// ends with, on stderr, is the termination message, and stderr still reaches ours.
+    #[test]
+    fn a_programs_python_exception_on_stderr_becomes_its_failure_line() {
+        let dir = std::env::temp_dir().join(format!("launch-python-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("termination-log");
+        let script = r#"printf 'Traceback (most recent call last):\n  File "train.py", line 3, in <module>\nValueError: 3 classes, not 10\n' >&2; exit 1"#;
+        assert_eq!(run_sh(script, &file), 1);
+        let written = std::fs::read_to_string(&file).unwrap();
+        let failure = Failure::find_in(&written).expect("a failure line");
+        assert_eq!(
+            (failure.error.as_str(), failure.exit_code),
+            ("ValueError: 3 classes, not 10", 1)
+        );
+        // A summary wins, and a rank killed by a signal leaves the log's tail to the kubelet.
+        std::fs::remove_file(&file).unwrap();
+        let killed = r#"printf 'Traceback (most recent call last):\n  x\nRuntimeError: Connection closed by peer\n' >&2; exit 137"#;
+        assert_eq!(run_sh(killed, &file), exit::PEER_LOST);
         assert!(!file.exists());
         std::fs::remove_dir_all(dir).ok();
     }

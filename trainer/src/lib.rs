@@ -11,6 +11,8 @@
 //! * `resume` — the run's checkpoint: written while training goes on, gone on from at a restart.
 //! * `launch` — the launcher wrapper that turns rank 0's summary, or the failing rank's
 //!   failure line, into a termination message.
+//! * `program_error` — a user's program's failure read from its ranks' stderr (Python's
+//!   exception line), for a program that prints no failure line.
 //! * `report` — the launcher's progress reports to the operator.
 //! * `failure` — a failing rank's failure line, for its errors and its panics.
 
@@ -22,6 +24,7 @@ pub mod gpu;
 pub mod launch;
 pub mod loader_bench;
 pub mod preflight;
+pub mod program_error;
 pub mod report;
 pub mod resume;
 pub mod train;

@@ -25,6 +25,21 @@ pub const FRAMEWORK_ENV_SCRIPT: &str = concat!(
     r#"exec "$@""#,
 );
 
+/// The launcher of a user's program: `ringmaster-trainer launch` over the MPI launcher when
+/// the image has it (it reports the ranks' progress lines, writes the summary line or the
+/// failure — the contract's failure line, else a Python exception's line — to the
+/// termination message), else the MPI launcher alone, said once on stderr. Decided in the
+/// pod, where the image is.
+pub const LAUNCH_IF_PRESENT_SCRIPT: &str = concat!(
+    r#"if command -v ringmaster-trainer >/dev/null 2>&1; then "#,
+    r#"exec ringmaster-trainer launch --termination-message /dev/termination-log -- "$@"; fi; "#,
+    r#"echo "ringmaster: this image has no ringmaster-trainer on its PATH: the job shows no progress, result or exception line, only the log's tail (see the image contract in the README)" >&2; "#,
+    r#"exec "$@""#,
+);
+
+/// The name the launcher's wrapper script runs under (its `$0`).
+pub const LAUNCHER_SCRIPT_NAME: &str = "ringmaster-launcher";
+
 /// The user's program, run by each rank through [`FRAMEWORK_ENV_SCRIPT`].
 fn with_framework_env(user: &[String]) -> Vec<String> {
     let mut command = strings(["sh", "-c", FRAMEWORK_ENV_SCRIPT, "ringmaster-rank"]);
@@ -150,7 +165,8 @@ pub fn hostfile(job: &ValidatedTrainingJob, naming: ChildNaming) -> String {
 
 /// The launcher's command: the MPI launcher with the process count, hostfile, ssh settings
 /// and forwarded environment, then the program. The trainer's own launcher wrapper turns
-/// rank 0's summary into the pod's termination message.
+/// rank 0's summary into the pod's termination message; a user's program gets it too when
+/// its image has it ([`LAUNCH_IF_PRESENT_SCRIPT`]).
 pub fn launcher_command(job: &ValidatedTrainingJob) -> Vec<String> {
     let launch = Launch {
         hostfile: format!("{}/{HOSTFILE}", names::HOSTFILE_MOUNT),
@@ -166,7 +182,9 @@ pub fn launcher_command(job: &ValidatedTrainingJob) -> Vec<String> {
     match &job.program {
         Program::Command(user) => {
             command.extend(with_framework_env(user));
-            command
+            let mut wrapped = strings(["sh", "-c", LAUNCH_IF_PRESENT_SCRIPT, LAUNCHER_SCRIPT_NAME]);
+            wrapped.extend(command);
+            wrapped
         }
         Program::Trainer(settings) => {
             command.extend(trainer_args(settings));

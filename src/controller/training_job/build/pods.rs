@@ -200,10 +200,13 @@ fn worker_placement(job: &ValidatedTrainingJob) -> (BTreeMap<String, String>, Ve
 /// copies are volume mounts the user does not own (sshd would refuse them otherwise); the
 /// copies themselves are the user's own, mode 0600. `UsePAM=no` lets it run as any user.
 /// `user_environment`: the `environment=` options of `authorized_keys` are honoured
-/// ([`worker_with_private_ssh_keys`]).
+/// ([`worker_with_private_ssh_keys`]). sshd is found in the image ([`FIND_SSHD_SCRIPT`]).
 fn sshd_command(port: i32, user_environment: bool) -> Vec<String> {
     let mut command = strings([
-        "/usr/sbin/sshd",
+        "sh",
+        "-c",
+        FIND_SSHD_SCRIPT,
+        "ringmaster-sshd",
         "-D",
         "-e",
         "-p",
@@ -224,6 +227,19 @@ fn sshd_command(port: i32, user_environment: bool) -> Vec<String> {
     }
     command
 }
+
+/// Where a worker looks for sshd: `RINGMASTER_SSHD` when the worker's environment sets it
+/// (and only there), else `/usr/sbin`, `/usr/local/sbin`, `/sbin` and the `PATH`, in that
+/// order; run by its absolute path, which sshd needs to re-execute itself. No sshd: the
+/// worker stops with words that say so, which the job shows. Backquotes, not `$(`: the
+/// kubelet would take that for a variable to substitute.
+pub const FIND_SSHD_SCRIPT: &str = concat!(
+    r#"if [ -n "${RINGMASTER_SSHD:-}" ]; then sshd=$RINGMASTER_SSHD; "#,
+    r#"else for sshd in /usr/sbin/sshd /usr/local/sbin/sshd /sbin/sshd `command -v sshd` ''; do [ -x "$sshd" ] && break; done; fi; "#,
+    r#"if [ -z "$sshd" ] || [ ! -x "$sshd" ]; then "#,
+    r#"echo "ringmaster: no sshd ${RINGMASTER_SSHD:+at $RINGMASTER_SSHD (RINGMASTER_SSHD) }in this image (looked in /usr/sbin, /usr/local/sbin, /sbin and the PATH unless RINGMASTER_SSHD is set): the launcher starts the ranks over ssh, so a worker's image needs OpenSSH's server (Debian's and Ubuntu's openssh-server)" >&2; exit 127; fi; "#,
+    r#"exec "$sshd" "$@""#,
+);
 
 /// `command` run after the container's own user has copied the SSH key and
 /// `authorized_keys` into [`SSH_MOUNT`], readable by that user alone, and written the

@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::{
 use ringmaster_contract::progress::{AUDIENCE, CA_ENV, TOKEN_FILE_ENV, URL_ENV};
 
 use super::{BuildInputs, env_var};
-use crate::controller::training_job::spec::{Program, ValidatedTrainingJob};
+use crate::controller::training_job::spec::ValidatedTrainingJob;
 
 /// The volume of the report token.
 pub const TOKEN_VOLUME: &str = "ringmaster-progress-token";
@@ -22,16 +22,13 @@ pub const TOKEN_MOUNT: &str = "/var/run/secrets/ringmaster.dev/progress";
 const TOKEN_SECONDS: i64 = 3600;
 
 /// The launcher's report settings: environment, volume and mount. None when the operator
-/// has no endpoint, or the job runs the user's own program (whose launcher does not run
-/// `ringmaster-trainer launch`, the reporter).
+/// has no endpoint. A user's program gets them too: its launcher reports when its image has
+/// `ringmaster-trainer` (the token is of no use to anything else).
 pub fn launcher_reporting(
     job: &ValidatedTrainingJob,
     inputs: &BuildInputs,
 ) -> Option<(Vec<EnvVar>, Volume, VolumeMount)> {
     let endpoint = inputs.progress.as_ref()?;
-    if !matches!(job.program, Program::Trainer(_)) {
-        return None;
-    }
     let env = vec![
         env_var(URL_ENV, endpoint.job_url(&job.namespace, &job.name)),
         env_var(CA_ENV, &endpoint.ca_pem),
