@@ -66,17 +66,14 @@ pub fn run(args: &LoaderBenchArgs) -> Result<serde_json::Value, String> {
     let folder =
         ImageFolder::open(&args.data_dir, args.image_size, 0).map_err(|e| e.to_string())?;
     let len = folder.len();
-    let bytes: u64 = (0..len.min(256))
-        .filter_map(|i| folder.read(i).ok())
-        .map(|b| b.len() as u64)
-        .sum();
+    let bytes: u64 = (0..len).filter_map(|i| folder.file_bytes(i)).sum();
     let mut line = serde_json::json!({
         "loader": "imageFolder",
         "decoder": format!("{:?}", args.decoder).to_lowercase(),
         "threads": rayon::current_num_threads(),
         "imageSize": args.image_size,
         "images": args.batches * args.batch_size,
-        "meanFileBytes": bytes / len.clamp(1, 256) as u64,
+        "meanFileBytes": bytes / len.max(1) as u64,
     });
     let (seconds, cpu) = match args.decoder {
         Decoder::Cpu => time_cpu(&folder, args)?,

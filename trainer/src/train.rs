@@ -197,10 +197,7 @@ impl Dataset {
 
 /// This trainer's executable, for the GPU loader's probe.
 fn this_program() -> Result<PathBuf, GpuLoaderError> {
-    std::env::current_exe().map_err(|e| GpuLoaderError::Cuda {
-        context: "finding this program for nvJPEG's probe",
-        message: e.to_string(),
-    })
+    std::env::current_exe().map_err(GpuLoaderError::ThisProgram)
 }
 
 /// A batch's images, as the reader thread makes them: NCHW on the host, or on the GPU

@@ -48,6 +48,48 @@ pub fn apiserver_time_by_client(metrics: &str) -> BTreeMap<String, (f64, f64)> {
     )
 }
 
+/// Watchers the API server closed because their client read too slowly, by resource
+/// (`pods`, `mpijobs.kubeflow.org`), from `apiserver_terminated_watchers_total`: its watch
+/// cache waits only so long for a client's buffer before it drops the watch. Each is a watch
+/// its client (any client: the scheduler, KWOK, the operators) must open again, and list
+/// again when its place has left the cache: the watch restarts seen under load.
+pub fn terminated_watchers(metrics: &str) -> BTreeMap<String, f64> {
+    let mut closed = BTreeMap::new();
+    for line in metrics.lines() {
+        let Some(rest) = line.strip_prefix("apiserver_terminated_watchers_total{") else {
+            continue;
+        };
+        let Some((labels, value)) = rest.rsplit_once("} ") else {
+            continue;
+        };
+        let Ok(value) = value.trim().parse::<f64>() else {
+            continue;
+        };
+        let labels = Labels(labels);
+        let resource = match labels.get("group") {
+            "" => labels.get("resource").to_string(),
+            group => format!("{}.{group}", labels.get("resource")),
+        };
+        *closed.entry(resource).or_insert(0.0) += value;
+    }
+    closed
+}
+
+/// `after` less `before`, counter by counter; counters that did not grow are left out.
+pub fn counter_delta(
+    before: &BTreeMap<String, f64>,
+    after: BTreeMap<String, f64>,
+) -> BTreeMap<String, f64> {
+    after
+        .into_iter()
+        .map(|(what, n)| {
+            let grown = n - before.get(&what).copied().unwrap_or_default();
+            (what, grown)
+        })
+        .filter(|(_, grown)| *grown > 0.0)
+        .collect()
+}
+
 /// A series' labels, as Prometheus text writes them (`a="x",b="y"`).
 struct Labels<'a>(&'a str);
 
@@ -134,7 +176,28 @@ pub fn percentile(values: &[f64], p: f64) -> Option<f64> {
 
 #[cfg(test)]
 mod tests {
-    use super::{apiserver_time_by_client, apiserver_time_by_request, delta, percentile, spread};
+    use super::{
+        apiserver_time_by_client, apiserver_time_by_request, counter_delta, delta, percentile,
+        spread, terminated_watchers,
+    };
+
+    #[test]
+    fn watchers_closed_as_too_slow_are_counted_by_resource_and_their_growth_kept() {
+        let before = terminated_watchers(
+            "# TYPE apiserver_terminated_watchers_total counter\n\
+             apiserver_terminated_watchers_total{group=\"\",resource=\"pods\"} 4\n",
+        );
+        let after = terminated_watchers(
+            "apiserver_terminated_watchers_total{group=\"\",resource=\"pods\"} 181\n\
+             apiserver_terminated_watchers_total{group=\"batch\",resource=\"jobs\"} 1\n\
+             apiserver_terminated_watchers_total{group=\"kubeflow.org\",resource=\"mpijobs\"} 0\n",
+        );
+        let grown = counter_delta(&before, after);
+        assert_eq!(
+            grown.into_iter().collect::<Vec<_>>(),
+            [("jobs.batch".to_string(), 1.0), ("pods".to_string(), 177.0)]
+        );
+    }
 
     #[test]
     fn the_api_servers_time_is_summed_by_client_and_differenced() {

@@ -27,7 +27,7 @@ use ringmaster::controller::training_job::names;
 use ringmaster_e2e::bench::audit::{AuditLog, RequestCounts};
 use ringmaster_e2e::bench::contender::{Contender, LAUNCHER_PRIORITY_CLASS, Operator};
 use ringmaster_e2e::bench::process::{self, Usage};
-use ringmaster_e2e::bench::{delta, identity, percentile};
+use ringmaster_e2e::bench::{counter_delta, delta, identity, percentile};
 use ringmaster_e2e::nodes::{self, PoolMode, PoolShape};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -131,6 +131,9 @@ struct Figures {
     reporting: Option<Reporting>,
     /// The API server's time by client (flow schema): seconds executing, requests.
     apiserver_by_client: BTreeMap<String, (f64, f64)>,
+    /// Watchers the API server closed as too slow during the run, every client's, by
+    /// resource ([`ringmaster_e2e::bench::terminated_watchers`]).
+    terminated_watchers: BTreeMap<String, f64>,
     /// Which repeat (from 1).
     repeat: u32,
 }
@@ -501,7 +504,7 @@ async fn measure(
         .await
         .map_err(|e| e.to_string())?;
 
-    let (apiserver_time_before, by_client_before) = apiserver_time(client).await;
+    let (apiserver_time_before, by_client_before, closed_before) = apiserver_time(client).await;
     let mark = audit.mark();
     let operator_before = Usage::of(pid).unwrap_or_default();
     let apiserver_before = usage_of("kube-apiserver");
@@ -566,7 +569,7 @@ async fn measure(
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     let measured = start.elapsed().as_secs_f64();
-    let (apiserver_time_after, by_client_after) = apiserver_time(client).await;
+    let (apiserver_time_after, by_client_after, closed_after) = apiserver_time(client).await;
     let apiserver_after = usage_of("kube-apiserver");
     let etcd_after = usage_of("etcd");
     let operator_after = Usage::of(pid).unwrap_or_default();
@@ -610,6 +613,7 @@ async fn measure(
         apiserver_time: delta(&apiserver_time_before, apiserver_time_after),
         reporting,
         apiserver_by_client: delta(&by_client_before, by_client_after),
+        terminated_watchers: counter_delta(&closed_before, closed_after),
         repeat: 0,
     })
 }
@@ -706,9 +710,10 @@ fn print_reporting(r: &Reporting, jobs: u32) {
     );
 }
 
-/// The API server's time by request and by client, from its /metrics (see
+/// The API server's time by request and by client, and the watchers it closed as too slow,
+/// from its /metrics (see
 /// [`ringmaster_e2e::bench::apiserver_time_by_request`] and `…_by_client`).
-async fn apiserver_time(client: &Client) -> (TimeBy, TimeBy) {
+async fn apiserver_time(client: &Client) -> (TimeBy, TimeBy, BTreeMap<String, f64>) {
     let request = http::Request::get("/metrics")
         .body(Vec::new())
         .expect("a GET request");
@@ -716,6 +721,7 @@ async fn apiserver_time(client: &Client) -> (TimeBy, TimeBy) {
     (
         ringmaster_e2e::bench::apiserver_time_by_request(&text),
         ringmaster_e2e::bench::apiserver_time_by_client(&text),
+        ringmaster_e2e::bench::terminated_watchers(&text),
     )
 }
 
@@ -770,6 +776,18 @@ fn print_summary(runs: &[Figures], contenders: &[Contender], args: &Args) {
     row("API server CPU (s)", &|f| Some(f.apiserver_cpu), 1);
     row("etcd CPU (s)", &|f| Some(f.etcd_cpu), 1);
     row(
+        "pod watches closed as too slow (every client)",
+        &|f| {
+            Some(
+                f.terminated_watchers
+                    .get("pods")
+                    .copied()
+                    .unwrap_or_default(),
+            )
+        },
+        0,
+    );
+    row(
         "API requests per job",
         &|f| Some(f.requests.total() as f64 / jobs),
         1,
@@ -811,6 +829,16 @@ fn print_client_profile(label: &str, which: &str, f: &Figures) {
         f.repeat,
         f.all_running.unwrap_or(f.measured)
     );
+    if f.apiserver_by_client.is_empty() {
+        // kwokctl's --disable-qps-limits (e2e/cluster.sh) starts the API server with
+        // --enable-priority-and-fairness=false, and with it go the flowcontrol metrics.
+        println!(
+            "  none: the API server publishes no apiserver_flowcontrol_request_execution_seconds \
+             (API Priority and Fairness is off on the local cluster: kwokctl --disable-qps-limits); \
+             the time by request above is all there is"
+        );
+        return;
+    }
     let mut clients: Vec<(&String, &(f64, f64))> = f.apiserver_by_client.iter().collect();
     clients.sort_by(|a, b| b.1.0.total_cmp(&a.1.0));
     for (flow, (seconds, requests)) in clients.into_iter().take(8) {
@@ -917,6 +945,19 @@ fn print_one(f: &Figures, jobs: u32) {
     );
     println!("API server CPU                   {:8.2} s", f.apiserver_cpu);
     println!("etcd CPU                         {:8.2} s", f.etcd_cpu);
+    let closed: Vec<String> = f
+        .terminated_watchers
+        .iter()
+        .map(|(resource, n)| format!("{resource} {n:.0}"))
+        .collect();
+    println!(
+        "watches the API server closed as too slow (every client): {}",
+        if closed.is_empty() {
+            "none".to_string()
+        } else {
+            closed.join(", ")
+        }
+    );
     println!(
         "API requests (audit log)         {:8} ({:.1} per job)",
         f.requests.total(),

@@ -42,6 +42,9 @@ pub enum GpuLoaderError {
     /// A file could not be read or decoded on the CPU.
     #[error(transparent)]
     Folder(#[from] ImageFolderError),
+    /// This program's own path, which nvJPEG's probe runs, could not be found.
+    #[error("finding this program for nvJPEG's probe: {0}")]
+    ThisProgram(#[source] std::io::Error),
 }
 
 fn cuda<T, E: std::fmt::Display>(

@@ -166,6 +166,14 @@ impl ImageFolder {
         })
     }
 
+    /// The size of image `index`'s file in bytes, from its metadata (none when it cannot
+    /// be read).
+    pub fn file_bytes(&self, index: usize) -> Option<u64> {
+        std::fs::metadata(&self.samples[index].0)
+            .ok()
+            .map(|m| m.len())
+    }
+
     /// The bytes of the files of `indices`, read in parallel.
     pub fn read_files(&self, indices: &[usize]) -> Result<Vec<Vec<u8>>, ImageFolderError> {
         indices.par_iter().map(|&i| self.read(i)).collect()

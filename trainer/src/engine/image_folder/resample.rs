@@ -88,13 +88,7 @@ mod tests {
     fn halving_weighs_four_pixels_one_three_three_one() {
         let source = image(12, 1, |x, _| [(x * x * 2) as u8; 3]);
         let mut out = vec![0.0; 3 * 6 * 6];
-        let region = Region {
-            x: 0.0,
-            y: 0.0,
-            width: 12.0,
-            height: 1.0,
-        };
-        resize_normalize(&source, region, false, 6, &mut out);
+        resize_normalize(&source, whole(&source), false, 6, &mut out);
         let red = levels(&out, 0, 6);
         assert!((red[2] - 42.0).abs() < 1e-3, "{:?}", &red[..6]);
     }
@@ -198,13 +192,7 @@ mod tests {
     fn shrinking_averages_fine_detail_instead_of_aliasing() {
         let source = image(896, 64, |x, _| if x % 4 == 0 { [255; 3] } else { [0; 3] });
         let mut out = vec![0.0; 3 * 224 * 224];
-        let region = Region {
-            x: 0.0,
-            y: 0.0,
-            width: 896.0,
-            height: 64.0,
-        };
-        resize_normalize(&source, region, false, 224, &mut out);
+        resize_normalize(&source, whole(&source), false, 224, &mut out);
         let red = levels(&out, 0, 224);
         let mean = red.iter().sum::<f32>() / red.len() as f32;
         assert!((mean - 63.75).abs() < 1.0, "mean {mean}");
