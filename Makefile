@@ -101,7 +101,7 @@ build: ## Build the operator
 BENCH_JOBS ?= 100
 BENCH_WORKERS ?= 4
 BENCH_REPEATS ?= 3
-bench-operator: ## Benchmark: Ringmaster next to Kubeflow MPI Operator (limits raised, then its defaults), BENCH_JOBS × BENCH_WORKERS jobs at once on the local cluster, BENCH_REPEATS times in alternating order on a fresh cluster each (median [min–max]); BENCH_BEFORE=<commit> adds Ringmaster as built at that commit; BENCH_ARGS="--report-seconds 120" adds the cost of running jobs' progress reports
+bench-operator: ## Benchmark: Ringmaster next to Kubeflow MPI Operator (limits raised, then its defaults), BENCH_JOBS × BENCH_WORKERS jobs at once on the local cluster, BENCH_REPEATS times in alternating order, every run on a fresh cluster (median [min–max]); BENCH_BEFORE=<commit> adds Ringmaster as built at that commit; BENCH_ARGS="--report-seconds 120" adds the cost of running jobs' progress reports
 	$(if $(BENCH_BEFORE),e2e/tools/ringmaster-at.sh $(BENCH_BEFORE) >/dev/null)
 	$(CARGO) build --release --locked -p ringmaster -p ringmaster-e2e --bin ringmaster --bin bench-operator
 	e2e/tools/peers.sh mpi-operator >/dev/null

@@ -40,6 +40,22 @@ mkdir -p "$cache"
 
 log() { printf '[image] %s\n' "$*" >&2; }
 sha() { sha256sum "$1" | cut -d' ' -f1; }
+# Runs a command in root filesystem $1 with the host's resolver, /proc, and no service
+# started by packages' scripts, its output to $2; on failure shows that output's tail and
+# exits. The root filesystem is left as it was but for what the command did.
+chroot_run() {
+  local rootfs=$1 output=$2 status=0
+  shift 2
+  cp /etc/resolv.conf "$rootfs/etc/resolv.conf"
+  printf '#!/bin/sh\nexit 101\n' >"$rootfs/usr/sbin/policy-rc.d"
+  chmod +x "$rootfs/usr/sbin/policy-rc.d"
+  mount -t proc proc "$rootfs/proc"
+  chroot "$rootfs" "$@" >"$output" 2>&1 || status=$?
+  umount "$rootfs/proc"
+  rm -f "$rootfs/usr/sbin/policy-rc.d"
+  : >"$rootfs/etc/resolv.conf"
+  if [ "$status" -ne 0 ]; then tail -30 "$output" >&2; exit 1; fi
+}
 # shellcheck source=need.sh
 source "$here/need.sh"
 need debootstrap catatonit
@@ -54,17 +70,9 @@ if [ ! -f "$base" ]; then
   trap 'umount "$work/rootfs/proc" 2>/dev/null || true; rm -rf "$work"' EXIT
   debootstrap --variant=minbase "$suite" "$work/rootfs" "$mirror" >"$work/debootstrap.log" 2>&1 \
     || { tail -20 "$work/debootstrap.log" >&2; exit 1; }
-  cp /etc/resolv.conf "$work/rootfs/etc/resolv.conf"
-  # Packages' scripts must not start services in the chroot.
-  printf '#!/bin/sh\nexit 101\n' >"$work/rootfs/usr/sbin/policy-rc.d"
-  chmod +x "$work/rootfs/usr/sbin/policy-rc.d"
   cp "$setup" "$work/rootfs/tmp/setup.sh"
-  mount -t proc proc "$work/rootfs/proc"
-  chroot "$work/rootfs" /bin/sh /tmp/setup.sh "${extra_packages[@]}" >"$work/setup.log" 2>&1 \
-    || { tail -30 "$work/setup.log" >&2; exit 1; }
-  umount "$work/rootfs/proc"
-  rm -f "$work/rootfs/tmp/setup.sh" "$work/rootfs/usr/sbin/policy-rc.d"
-  : >"$work/rootfs/etc/resolv.conf"
+  chroot_run "$work/rootfs" "$work/setup.log" /bin/sh /tmp/setup.sh "${extra_packages[@]}"
+  rm -f "$work/rootfs/tmp/setup.sh"
   rm -rf "$work/rootfs/var/cache/apt/archives/"*.deb "$work/rootfs/var/log/"*
   tar --numeric-owner --xattrs -C "$work/rootfs" -cf "$base.partial" .
   mv "$base.partial" "$base"
@@ -88,15 +96,7 @@ if [ ! -f "$torch_layer" ]; then
   tar --numeric-owner --xattrs -C "$work/rootfs" -xf "$base"
   touch "$work/marker"
   sleep 1
-  cp /etc/resolv.conf "$work/rootfs/etc/resolv.conf"
-  printf '#!/bin/sh\nexit 101\n' >"$work/rootfs/usr/sbin/policy-rc.d"
-  chmod +x "$work/rootfs/usr/sbin/policy-rc.d"
-  mount -t proc proc "$work/rootfs/proc"
-  chroot "$work/rootfs" /bin/sh -c "$torch_recipe" \
-    >"$work/install.log" 2>&1 || { tail -30 "$work/install.log" >&2; exit 1; }
-  umount "$work/rootfs/proc"
-  rm -f "$work/rootfs/usr/sbin/policy-rc.d"
-  : >"$work/rootfs/etc/resolv.conf"
+  chroot_run "$work/rootfs" "$work/install.log" /bin/sh -c "$torch_recipe"
   (cd "$work/rootfs" && find . -mindepth 1 -cnewer "$work/marker" ! -path './proc/*' ! -path './tmp/*' -print0 \
     | tar --numeric-owner --xattrs --null --no-recursion -T - -cf "$torch_layer.partial")
   mv "$torch_layer.partial" "$torch_layer"

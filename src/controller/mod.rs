@@ -6,6 +6,7 @@
 
 pub mod conditions;
 pub mod data_stage;
+mod drain;
 pub mod progress;
 pub mod training_job;
 
@@ -35,6 +36,7 @@ use crate::kueue::{ResourceFlavor, Workload};
 use crate::metrics::Metrics;
 use crate::validation::FieldErrors;
 use conditions::DesiredCondition;
+use drain::drained;
 
 /// How a status is written.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -723,19 +725,23 @@ pub async fn run(
     // Pods are stripped to what the controller reads before they are stored: thousands of
     // them are cached, and most of a pod's bytes are its spec and managed fields.
     // A pod's new words alone (a scheduler retrying it) are stored but wake nobody.
+    // The watch is read on a task of its own (drain.rs): a reader that falls behind a burst
+    // of pod events is closed by the API server.
     let mut wake_filter = training_job::observe::PodWakeFilter::default();
-    let pod_events = watcher(scope.api::<Pod>(&ctx.client), pod_watch)
-        .default_backoff()
-        .modify(training_job::observe::strip_for_cache)
-        .reflect(pods_writer)
-        .inspect_ok({
-            let index = ctx.pod_index.clone();
-            move |event| index.apply(event)
-        })
-        .filter(move |event| {
-            std::future::ready(event.as_ref().map_or(true, |e| wake_filter.wakes(e)))
-        })
-        .touched_objects();
+    let pod_events = drained(
+        watcher(scope.api::<Pod>(&ctx.client), pod_watch)
+            .default_backoff()
+            .modify(training_job::observe::strip_for_cache)
+            .reflect(pods_writer)
+            .inspect_ok({
+                let index = ctx.pod_index.clone();
+                move |event| index.apply(event)
+            })
+            .filter(move |event| {
+                std::future::ready(event.as_ref().map_or(true, |e| wake_filter.wakes(e)))
+            })
+            .touched_objects(),
+    );
 
     let stages_writer = take_writer(&ctx.data_stages_writer);
     // DataStages fill the store a job's reconcile reads, and wake the jobs that read them.
@@ -744,11 +750,18 @@ pub async fn run(
         .reflect(stages_writer)
         .touched_objects();
 
-    let jobs = Controller::new(
-        scope.api::<DeserializeGuard<TrainingJob>>(&ctx.client),
-        watch.clone(),
+    // The jobs' own watch is drained as the pods' is: a job's status changes with its pods.
+    let (job_store, jobs_writer) = reflector::store::<DeserializeGuard<TrainingJob>>();
+    let job_events = drained(
+        watcher(
+            scope.api::<DeserializeGuard<TrainingJob>>(&ctx.client),
+            watch.clone(),
+        )
+        .default_backoff()
+        .reflect(jobs_writer)
+        .applied_objects(),
     );
-    let job_store = jobs.store();
+    let jobs = Controller::for_stream(job_events, job_store.clone());
     let jobs_by_stage = job_store.clone();
     let workloads_writer = take_writer(&ctx.workloads_writer);
     let flavors_writer = take_writer(&ctx.flavors_writer);

@@ -66,8 +66,13 @@ struct Args {
     /// contender of one repeat is the last of the next), and report median, min and max.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]
     repeats: u32,
-    /// Start each repeat after the first on a freshly started local cluster (e2e/cluster.sh
-    /// down, then up), so no repeat inherits another's etcd, caches or nodes.
+    /// Start every run after the first (each contender in each repeat) on a freshly started
+    /// local cluster (e2e/cluster.sh down, then up), so that no run inherits another's etcd,
+    /// nodes or watch caches. The API server sizes a new watch's buffer from the traffic its
+    /// cache has seen (about one second of it, at least 10 events), so on a cluster shared
+    /// within a repeat the contender that went second had its watches' buffers grown by the
+    /// first one's pods, and the first had its watches closed as too slow: the order decided
+    /// the time. `false`: one cluster for the whole run.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     fresh_cluster: bool,
     /// With every job Running (Ringmaster only): each job's launcher reports its progress
@@ -225,10 +230,6 @@ async fn run(args: Args) -> Result<(), String> {
     let mut runs = Vec::new();
     let mut client = client;
     for repeat in 1..=args.repeats {
-        if repeat > 1 && args.fresh_cluster {
-            client = fresh_cluster().await?;
-        }
-        prepare(&client, &args, node_count).await?;
         // Alternate: every contender goes first in some repeat and last in another.
         let mut order: Vec<&Contender> = contenders.iter().collect();
         if repeat % 2 == 0 {
@@ -241,7 +242,14 @@ async fn run(args: Args) -> Result<(), String> {
             names.join(", ")
         );
         let mut all = Vec::new();
-        for contender in order {
+        for (place, contender) in order.into_iter().enumerate() {
+            let first_run = repeat == 1 && place == 0;
+            if args.fresh_cluster && !first_run {
+                client = fresh_cluster().await?;
+            }
+            if args.fresh_cluster || place == 0 {
+                prepare(&client, &args, node_count).await?;
+            }
             let mut figures = measure(&client, &kubeconfig, &audit, contender, &args).await?;
             figures.repeat = repeat;
             print_one(&figures, args.jobs);
@@ -290,7 +298,7 @@ async fn prepare(client: &Client, args: &Args, node_count: u32) -> Result<(), St
 async fn fresh_cluster() -> Result<Client, String> {
     let root = ringmaster_e2e::cluster::repo_root().map_err(|e| e.to_string())?;
     for step in ["down", "up"] {
-        println!("\n(e2e/cluster.sh {step}: a fresh cluster for the next repeat)");
+        println!("\n(e2e/cluster.sh {step}: a fresh cluster for the next run)");
         let status = tokio::process::Command::new(root.join("e2e/cluster.sh"))
             .arg(step)
             .stdout(std::process::Stdio::null())
@@ -739,7 +747,7 @@ fn print_summary(runs: &[Figures], contenders: &[Contender], args: &Args) {
         args.workers,
         args.repeats,
         if args.fresh_cluster {
-            ", a fresh cluster each"
+            ", a fresh cluster for every run"
         } else {
             ""
         }

@@ -25,17 +25,27 @@ pub const FRAMEWORK_ENV_SCRIPT: &str = concat!(
     r#"exec "$@""#,
 );
 
-/// The launcher of a user's program: `ringmaster-trainer launch` over the MPI launcher when
-/// the image has it (it reports the ranks' progress lines, writes the summary line or the
-/// failure — the contract's failure line, else a Python exception's line — to the
-/// termination message), else the MPI launcher alone, said once on stderr. Decided in the
-/// pod, where the image is.
-pub const LAUNCH_IF_PRESENT_SCRIPT: &str = concat!(
-    r#"if command -v ringmaster-trainer >/dev/null 2>&1; then "#,
-    r#"exec ringmaster-trainer launch --termination-message /dev/termination-log -- "$@"; fi; "#,
-    r#"echo "ringmaster: this image has no ringmaster-trainer on its PATH: the job shows no progress, result or exception line, only the log's tail (see the image contract in the README)" >&2; "#,
-    r#"exec "$@""#,
-);
+/// `ringmaster-trainer launch` and its arguments, before the MPI launcher's command: it
+/// reports the ranks' progress lines and writes the summary line or the failure (the
+/// contract's failure line, else a Python exception's line) to the termination message.
+const TRAINER_LAUNCH: [&str; 5] = [
+    names::TRAINER_BINARY,
+    "launch",
+    "--termination-message",
+    "/dev/termination-log",
+    "--",
+];
+
+/// The launcher of a user's program: [`TRAINER_LAUNCH`] over the MPI launcher when the image
+/// has the trainer, else the MPI launcher alone, said once on stderr. Decided in the pod,
+/// where the image is.
+fn launch_if_present_script() -> String {
+    let trainer = names::TRAINER_BINARY;
+    let launch = TRAINER_LAUNCH.join(" ");
+    format!(
+        r#"if command -v {trainer} >/dev/null 2>&1; then exec {launch} "$@"; fi; echo "ringmaster: this image has no {trainer} on its PATH: the job shows no progress, result or exception line, only the log's tail (see the image contract in the README)" >&2; exec "$@""#
+    )
+}
 
 /// The name the launcher's wrapper script runs under (its `$0`).
 pub const LAUNCHER_SCRIPT_NAME: &str = "ringmaster-launcher";
@@ -166,7 +176,7 @@ pub fn hostfile(job: &ValidatedTrainingJob, naming: ChildNaming) -> String {
 /// The launcher's command: the MPI launcher with the process count, hostfile, ssh settings
 /// and forwarded environment, then the program. The trainer's own launcher wrapper turns
 /// rank 0's summary into the pod's termination message; a user's program gets it too when
-/// its image has it ([`LAUNCH_IF_PRESENT_SCRIPT`]).
+/// its image has it ([`launch_if_present_script`]).
 pub fn launcher_command(job: &ValidatedTrainingJob) -> Vec<String> {
     let launch = Launch {
         hostfile: format!("{}/{HOSTFILE}", names::HOSTFILE_MOUNT),
@@ -182,19 +192,14 @@ pub fn launcher_command(job: &ValidatedTrainingJob) -> Vec<String> {
     match &job.program {
         Program::Command(user) => {
             command.extend(with_framework_env(user));
-            let mut wrapped = strings(["sh", "-c", LAUNCH_IF_PRESENT_SCRIPT, LAUNCHER_SCRIPT_NAME]);
+            let script = launch_if_present_script();
+            let mut wrapped = strings(["sh", "-c", script.as_str(), LAUNCHER_SCRIPT_NAME]);
             wrapped.extend(command);
             wrapped
         }
         Program::Trainer(settings) => {
             command.extend(trainer_args(settings));
-            let mut wrapped = strings([
-                names::TRAINER_BINARY,
-                "launch",
-                "--termination-message",
-                "/dev/termination-log",
-                "--",
-            ]);
+            let mut wrapped = strings(TRAINER_LAUNCH);
             wrapped.extend(command);
             wrapped
         }
