@@ -71,7 +71,7 @@ struct Args {
     /// nodes or watch caches. The API server sizes a new watch's buffer from the traffic its
     /// cache has seen (about one second of it, at least 10 events), so on a cluster shared
     /// within a repeat the contender that went second had its watches' buffers grown by the
-    /// first one's pods, and the first had its watches closed as too slow: the order decided
+    /// first one's pods, and the first had its watches closed as too slow: the order changed
     /// the time. `false`: one cluster for the whole run.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     fresh_cluster: bool,
