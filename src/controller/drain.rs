@@ -100,28 +100,44 @@ mod tests {
         );
     }
 
+    /// Drains `stream` (which holds `dropped`'s sender), drops the receiving end, and waits
+    /// for the task to drop the stream: the watch it stands for is closed then.
+    async fn assert_stream_dropped_with_receiver<S>(
+        stream: S,
+        dropped: tokio::sync::oneshot::Receiver<()>,
+    ) where
+        S: futures::Stream + Send + 'static,
+        S::Item: Send + 'static,
+    {
+        let events = drained(stream);
+        tokio::task::yield_now().await;
+        drop(events);
+        let closed = tokio::time::timeout(Duration::from_secs(10), dropped).await;
+        assert!(
+            matches!(closed, Ok(Err(_))),
+            "the task kept its stream after the receiver was dropped"
+        );
+    }
+
     #[tokio::test]
     async fn the_task_stops_reading_when_its_events_are_no_longer_wanted() {
-        let read = Arc::new(AtomicUsize::new(0));
-        let counter = read.clone();
         // An endless watch, one event each millisecond.
-        let endless = futures::stream::unfold((), move |()| {
-            let counter = counter.clone();
-            async move {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-                counter.fetch_add(1, Ordering::SeqCst);
-                Some(((), ()))
-            }
+        let (sender, dropped) = tokio::sync::oneshot::channel::<()>();
+        let endless = futures::stream::unfold(sender, |sender| async move {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            Some(((), sender))
         });
-        let events = drained(endless);
-        wait_until(|| read.load(Ordering::SeqCst) > 5).await;
-        drop(events);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let after_drop = read.load(Ordering::SeqCst);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert!(
-            read.load(Ordering::SeqCst) <= after_drop + 1,
-            "the task kept reading after its receiver was dropped"
-        );
+        assert_stream_dropped_with_receiver(endless, dropped).await;
+    }
+
+    #[tokio::test]
+    async fn a_quiet_watch_is_closed_when_its_events_are_no_longer_wanted() {
+        // No event ever comes: only the receiver's drop can end the task.
+        let (sender, dropped) = tokio::sync::oneshot::channel::<()>();
+        let quiet = futures::stream::pending::<()>().map(move |item| {
+            let _held_until_the_stream_is_dropped = &sender;
+            item
+        });
+        assert_stream_dropped_with_receiver(quiet, dropped).await;
     }
 }

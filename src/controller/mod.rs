@@ -712,83 +712,8 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let watch = watcher::Config::default().any_semantic();
-    let pods_writer = take_writer(&ctx.pods_writer);
-    let pod_watch = watcher::Config::default()
-        .labels(training_job::names::JOB_NAME_LABEL)
-        .any_semantic();
-    // One watch of the operator's pods fills the store reconcile reads and wakes the owning
-    // jobs: every applied *and deleted* pod triggers its owner (a gang restart waits for the
-    // old pods to be gone). kube-runtime's shared-store subscription is not used: it dispatches
-    // no deletions, and its handle stalls (Pending without a wake-up) when an object it
-    // announces has left the store before it is read, which real pods being deleted do
-    // (found on the real node: the job stopped hearing of its pods).
-    // Pods are stripped to what the controller reads before they are stored: thousands of
-    // them are cached, and most of a pod's bytes are its spec and managed fields.
-    // A pod's new words alone (a scheduler retrying it) are stored but wake nobody.
-    // The watch is read on a task of its own (drain.rs): a reader that falls behind a burst
-    // of pod events is closed by the API server.
-    let mut wake_filter = training_job::observe::PodWakeFilter::default();
-    let pod_events = drained(
-        watcher(scope.api::<Pod>(&ctx.client), pod_watch)
-            .default_backoff()
-            .modify(training_job::observe::strip_for_cache)
-            .reflect(pods_writer)
-            .inspect_ok({
-                let index = ctx.pod_index.clone();
-                move |event| index.apply(event)
-            })
-            .filter(move |event| {
-                std::future::ready(event.as_ref().map_or(true, |e| wake_filter.wakes(e)))
-            })
-            .touched_objects(),
-    );
-
-    let stages_writer = take_writer(&ctx.data_stages_writer);
-    // DataStages fill the store a job's reconcile reads, and wake the jobs that read them.
-    let stage_events = watcher(scope.api::<DataStage>(&ctx.client), watch.clone())
-        .default_backoff()
-        .reflect(stages_writer)
-        .touched_objects();
-
-    // The jobs' own watch is drained as the pods' is: a job's status changes with its pods.
-    let (job_store, jobs_writer) = reflector::store::<DeserializeGuard<TrainingJob>>();
-    let job_events = drained(
-        watcher(
-            scope.api::<DeserializeGuard<TrainingJob>>(&ctx.client),
-            watch.clone(),
-        )
-        .default_backoff()
-        .reflect(jobs_writer)
-        .applied_objects(),
-    );
-    let jobs = Controller::for_stream(job_events, job_store.clone());
-    let jobs_by_stage = job_store.clone();
-    let workloads_writer = take_writer(&ctx.workloads_writer);
-    let flavors_writer = take_writer(&ctx.flavors_writer);
-    let jobs = if ctx.config.kueue {
-        // A Workload's change (admitted, evicted, readmitted) wakes the job that owns it.
-        let workload_events = watcher(
-            scope.api::<Workload>(&ctx.client),
-            watcher::Config::default()
-                .labels(training_job::names::JOB_NAME_LABEL)
-                .any_semantic(),
-        )
-        .default_backoff()
-        .reflect(workloads_writer)
-        .touched_objects();
-        // ResourceFlavors are only read (at admission), so they wake no job.
-        let flavor_events = watcher(
-            Api::<ResourceFlavor>::all(ctx.client.clone()),
-            watch.clone(),
-        )
-        .default_backoff()
-        .reflect(flavors_writer)
-        .touched_objects();
-        jobs.owns_stream(workload_events)
-            .watches_stream(flavor_events, |_| std::iter::empty())
-    } else {
-        jobs
-    };
+    let (jobs, job_store) = job_controller(&ctx, &scope, &watch);
+    let jobs = with_kueue_streams(jobs, &ctx, &scope, &watch);
     let triggers = ctx
         .reports
         .take_triggers()
@@ -799,26 +724,17 @@ pub async fn run(
         None => jobs,
     };
     spawn_report_sweep(&ctx, shutdown.clone());
+    let stages_writer = take_writer(&ctx.data_stages_writer);
+    // DataStages fill the store a job's reconcile reads, and wake the jobs that read them.
+    let stage_events = watcher(scope.api::<DataStage>(&ctx.client), watch.clone())
+        .default_backoff()
+        .reflect(stages_writer)
+        .touched_objects();
+    let jobs_by_stage = job_store.clone();
     let jobs = jobs
-        .owns_stream(pod_events)
+        .owns_stream(pod_events(&ctx, &scope))
         .watches_stream(stage_events, move |stage: DataStage| {
-            // A DataStage's change wakes the jobs that read it.
-            let namespace = stage.namespace();
-            let name = stage.name_any();
-            jobs_by_stage
-                .state()
-                .into_iter()
-                .filter(|job| {
-                    job.meta().namespace == namespace
-                        && job.0.as_ref().is_ok_and(|j| {
-                            j.spec
-                                .data_stage_ref
-                                .as_ref()
-                                .is_some_and(|r| r.name == name)
-                        })
-                })
-                .map(|job| ObjectRef::from_obj(job.as_ref()))
-                .collect::<Vec<_>>()
+            jobs_reading(&jobs_by_stage, &stage)
         })
         // Pod events come in bursts (a gang's pods change together): one reconcile per burst.
         .with_config(
@@ -830,6 +746,134 @@ pub async fn run(
     let stages = data_stage_controller(&ctx, &scope, watch, &shutdown);
     spawn_readiness(&ctx, (job_store.clone(), stages.store()), ready);
     spawn_phase_gauge(&ctx, job_store, shutdown.clone());
+    spawn_orphan_pool_sweep(&ctx, &shutdown);
+    let jobs = jobs
+        .run(training_job::reconcile, error_policy, ctx.clone())
+        .for_each(|result| async move { log_result(training_job::CONTROLLER, result) });
+    let stages = stages
+        .run(data_stage::reconcile, error_policy, ctx.clone())
+        .for_each(|result| async move { log_result(data_stage::CONTROLLER, result) });
+    futures::future::join(jobs, stages).await;
+    tracing::info!("controllers stopped");
+}
+
+type JobController = Controller<DeserializeGuard<TrainingJob>>;
+
+/// The TrainingJob controller over its own watch and cache. The watch is read on a task of
+/// its own (drain.rs), as the pods' is: a job's status changes with its pods.
+fn job_controller(
+    ctx: &Context,
+    scope: &Scope,
+    watch: &watcher::Config,
+) -> (JobController, Store<DeserializeGuard<TrainingJob>>) {
+    let (job_store, jobs_writer) = reflector::store::<DeserializeGuard<TrainingJob>>();
+    let job_events = drained(
+        watcher(
+            scope.api::<DeserializeGuard<TrainingJob>>(&ctx.client),
+            watch.clone(),
+        )
+        .default_backoff()
+        .reflect(jobs_writer)
+        .applied_objects(),
+    );
+    (
+        Controller::for_stream(job_events, job_store.clone()),
+        job_store,
+    )
+}
+
+/// With Kueue: a Workload's change (admitted, evicted, readmitted) wakes the job that owns it;
+/// ResourceFlavors are only read (at admission), so they are cached and wake no job.
+fn with_kueue_streams(
+    jobs: JobController,
+    ctx: &Context,
+    scope: &Scope,
+    watch: &watcher::Config,
+) -> JobController {
+    let workloads_writer = take_writer(&ctx.workloads_writer);
+    let flavors_writer = take_writer(&ctx.flavors_writer);
+    if !ctx.config.kueue {
+        return jobs;
+    }
+    let workload_events = watcher(
+        scope.api::<Workload>(&ctx.client),
+        watcher::Config::default()
+            .labels(training_job::names::JOB_NAME_LABEL)
+            .any_semantic(),
+    )
+    .default_backoff()
+    .reflect(workloads_writer)
+    .touched_objects();
+    let flavor_events = watcher(
+        Api::<ResourceFlavor>::all(ctx.client.clone()),
+        watch.clone(),
+    )
+    .default_backoff()
+    .reflect(flavors_writer)
+    .touched_objects();
+    jobs.owns_stream(workload_events)
+        .watches_stream(flavor_events, |_| std::iter::empty())
+}
+
+/// The operator's pods, as events that wake their jobs.
+///
+/// One watch of the operator's pods fills the store reconcile reads and wakes the owning
+/// jobs: every applied *and deleted* pod triggers its owner (a gang restart waits for the
+/// old pods to be gone). kube-runtime's shared-store subscription is not used: it dispatches
+/// no deletions, and its handle stalls (Pending without a wake-up) when an object it
+/// announces has left the store before it is read, which real pods being deleted do
+/// (found on the real node: the job stopped hearing of its pods).
+/// Pods are stripped to what the controller reads before they are stored: thousands of
+/// them are cached, and most of a pod's bytes are its spec and managed fields.
+/// A pod's new words alone (a scheduler retrying it) are stored but wake nobody.
+/// The watch is read on a task of its own (drain.rs), so no reconcile holds its reading back.
+fn pod_events(
+    ctx: &Context,
+    scope: &Scope,
+) -> impl futures::Stream<Item = Result<Pod, watcher::Error>> + Send + 'static {
+    let pods_writer = take_writer(&ctx.pods_writer);
+    let pod_watch = watcher::Config::default()
+        .labels(training_job::names::JOB_NAME_LABEL)
+        .any_semantic();
+    let mut wake_filter = training_job::observe::PodWakeFilter::default();
+    let index = ctx.pod_index.clone();
+    drained(
+        watcher(scope.api::<Pod>(&ctx.client), pod_watch)
+            .default_backoff()
+            .modify(training_job::observe::strip_for_cache)
+            .reflect(pods_writer)
+            .inspect_ok(move |event| index.apply(event))
+            .filter(move |event| {
+                std::future::ready(event.as_ref().map_or(true, |e| wake_filter.wakes(e)))
+            })
+            .touched_objects(),
+    )
+}
+
+/// The jobs in `stage`'s namespace that read it: its change wakes them.
+fn jobs_reading(
+    jobs: &Store<DeserializeGuard<TrainingJob>>,
+    stage: &DataStage,
+) -> Vec<ObjectRef<DeserializeGuard<TrainingJob>>> {
+    let namespace = stage.namespace();
+    let name = stage.name_any();
+    jobs.state()
+        .into_iter()
+        .filter(|job| {
+            job.meta().namespace == namespace
+                && job.0.as_ref().is_ok_and(|j| {
+                    j.spec
+                        .data_stage_ref
+                        .as_ref()
+                        .is_some_and(|r| r.name == name)
+                })
+        })
+        .map(|job| ObjectRef::from_obj(job.as_ref()))
+        .collect()
+}
+
+/// With an ARM client: the sweep of agent pools whose jobs are gone.
+fn spawn_orphan_pool_sweep(ctx: &Context, shutdown: &CancellationToken) {
     if let Some(arm) = ctx.config.arm.clone() {
         tokio::spawn(training_job::sweep::run(
             ctx.client.clone(),
@@ -839,14 +883,6 @@ pub async fn run(
             shutdown.clone(),
         ));
     }
-    let jobs = jobs
-        .run(training_job::reconcile, error_policy, ctx.clone())
-        .for_each(|result| async move { log_result(training_job::CONTROLLER, result) });
-    let stages = stages
-        .run(data_stage::reconcile, error_policy, ctx.clone())
-        .for_each(|result| async move { log_result(data_stage::CONTROLLER, result) });
-    futures::future::join(jobs, stages).await;
-    tracing::info!("controllers stopped");
 }
 
 /// Takes a cache's writer: the controllers' watches fill the cache through it, once.

@@ -5,6 +5,7 @@
 pub mod audit;
 pub mod contender;
 pub mod identity;
+pub mod machine;
 pub mod process;
 pub mod reports;
 

@@ -19,11 +19,7 @@ impl Usage {
 
     /// From the text of /proc/PID/stat and /proc/PID/status.
     pub fn parse(stat: &str, status: &str) -> Option<Self> {
-        // The command name may hold spaces and parens: fields are counted after its last ')'.
-        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-        // utime and stime are fields 14 and 15 of stat, the 12th and 13th after the name.
-        let ticks: f64 =
-            fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+        let (_, cpu_seconds) = name_and_cpu_seconds(stat)?;
         let hwm_kib: f64 = status
             .lines()
             .find(|l| l.starts_with("VmHWM:"))?
@@ -31,12 +27,23 @@ impl Usage {
             .nth(1)?
             .parse()
             .ok()?;
-        // Linux reports times in USER_HZ, 100 on every architecture Kubernetes runs on.
         Some(Self {
-            cpu_seconds: ticks / 100.0,
+            cpu_seconds,
             peak_rss_mib: hwm_kib / 1024.0,
         })
     }
+}
+
+/// The command name and user + system CPU seconds, from the text of /proc/PID/stat.
+pub fn name_and_cpu_seconds(stat: &str) -> Option<(String, f64)> {
+    // The command name may hold spaces and parens: fields are counted after its last ')'.
+    let (head, rest) = stat.rsplit_once(')')?;
+    let name = head.split_once('(')?.1.to_string();
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of stat, the 12th and 13th after the name.
+    let ticks = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    // Linux reports times in USER_HZ, 100 on every architecture Kubernetes runs on.
+    Some((name, ticks / 100.0))
 }
 
 /// The process whose command name (/proc/PID/comm) is `name`: the control plane's

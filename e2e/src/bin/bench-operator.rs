@@ -6,7 +6,10 @@
 //!
 //! Figures per operator: seconds until every job is Running, the operator's CPU seconds and
 //! peak RSS, the API server's and etcd's CPU seconds meanwhile, and the API requests the
-//! operator made, by verb and resource, as the API server's audit log counts them. With
+//! operator made, by verb and resource, as the API server's audit log counts them; and the
+//! machine around the run (one core's speed at a fixed piece of work, how busy the CPUs were
+//! and with which processes, data still on its way to the disk), since every part of the
+//! local cluster shares its cores. With
 //! `--failures N`, for each Ringmaster: with every job Running, N worker pods fail one after
 //! another and the time from each failure to its job's Restarting phase is measured.
 
@@ -26,6 +29,7 @@ use kube::{Api, Client};
 use ringmaster::controller::training_job::names;
 use ringmaster_e2e::bench::audit::{AuditLog, RequestCounts};
 use ringmaster_e2e::bench::contender::{Contender, LAUNCHER_PRIORITY_CLASS, Operator};
+use ringmaster_e2e::bench::machine::{self, CpuShares, CpuTicks, Settled, Unwritten};
 use ringmaster_e2e::bench::process::{self, Usage};
 use ringmaster_e2e::bench::{counter_delta, delta, identity, percentile};
 use ringmaster_e2e::nodes::{self, PoolMode, PoolShape};
@@ -75,6 +79,14 @@ struct Args {
     /// the time. `false`: one cluster for the whole run.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     fresh_cluster: bool,
+    /// Before every run, write back what is waiting for the disk and wait until the machine's
+    /// CPUs are less busy than this (percent, over 5 s), for at most --settle-seconds: work
+    /// left over from before (a build, a cluster starting) would run inside the measured run.
+    #[arg(long, default_value_t = 30.0)]
+    settle_below: f64,
+    /// The longest wait for a quiet machine before a run (0: do not wait, do not write back).
+    #[arg(long, default_value_t = 180)]
+    settle_seconds: u64,
     /// With every job Running (Ringmaster only): each job's launcher reports its progress
     /// every 15 s for this many seconds, and what that costs is measured (0: no reports).
     #[arg(long, default_value_t = 0)]
@@ -141,6 +153,23 @@ struct Figures {
     terminated_watchers: BTreeMap<String, f64>,
     /// Which repeat (from 1).
     repeat: u32,
+    machine: MachineFigures,
+}
+
+/// The machine around one run ([`ringmaster_e2e::bench::machine`]): every part of the local
+/// cluster shares its cores, so a run the machine slowed shows here.
+#[derive(Debug, Default)]
+struct MachineFigures {
+    /// How the wait for a quiet machine before the run went (`--settle-below`).
+    settled: Option<Settled>,
+    /// Milliseconds one core took for a fixed piece of work just before the run.
+    calibration_ms: f64,
+    /// Written data still on its way to the disk when the run started.
+    unwritten_at_start: Unwritten,
+    /// How every CPU's time was spent over the run.
+    shares: CpuShares,
+    /// CPU seconds by command over the run, largest first.
+    cpu_by_command: Vec<(String, f64)>,
 }
 
 /// What jobs' progress reports cost, over the report phase.
@@ -250,8 +279,10 @@ async fn run(args: Args) -> Result<(), String> {
             if args.fresh_cluster || place == 0 {
                 prepare(&client, &args, node_count).await?;
             }
+            let settled = settle(&args).await;
             let mut figures = measure(&client, &kubeconfig, &audit, contender, &args).await?;
             figures.repeat = repeat;
+            figures.machine.settled = settled;
             print_one(&figures, args.jobs);
             all.push(figures);
         }
@@ -292,6 +323,31 @@ async fn prepare(client: &Client, args: &Args, node_count: u32) -> Result<(), St
         .await
         .map(|_| ())
         .map_err(|e| e.to_string())
+}
+
+/// Waits for a quiet machine (`--settle-below`, `--settle-seconds`) and says how it went.
+async fn settle(args: &Args) -> Option<Settled> {
+    if args.settle_seconds == 0 {
+        return None;
+    }
+    let settled = machine::settle(
+        args.settle_below,
+        Duration::from_secs(5),
+        Duration::from_secs(args.settle_seconds),
+    )
+    .await;
+    if settled.quiet {
+        println!(
+            "\nthe machine was quiet after {:.0} s (CPUs {:.0} % busy over 5 s)",
+            settled.waited_s, settled.busy_percent
+        );
+    } else {
+        println!(
+            "\nthe machine was still {:.0} % busy after {:.0} s: measuring anyway (see the CPU by process below)",
+            settled.busy_percent, settled.waited_s
+        );
+    }
+    Some(settled)
 }
 
 /// Stops the local cluster and starts it again (e2e/cluster.sh), and a client of the new one.
@@ -512,6 +568,12 @@ async fn measure(
         .await
         .map_err(|e| e.to_string())?;
 
+    let calibration_ms = tokio::task::spawn_blocking(machine::calibration_ms)
+        .await
+        .map_err(|e| e.to_string())?;
+    let unwritten_at_start = Unwritten::now().unwrap_or_default();
+    let ticks_before = CpuTicks::now().unwrap_or_default();
+    let processes_before = machine::cpu_by_process();
     let (apiserver_time_before, by_client_before, closed_before) = apiserver_time(client).await;
     let mark = audit.mark();
     let operator_before = Usage::of(pid).unwrap_or_default();
@@ -577,6 +639,13 @@ async fn measure(
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     let measured = start.elapsed().as_secs_f64();
+    let machine = MachineFigures {
+        settled: None,
+        calibration_ms,
+        unwritten_at_start,
+        shares: ticks_before.shares_until(&CpuTicks::now().unwrap_or_default()),
+        cpu_by_command: machine::cpu_used_between(&processes_before, &machine::cpu_by_process()),
+    };
     let (apiserver_time_after, by_client_after, closed_after) = apiserver_time(client).await;
     let apiserver_after = usage_of("kube-apiserver");
     let etcd_after = usage_of("etcd");
@@ -623,6 +692,7 @@ async fn measure(
         apiserver_by_client: delta(&by_client_before, by_client_after),
         terminated_watchers: counter_delta(&closed_before, closed_after),
         repeat: 0,
+        machine,
     })
 }
 
@@ -800,6 +870,17 @@ fn print_summary(runs: &[Figures], contenders: &[Contender], args: &Args) {
         &|f| Some(f.requests.total() as f64 / jobs),
         1,
     );
+    row(
+        "one core's fixed work before the run (ms)",
+        &|f| Some(f.machine.calibration_ms),
+        0,
+    );
+    row("CPUs busy (%)", &|f| Some(f.machine.shares.busy_percent), 0);
+    row(
+        "CPUs waiting for the disk (%)",
+        &|f| Some(f.machine.shares.iowait_percent),
+        1,
+    );
     let ratios: String = contenders
         .iter()
         .map(|c| {
@@ -953,6 +1034,7 @@ fn print_one(f: &Figures, jobs: u32) {
     );
     println!("API server CPU                   {:8.2} s", f.apiserver_cpu);
     println!("etcd CPU                         {:8.2} s", f.etcd_cpu);
+    print_machine(&f.machine);
     let closed: Vec<String> = f
         .terminated_watchers
         .iter()
@@ -994,6 +1076,32 @@ fn print_one(f: &Figures, jobs: u32) {
     }
 }
 
+fn print_machine(m: &MachineFigures) {
+    if let Some(s) = m.settled {
+        println!(
+            "before the run: waited {:.0} s for a quiet machine ({}, CPUs {:.0} % busy)",
+            s.waited_s,
+            if s.quiet { "quiet" } else { "not quiet" },
+            s.busy_percent
+        );
+    }
+    println!(
+        "the machine: one core's fixed work took {:.0} ms before the run; over it the CPUs were \
+         {:.0} % busy, {:.1} % waiting for the disk, {:.1} % taken by the hypervisor; \
+         {:.0} MiB dirty and {:.0} MiB in writeback at the start",
+        m.calibration_ms,
+        m.shares.busy_percent,
+        m.shares.iowait_percent,
+        m.shares.steal_percent,
+        m.unwritten_at_start.dirty_mib,
+        m.unwritten_at_start.writeback_mib
+    );
+    println!("CPU by process over the run (top 8):");
+    for (name, seconds) in m.cpu_by_command.iter().take(8) {
+        println!("  {name:<32} {seconds:8.1} s");
+    }
+}
+
 /// The side-by-side table (Markdown), one column per operator.
 fn print_table(all: &[Figures], jobs: u32, workers: u32) {
     println!("\n{jobs} jobs × {workers} workers, one run:\n");
@@ -1027,6 +1135,25 @@ fn print_table(all: &[Figures], jobs: u32, workers: u32) {
         format!("{:.1}", 1000.0 * f.apiserver_cpu / f64::from(jobs))
     });
     row("etcd CPU (s)", &|f| format!("{:.1}", f.etcd_cpu));
+    row("one core's fixed work before the run (ms)", &|f| {
+        format!("{:.0}", f.machine.calibration_ms)
+    });
+    row("CPUs busy / disk wait / stolen (%)", &|f| {
+        let s = f.machine.shares;
+        format!(
+            "{:.0} / {:.1} / {:.1}",
+            s.busy_percent, s.iowait_percent, s.steal_percent
+        )
+    });
+    row("wait for a quiet machine before (s)", &|f| {
+        f.machine
+            .settled
+            .map_or_else(|| "–".to_string(), |s| format!("{:.0}", s.waited_s))
+    });
+    row("dirty + writeback at the start (MiB)", &|f| {
+        let u = f.machine.unwritten_at_start;
+        format!("{:.0}", u.dirty_mib + u.writeback_mib)
+    });
     row("API requests per job", &|f| {
         format!("{:.1}", f.requests.total() as f64 / f64::from(jobs))
     });
