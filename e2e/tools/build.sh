@@ -4,7 +4,7 @@
 #   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl,
 #   kubelet, kube-proxy                                               (k8s.io/kubernetes)
 #   etcd                                                              (go.etcd.io/etcd/server/v3)
-#   kwok, kwokctl                                                     (sigs.k8s.io/kwok)
+#   kwok, kwokctl                                                     (sigs.k8s.io/kwok, patched: kwok/kwok.patch)
 #   helm                                                              (helm.sh/helm/v3)
 #   containerd, containerd-shim-runc-v2, ctr                          (github.com/containerd/containerd/v2)
 #   coredns                                                           (github.com/coredns/coredns)
@@ -49,10 +49,22 @@ if [ ! -x "$bin/etcd" ]; then
   built "etcd $ETCD_VERSION"
 fi
 
-if [ ! -x "$bin/kwok" ] || [ ! -x "$bin/kwokctl" ]; then
-  building "KWOK $KWOK_VERSION"
-  GOBIN="$bin" GOFLAGS= go install -trimpath -ldflags "-s -w" \
-    "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION" "sigs.k8s.io/kwok/cmd/kwokctl@$KWOK_VERSION" >&2
+# KWOK is built from its module's source with kwok/kwok.patch applied (why: the patch's
+# header), and built again when the patch changes.
+kwok_patch="$here/kwok/kwok.patch"
+kwok_stamp="$bin/kwok.patch.sha256"
+if [ ! -x "$bin/kwok" ] || [ ! -x "$bin/kwokctl" ] ||
+  [ "$(cat "$kwok_stamp" 2>/dev/null)" != "$(sha256sum <"$kwok_patch")" ]; then
+  building "KWOK $KWOK_VERSION (with kwok/kwok.patch)"
+  work=$(mktemp -d)
+  source_dir=$(cd "$work" && GOFLAGS= go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" |
+    sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')
+  cp -r "$source_dir" "$work/src" && chmod -R u+w "$work/src"
+  (cd "$work/src" && patch -s -p1 <"$kwok_patch") ||
+    { log "kwok/kwok.patch no longer applies to KWOK $KWOK_VERSION: update it"; exit 1; }
+  (cd "$work/src" && go build -trimpath -ldflags "-s -w" -o "$bin/" ./cmd/kwok ./cmd/kwokctl >&2)
+  rm -rf "$work"
+  sha256sum <"$kwok_patch" >"$kwok_stamp"
   built "KWOK $KWOK_VERSION"
 fi
 if [ ! -x "$bin/helm" ] || ! "$bin/helm" version --short 2>/dev/null | grep -q "^$HELM_VERSION"; then
