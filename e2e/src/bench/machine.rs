@@ -165,6 +165,72 @@ fn fixed_work() -> Duration {
     start.elapsed()
 }
 
+/// The machine around one run: every part of the local cluster shares its cores, so a run
+/// the machine slowed shows here, not in the operator's own figures.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MachineFigures {
+    /// How the wait for a quiet machine before the run went (`--settle-below`).
+    pub settled: Option<Settled>,
+    /// Milliseconds one core took for a fixed piece of work just before the run.
+    pub calibration_ms: f64,
+    /// Written data still on its way to the disk when the run started.
+    pub unwritten_at_start: Unwritten,
+    /// How every CPU's time was spent over the run.
+    pub shares: CpuShares,
+    /// CPU seconds by command over the run, largest first.
+    pub cpu_by_command: Vec<(String, f64)>,
+}
+
+impl MachineFigures {
+    /// CPU seconds the processes whose command name (/proc/PID/comm, at most 15 bytes) is
+    /// `command` used over the run; 0 when none ran.
+    pub fn cpu_of(&self, command: &str) -> f64 {
+        self.cpu_by_command
+            .iter()
+            .find(|(name, _)| name == command)
+            .map_or(0.0, |(_, seconds)| *seconds)
+    }
+}
+
+/// The machine's counters when a run starts; [`MachineWatch::finish`] reads them again when
+/// it ends and gives the run's [`MachineFigures`].
+#[derive(Debug)]
+pub struct MachineWatch {
+    settled: Option<Settled>,
+    calibration_ms: f64,
+    unwritten_at_start: Unwritten,
+    ticks: CpuTicks,
+    processes: BTreeMap<u32, (String, f64)>,
+}
+
+impl MachineWatch {
+    /// Times one core's fixed work, then reads the counters: call it just before the run,
+    /// with how the wait for a quiet machine went, if there was one.
+    pub async fn start(settled: Option<Settled>) -> Result<Self, tokio::task::JoinError> {
+        let calibration_ms = tokio::task::spawn_blocking(calibration_ms).await?;
+        Ok(Self {
+            settled,
+            calibration_ms,
+            unwritten_at_start: Unwritten::now().unwrap_or_default(),
+            ticks: CpuTicks::now().unwrap_or_default(),
+            processes: cpu_by_process(),
+        })
+    }
+
+    /// What the machine did since [`MachineWatch::start`].
+    pub fn finish(self) -> MachineFigures {
+        MachineFigures {
+            settled: self.settled,
+            calibration_ms: self.calibration_ms,
+            unwritten_at_start: self.unwritten_at_start,
+            shares: self
+                .ticks
+                .shares_until(&CpuTicks::now().unwrap_or_default()),
+            cpu_by_command: cpu_used_between(&self.processes, &cpu_by_process()),
+        }
+    }
+}
+
 /// How [`settle`] went.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Settled {
@@ -275,6 +341,22 @@ mod tests {
         let settled = settle(101.0, Duration::from_millis(100), Duration::from_secs(60)).await;
         assert!(settled.quiet, "{settled:?}");
         assert!(settled.waited_s < 30.0, "{settled:?}");
+    }
+
+    #[tokio::test]
+    async fn a_watch_finds_the_cpu_this_process_used_under_its_command_name() {
+        let watch = MachineWatch::start(None).await.unwrap();
+        // The calibration ran before the counters were read: this work must show on its own.
+        let spin = Instant::now();
+        while spin.elapsed() < Duration::from_millis(300) {
+            black_box(fixed_work());
+        }
+        let figures = watch.finish();
+        assert!(figures.calibration_ms > 0.0, "{figures:?}");
+        let me = std::fs::read_to_string("/proc/self/comm").unwrap();
+        let used = figures.cpu_of(me.trim_end());
+        assert!(used >= 0.2, "{used} s under {me:?} in {figures:?}");
+        assert_eq!(figures.cpu_of("no-such-command"), 0.0);
     }
 
     #[test]

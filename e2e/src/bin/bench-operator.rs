@@ -29,7 +29,7 @@ use kube::{Api, Client};
 use ringmaster::controller::training_job::names;
 use ringmaster_e2e::bench::audit::{AuditLog, RequestCounts};
 use ringmaster_e2e::bench::contender::{Contender, LAUNCHER_PRIORITY_CLASS, Operator};
-use ringmaster_e2e::bench::machine::{self, CpuShares, CpuTicks, Settled, Unwritten};
+use ringmaster_e2e::bench::machine::{self, MachineFigures, MachineWatch, Settled};
 use ringmaster_e2e::bench::process::{self, Usage};
 use ringmaster_e2e::bench::{counter_delta, delta, identity, percentile};
 use ringmaster_e2e::nodes::{self, PoolMode, PoolShape};
@@ -136,8 +136,6 @@ struct Figures {
     /// Seconds the run was measured over.
     measured: f64,
     operator: Usage,
-    apiserver_cpu: f64,
-    etcd_cpu: f64,
     requests: RequestCounts,
     /// Seconds from a worker's failure to its job's Restarting phase, as the benchmark's
     /// watches saw both.
@@ -153,23 +151,27 @@ struct Figures {
     terminated_watchers: BTreeMap<String, f64>,
     /// Which repeat (from 1).
     repeat: u32,
+    /// The machine over the run, with every process's CPU seconds.
     machine: MachineFigures,
 }
 
-/// The machine around one run ([`ringmaster_e2e::bench::machine`]): every part of the local
-/// cluster shares its cores, so a run the machine slowed shows here.
-#[derive(Debug, Default)]
-struct MachineFigures {
-    /// How the wait for a quiet machine before the run went (`--settle-below`).
-    settled: Option<Settled>,
-    /// Milliseconds one core took for a fixed piece of work just before the run.
-    calibration_ms: f64,
-    /// Written data still on its way to the disk when the run started.
-    unwritten_at_start: Unwritten,
-    /// How every CPU's time was spent over the run.
-    shares: CpuShares,
-    /// CPU seconds by command over the run, largest first.
-    cpu_by_command: Vec<(String, f64)>,
+/// The rest of the local cluster, by command name (/proc/PID/comm, cut at 15 bytes), and how
+/// the tables name it: what every run's pods cost outside the operator and the API server.
+const CLUSTER_PROCESSES: [(&str, &str); 3] = [
+    ("kube-controller", "controller manager CPU (s)"),
+    ("kube-scheduler", "scheduler CPU (s)"),
+    ("kwok-controller", "KWOK (simulated kubelets) CPU (s)"),
+];
+
+impl Figures {
+    /// The API server's CPU seconds over the run.
+    fn apiserver_cpu(&self) -> f64 {
+        self.machine.cpu_of("kube-apiserver")
+    }
+
+    fn etcd_cpu(&self) -> f64 {
+        self.machine.cpu_of("etcd")
+    }
 }
 
 /// What jobs' progress reports cost, over the report phase.
@@ -280,9 +282,9 @@ async fn run(args: Args) -> Result<(), String> {
                 prepare(&client, &args, node_count).await?;
             }
             let settled = settle(&args).await;
-            let mut figures = measure(&client, &kubeconfig, &audit, contender, &args).await?;
+            let mut figures =
+                measure(&client, &kubeconfig, &audit, contender, &args, settled).await?;
             figures.repeat = repeat;
-            figures.machine.settled = settled;
             print_one(&figures, args.jobs);
             all.push(figures);
         }
@@ -508,51 +510,22 @@ fn usage_of(name: &str) -> Usage {
         .unwrap_or_default()
 }
 
+/// One contender's run: its operator started in a fresh namespace, JOBS jobs applied at once,
+/// timed until every job is Running (or `--timeout`), with the machine, the API server and
+/// the operator's requests measured over it; then the failure and report phases when asked.
 async fn measure(
     client: &Client,
     kubeconfig: &std::path::Path,
     audit: &AuditLog,
     contender: &Contender,
     args: &Args,
+    settled: Option<Settled>,
 ) -> Result<Figures, String> {
     let namespace = format!("bench-{}", contender.label);
-    delete_namespace(client, &namespace).await?;
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    let ns = json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}});
-    namespaces
-        .patch(
-            &namespace,
-            &PatchParams::apply("bench-operator"),
-            &Patch::Apply(&ns),
-        )
-        .await
-        .map_err(|e| format!("making namespace {namespace}: {e}"))?;
+    fresh_namespace(client, &namespace).await?;
     let reports_wanted = args.report_seconds > 0 && contender.operator == Operator::Ringmaster;
-    let progress_port = reports_wanted.then_some(args.progress_port);
-    let identity = identity::for_operator(client, kubeconfig, &contender.label, 4)
-        .await
-        .map_err(|e| e.to_string())?;
-    let log_path = kubeconfig.with_file_name(format!("bench-{}.log", contender.label));
-    let log = std::fs::File::create(&log_path)
-        .map_err(|e| format!("creating {}: {e}", log_path.display()))?;
-    let mut operator = contender
-        .command(
-            &identity.kubeconfig,
-            &namespace,
-            args.metrics_port,
-            progress_port,
-            log,
-        )
-        .spawn()
-        .map_err(|e| format!("starting {}: {e}", contender.binary.display()))?;
-    let pid = operator.id().ok_or("the operator exited at once")?;
-    wait_ready(client, contender, &namespace, args.metrics_port).await?;
-    println!(
-        "\n== {} ({}) in namespace {namespace}; its log: {}",
-        contender.label,
-        contender.binary.display(),
-        log_path.display()
-    );
+    let mut operator = start_operator(client, kubeconfig, contender, args, &namespace).await?;
+    let pid = operator.pid;
 
     let resource = contender.job_resource();
     let jobs: Api<DynamicObject> = Api::namespaced_with(client.clone(), &namespace, &resource);
@@ -568,21 +541,137 @@ async fn measure(
         .await
         .map_err(|e| e.to_string())?;
 
-    let calibration_ms = tokio::task::spawn_blocking(machine::calibration_ms)
+    let machine = MachineWatch::start(settled)
         .await
         .map_err(|e| e.to_string())?;
-    let unwritten_at_start = Unwritten::now().unwrap_or_default();
-    let ticks_before = CpuTicks::now().unwrap_or_default();
-    let processes_before = machine::cpu_by_process();
     let (apiserver_time_before, by_client_before, closed_before) = apiserver_time(client).await;
     let mark = audit.mark();
     let operator_before = Usage::of(pid).unwrap_or_default();
-    let apiserver_before = usage_of("kube-apiserver");
-    let etcd_before = usage_of("etcd");
+    let start = Instant::now();
+    apply_jobs(&jobs, contender, args).await?;
+    let progress = wait_for_running(&job_store, contender, args, start).await;
+    let machine = machine.finish();
+    let (apiserver_time_after, by_client_after, closed_after) = apiserver_time(client).await;
+    let operator_after = Usage::of(pid).unwrap_or_default();
+    // The audit log is appended as each response completes: give the last ones a moment.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let requests = audit
+        .requests_since(mark, &operator.identity.username)
+        .map_err(|e| format!("reading {}: {e}", audit.path().display()))?;
+
+    let failure_to_restarting = if contender.operator == Operator::Ringmaster
+        && progress.all_running.is_some()
+        && args.failures > 0
+    {
+        time_failures(client, &namespace, &job_store, &resource, args).await?
+    } else {
+        Vec::new()
+    };
+    let reporting = if reports_wanted && progress.all_running.is_some() {
+        let identity = &operator.identity.username;
+        Some(measure_reports(client, audit, pid, &namespace, &job_store, identity, args).await?)
+    } else {
+        None
+    };
+    let peak = Usage::of(pid).unwrap_or(operator_after).peak_rss_mib;
+    let _ = operator.child.kill().await;
+    watch.abort();
+    delete_namespace(client, &namespace).await?;
+    Ok(Figures {
+        label: contender.label.clone(),
+        jobs_running: progress.jobs_running,
+        all_running: progress.all_running,
+        half_running: progress.half_running,
+        measured: progress.measured,
+        operator: Usage {
+            cpu_seconds: operator_after.cpu_seconds - operator_before.cpu_seconds,
+            peak_rss_mib: peak,
+        },
+        requests,
+        failure_to_restarting,
+        apiserver_time: delta(&apiserver_time_before, apiserver_time_after),
+        reporting,
+        apiserver_by_client: delta(&by_client_before, by_client_after),
+        terminated_watchers: counter_delta(&closed_before, closed_after),
+        repeat: 0,
+        machine,
+    })
+}
+
+/// Deletes `namespace` if an earlier run left it, and makes it again, empty.
+async fn fresh_namespace(client: &Client, namespace: &str) -> Result<(), String> {
+    delete_namespace(client, namespace).await?;
+    let ns = json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}});
+    Api::<Namespace>::all(client.clone())
+        .patch(
+            namespace,
+            &PatchParams::apply("bench-operator"),
+            &Patch::Apply(&ns),
+        )
+        .await
+        .map(|_| ())
+        .map_err(|e| format!("making namespace {namespace}: {e}"))
+}
+
+/// A contender's operator process, running as its own ServiceAccount.
+struct RunningOperator {
+    child: tokio::process::Child,
+    pid: u32,
+    identity: identity::Identity,
+}
+
+/// Starts the contender's operator on `namespace` with its own identity and log, and waits
+/// until it can take jobs.
+async fn start_operator(
+    client: &Client,
+    kubeconfig: &std::path::Path,
+    contender: &Contender,
+    args: &Args,
+    namespace: &str,
+) -> Result<RunningOperator, String> {
+    let reports_wanted = args.report_seconds > 0 && contender.operator == Operator::Ringmaster;
+    let progress_port = reports_wanted.then_some(args.progress_port);
+    let identity = identity::for_operator(client, kubeconfig, &contender.label, 4)
+        .await
+        .map_err(|e| e.to_string())?;
+    let log_path = kubeconfig.with_file_name(format!("bench-{}.log", contender.label));
+    let log = std::fs::File::create(&log_path)
+        .map_err(|e| format!("creating {}: {e}", log_path.display()))?;
+    let child = contender
+        .command(
+            &identity.kubeconfig,
+            namespace,
+            args.metrics_port,
+            progress_port,
+            log,
+        )
+        .spawn()
+        .map_err(|e| format!("starting {}: {e}", contender.binary.display()))?;
+    let pid = child.id().ok_or("the operator exited at once")?;
+    wait_ready(client, contender, namespace, args.metrics_port).await?;
+    println!(
+        "\n== {} ({}) in namespace {namespace}; its log: {}",
+        contender.label,
+        contender.binary.display(),
+        log_path.display()
+    );
+    Ok(RunningOperator {
+        child,
+        pid,
+        identity,
+    })
+}
+
+/// Applies every job at once (64 requests in flight), as a user's `kubectl apply` of a
+/// directory would.
+async fn apply_jobs(
+    jobs: &Api<DynamicObject>,
+    contender: &Contender,
+    args: &Args,
+) -> Result<(), String> {
     let start = Instant::now();
     let applies = futures::stream::iter(0..args.jobs)
         .map(|i| {
-            let jobs = jobs.clone();
             let name = job_name(i);
             let body = contender.job(&name, args.workers);
             async move {
@@ -605,7 +694,27 @@ async fn measure(
         args.jobs,
         start.elapsed().as_secs_f64()
     );
+    Ok(())
+}
 
+/// How far the jobs got, seconds from the first apply.
+struct Progress {
+    /// Until every job was Running; `None` if the benchmark stopped waiting.
+    all_running: Option<f64>,
+    half_running: Option<f64>,
+    jobs_running: usize,
+    /// How long it watched.
+    measured: f64,
+}
+
+/// Watches the jobs until every one is Running or the contender's timeout passes, saying
+/// how many are Running every 30 s.
+async fn wait_for_running(
+    job_store: &Store<DynamicObject>,
+    contender: &Contender,
+    args: &Args,
+    start: Instant,
+) -> Progress {
     let timeout = match (&contender.operator, args.mpi_operator_defaults_timeout) {
         (Operator::MpiOperatorDefaults, Some(seconds)) => seconds,
         _ => args.timeout,
@@ -613,87 +722,31 @@ async fn measure(
     let deadline = start + Duration::from_secs(timeout);
     let mut last_report = Instant::now();
     let mut half_running = None;
-    let (all_running, jobs_running) = loop {
+    loop {
         let running = job_store
             .state()
             .iter()
             .filter(|j| contender.is_running(j))
             .count();
+        let seconds = start.elapsed().as_secs_f64();
         if half_running.is_none() && 2 * running as u32 >= args.jobs {
-            half_running = Some(start.elapsed().as_secs_f64());
+            half_running = Some(seconds);
         }
-        if running as u32 >= args.jobs {
-            break (Some(start.elapsed().as_secs_f64()), running);
-        }
-        if Instant::now() > deadline {
-            break (None, running);
+        let all = running as u32 >= args.jobs;
+        if all || Instant::now() > deadline {
+            return Progress {
+                all_running: all.then_some(seconds),
+                half_running,
+                jobs_running: running,
+                measured: seconds,
+            };
         }
         if last_report.elapsed() > Duration::from_secs(30) {
-            println!(
-                "  {running}/{} Running after {:.0} s",
-                args.jobs,
-                start.elapsed().as_secs_f64()
-            );
+            println!("  {running}/{} Running after {seconds:.0} s", args.jobs);
             last_report = Instant::now();
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    let measured = start.elapsed().as_secs_f64();
-    let machine = MachineFigures {
-        settled: None,
-        calibration_ms,
-        unwritten_at_start,
-        shares: ticks_before.shares_until(&CpuTicks::now().unwrap_or_default()),
-        cpu_by_command: machine::cpu_used_between(&processes_before, &machine::cpu_by_process()),
-    };
-    let (apiserver_time_after, by_client_after, closed_after) = apiserver_time(client).await;
-    let apiserver_after = usage_of("kube-apiserver");
-    let etcd_after = usage_of("etcd");
-    let operator_after = Usage::of(pid).unwrap_or_default();
-    // The audit log is appended as each response completes: give the last ones a moment.
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let requests = audit
-        .requests_since(mark, &identity.username)
-        .map_err(|e| format!("reading {}: {e}", audit.path().display()))?;
-
-    let failure_to_restarting =
-        if contender.operator == Operator::Ringmaster && all_running.is_some() && args.failures > 0
-        {
-            time_failures(client, &namespace, &job_store, &resource, args).await?
-        } else {
-            Vec::new()
-        };
-    let reporting = if reports_wanted && all_running.is_some() {
-        let identity = &identity.username;
-        Some(measure_reports(client, audit, pid, &namespace, &job_store, identity, args).await?)
-    } else {
-        None
-    };
-    let peak = Usage::of(pid).unwrap_or(operator_after).peak_rss_mib;
-    let _ = operator.kill().await;
-    watch.abort();
-    delete_namespace(client, &namespace).await?;
-    Ok(Figures {
-        label: contender.label.clone(),
-        jobs_running,
-        all_running,
-        half_running,
-        measured,
-        operator: Usage {
-            cpu_seconds: operator_after.cpu_seconds - operator_before.cpu_seconds,
-            peak_rss_mib: peak,
-        },
-        apiserver_cpu: apiserver_after.cpu_seconds - apiserver_before.cpu_seconds,
-        etcd_cpu: etcd_after.cpu_seconds - etcd_before.cpu_seconds,
-        requests,
-        failure_to_restarting,
-        apiserver_time: delta(&apiserver_time_before, apiserver_time_after),
-        reporting,
-        apiserver_by_client: delta(&by_client_before, by_client_after),
-        terminated_watchers: counter_delta(&closed_before, closed_after),
-        repeat: 0,
-        machine,
-    })
+    }
 }
 
 /// Every job's launcher reports for `--report-seconds`; the operator's and the API server's
@@ -851,8 +904,11 @@ fn print_summary(runs: &[Figures], contenders: &[Contender], args: &Args) {
         &|f| Some(f.operator.peak_rss_mib),
         0,
     );
-    row("API server CPU (s)", &|f| Some(f.apiserver_cpu), 1);
-    row("etcd CPU (s)", &|f| Some(f.etcd_cpu), 1);
+    row("API server CPU (s)", &|f| Some(f.apiserver_cpu()), 1);
+    row("etcd CPU (s)", &|f| Some(f.etcd_cpu()), 1);
+    for (command, name) in CLUSTER_PROCESSES {
+        row(name, &|f| Some(f.machine.cpu_of(command)), 1);
+    }
     row(
         "pod watches closed as too slow (every client)",
         &|f| {
@@ -1032,8 +1088,11 @@ fn print_one(f: &Figures, jobs: u32) {
         "operator peak RSS                {:8.1} MiB",
         f.operator.peak_rss_mib
     );
-    println!("API server CPU                   {:8.2} s", f.apiserver_cpu);
-    println!("etcd CPU                         {:8.2} s", f.etcd_cpu);
+    println!(
+        "API server CPU                   {:8.2} s",
+        f.apiserver_cpu()
+    );
+    println!("etcd CPU                         {:8.2} s", f.etcd_cpu());
     print_machine(&f.machine);
     let closed: Vec<String> = f
         .terminated_watchers
@@ -1130,11 +1189,16 @@ fn print_table(all: &[Figures], jobs: u32, workers: u32) {
     row("operator peak RSS (MiB)", &|f| {
         format!("{:.0}", f.operator.peak_rss_mib)
     });
-    row("API server CPU (s)", &|f| format!("{:.1}", f.apiserver_cpu));
-    row("API server CPU per job (ms)", &|f| {
-        format!("{:.1}", 1000.0 * f.apiserver_cpu / f64::from(jobs))
+    row("API server CPU (s)", &|f| {
+        format!("{:.1}", f.apiserver_cpu())
     });
-    row("etcd CPU (s)", &|f| format!("{:.1}", f.etcd_cpu));
+    row("API server CPU per job (ms)", &|f| {
+        format!("{:.1}", 1000.0 * f.apiserver_cpu() / f64::from(jobs))
+    });
+    row("etcd CPU (s)", &|f| format!("{:.1}", f.etcd_cpu()));
+    for (command, name) in CLUSTER_PROCESSES {
+        row(name, &|f| format!("{:.1}", f.machine.cpu_of(command)));
+    }
     row("one core's fixed work before the run (ms)", &|f| {
         format!("{:.0}", f.machine.calibration_ms)
     });
