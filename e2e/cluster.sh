@@ -7,7 +7,8 @@
 #
 #   e2e/cluster.sh up       start it (a no-op when it is up); writes e2e/.state/kubeconfig
 #   e2e/cluster.sh down     stop every process it started and remove its state
-#   e2e/cluster.sh status   say whether it is up
+#   e2e/cluster.sh status   say whether it is up (every component running, the API ready)
+#   e2e/cluster.sh report   which components died, and the tail of each one's log
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
@@ -26,9 +27,34 @@ log() { printf '[cluster] %s\n' "$*" >&2; }
 
 binaries() { "$here/tools/build.sh"; }
 
+components=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok-controller)
+
+# The components kwokctl started whose process is gone (kwokctl never restarts one).
+dead_components() {
+  local c pid
+  for c in "${components[@]}"; do
+    pid=$(cat "$KWOK_WORKDIR/clusters/$name/pids/$c.pid" 2>/dev/null || true)
+    { [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; } || echo "$c"
+  done
+}
+
 healthy() {
   [ -f "$kubeconfig" ] || return 1
+  [ -z "$(dead_components)" ] || return 1
   "$bin/kubectl" --kubeconfig "$kubeconfig" get --raw /readyz >/dev/null 2>&1
+}
+
+# What a failed test run needs to tell a broken cluster from a broken operator: which
+# components died and the last lines of every component's log.
+report() {
+  local dir="$KWOK_WORKDIR/clusters/$name" dead c
+  [ -d "$dir" ] || { log "not running: nothing to report"; return 0; }
+  dead=$(dead_components | tr '\n' ' ')
+  if [ -n "$dead" ]; then log "DEAD components: $dead(a test that waits on them times out)"; else log "every component is running"; fi
+  for c in "${components[@]}"; do
+    log "last lines of $c.log:"
+    tail -n "${REPORT_LINES:-15}" "$dir/logs/$c.log" 2>/dev/null | cut -c1-400 >&2 || true
+  done
 }
 
 kwok_nodes() {
@@ -52,8 +78,10 @@ up() {
     return 0
   fi
   if [ -d "$KWOK_WORKDIR/clusters/$name" ]; then
-    log "removing a stopped cluster's state"
-    "$bin/kwokctl" delete cluster --name "$name" --kubeconfig "$kubeconfig" >/dev/null 2>&1 || true
+    # A stopped cluster, or one with a dead component: everything it started goes, the
+    # real node included (its kubelet would not register again with a new etcd).
+    log "removing a stopped or broken cluster (dead: $(dead_components | tr '\n' ' '))"
+    down
   fi
   mkdir -p "$state"
   rm -f "$kubeconfig"
@@ -67,6 +95,10 @@ up() {
 # references are enforced as on OpenShift: blockOwnerDeletion needs the right to update the
 # owner's finalizers (the chart's RBAC is tested under it). bench-operator counts
   # the requests of the ServiceAccounts of namespace ringmaster-bench (kwok/audit-policy.yaml).
+  # The controller manager and the scheduler run without leader election: there is one of
+  # each, and with it a stall of the API server or etcd longer than the lease's renew
+  # deadline (10 s, as when a loaded machine holds back etcd's fsync) made both exit for good,
+  # leaving every later pod without its ServiceAccount or node.
   "$bin/kwokctl" create cluster --name "$name" --runtime binary \
     --kube-apiserver-binary "$bin/kube-apiserver" \
     --kube-controller-manager-binary "$bin/kube-controller-manager" \
@@ -98,6 +130,8 @@ up() {
     --extra-args "kube-apiserver=audit-log-path=$state/audit.log" \
     --extra-args "kube-apiserver=audit-log-maxsize=100000" \
     --extra-args "kube-apiserver=enable-admission-plugins=OwnerReferencesPermissionEnforcement" \
+    --extra-args "kube-controller-manager=leader-elect=false" \
+    --extra-args "kube-scheduler=leader-elect=false" \
     --wait 120s -v WARN
   log "control plane ready after $((SECONDS - start)) s; adding simulated AKS nodes"
   kwok_nodes add --pool system --vm-size Standard_D4s_v5 --count 2 --mode system
@@ -147,5 +181,6 @@ case "${1:-}" in
   up) up ;;
   down) down ;;
   status) status ;;
-  *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
+  report) report ;;
+  *) echo "usage: $0 up|down|status|report" >&2; exit 2 ;;
 esac

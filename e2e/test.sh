@@ -16,6 +16,9 @@ if ! "$here/cluster.sh" status >/dev/null; then
 fi
 finish() {
   local rc=$?
+  # A failure caused by the cluster (a component that died) must be told apart from one
+  # caused by the operator before the state, logs included, is removed.
+  [ "$rc" = 0 ] || "$here/cluster.sh" report || true
   if [ "$started" = 1 ] && [ "${KEEP_CLUSTER:-0}" != 1 ]; then
     "$here/cluster.sh" down
   elif [ "$started" = 1 ]; then

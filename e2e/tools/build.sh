@@ -12,6 +12,9 @@
 # how long each build took, goes to stderr. Versions live in e2e/versions.env.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+# Each step builds in a temporary module folder ($work); a failed step removes it too.
+work=""
+trap '[ -z "$work" ] || rm -rf "$work"' EXIT
 # shellcheck source=../versions.env
 source "$here/../versions.env"
 cache=${RINGMASTER_CACHE:-$HOME/.cache/ringmaster}

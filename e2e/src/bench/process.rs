@@ -46,19 +46,6 @@ pub fn name_and_cpu_seconds(stat: &str) -> Option<(String, f64)> {
     Some((name, ticks / 100.0))
 }
 
-/// The process whose command name (/proc/PID/comm) is `name`: the control plane's
-/// kube-apiserver or etcd, which the cluster runs as plain processes.
-pub fn find_by_name(name: &str) -> Option<u32> {
-    std::fs::read_dir("/proc")
-        .ok()?
-        .flatten()
-        .find_map(|entry| {
-            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
-            let comm = std::fs::read_to_string(entry.path().join("comm")).ok()?;
-            (comm.trim_end() == name).then_some(pid)
-        })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

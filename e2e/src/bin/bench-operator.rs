@@ -30,7 +30,7 @@ use ringmaster::controller::training_job::names;
 use ringmaster_e2e::bench::audit::{AuditLog, RequestCounts};
 use ringmaster_e2e::bench::contender::{Contender, LAUNCHER_PRIORITY_CLASS, Operator};
 use ringmaster_e2e::bench::machine::{self, MachineFigures, MachineWatch, Settled};
-use ringmaster_e2e::bench::process::{self, Usage};
+use ringmaster_e2e::bench::process::Usage;
 use ringmaster_e2e::bench::{counter_delta, delta, identity, percentile};
 use ringmaster_e2e::nodes::{self, PoolMode, PoolShape};
 use serde_json::json;
@@ -282,9 +282,8 @@ async fn run(args: Args) -> Result<(), String> {
                 prepare(&client, &args, node_count).await?;
             }
             let settled = settle(&args).await;
-            let mut figures =
-                measure(&client, &kubeconfig, &audit, contender, &args, settled).await?;
-            figures.repeat = repeat;
+            let run = Run { repeat, settled };
+            let figures = measure(&client, &kubeconfig, &audit, contender, &args, run).await?;
             print_one(&figures, args.jobs);
             all.push(figures);
         }
@@ -504,10 +503,16 @@ async fn wait_ready(
     }
 }
 
-fn usage_of(name: &str) -> Usage {
-    process::find_by_name(name)
-        .and_then(Usage::of)
-        .unwrap_or_default()
+/// Which run this is, and how the machine settled before it.
+struct Run {
+    repeat: u32,
+    settled: Option<Settled>,
+}
+
+/// Whether the contender's launchers report progress after the run (`--report-seconds`,
+/// Ringmaster only: MPI Operator has no progress reports).
+fn reports_wanted(args: &Args, contender: &Contender) -> bool {
+    args.report_seconds > 0 && contender.operator == Operator::Ringmaster
 }
 
 /// One contender's run: its operator started in a fresh namespace, JOBS jobs applied at once,
@@ -519,11 +524,10 @@ async fn measure(
     audit: &AuditLog,
     contender: &Contender,
     args: &Args,
-    settled: Option<Settled>,
+    run: Run,
 ) -> Result<Figures, String> {
     let namespace = format!("bench-{}", contender.label);
     fresh_namespace(client, &namespace).await?;
-    let reports_wanted = args.report_seconds > 0 && contender.operator == Operator::Ringmaster;
     let mut operator = start_operator(client, kubeconfig, contender, args, &namespace).await?;
     let pid = operator.pid;
 
@@ -541,7 +545,7 @@ async fn measure(
         .await
         .map_err(|e| e.to_string())?;
 
-    let machine = MachineWatch::start(settled)
+    let machine = MachineWatch::start(run.settled)
         .await
         .map_err(|e| e.to_string())?;
     let (apiserver_time_before, by_client_before, closed_before) = apiserver_time(client).await;
@@ -567,7 +571,7 @@ async fn measure(
     } else {
         Vec::new()
     };
-    let reporting = if reports_wanted && progress.all_running.is_some() {
+    let reporting = if reports_wanted(args, contender) && progress.all_running.is_some() {
         let identity = &operator.identity.username;
         Some(measure_reports(client, audit, pid, &namespace, &job_store, identity, args).await?)
     } else {
@@ -593,7 +597,7 @@ async fn measure(
         reporting,
         apiserver_by_client: delta(&by_client_before, by_client_after),
         terminated_watchers: counter_delta(&closed_before, closed_after),
-        repeat: 0,
+        repeat: run.repeat,
         machine,
     })
 }
@@ -629,8 +633,7 @@ async fn start_operator(
     args: &Args,
     namespace: &str,
 ) -> Result<RunningOperator, String> {
-    let reports_wanted = args.report_seconds > 0 && contender.operator == Operator::Ringmaster;
-    let progress_port = reports_wanted.then_some(args.progress_port);
+    let progress_port = reports_wanted(args, contender).then_some(args.progress_port);
     let identity = identity::for_operator(client, kubeconfig, &contender.label, 4)
         .await
         .map_err(|e| e.to_string())?;
@@ -763,13 +766,13 @@ async fn measure_reports(
     use ringmaster_contract::progress::DEFAULT_INTERVAL_SECONDS;
     let mark = audit.mark();
     let operator_before = Usage::of(pid).unwrap_or_default();
-    let apiserver_before = usage_of("kube-apiserver");
+    let machine = MachineWatch::start(None).await.map_err(|e| e.to_string())?;
     let interval = Duration::from_secs(DEFAULT_INTERVAL_SECONDS);
     let reports =
         ringmaster_e2e::bench::reports::run(client, namespace, args.report_seconds, interval)
             .await?;
     let operator_after = Usage::of(pid).unwrap_or_default();
-    let apiserver_after = usage_of("kube-apiserver");
+    let machine = machine.finish();
     tokio::time::sleep(Duration::from_secs(1)).await;
     let requests = audit
         .requests_since(mark, username)
@@ -786,7 +789,7 @@ async fn measure_reports(
     Ok(Reporting {
         reports,
         operator_cpu: operator_after.cpu_seconds - operator_before.cpu_seconds,
-        apiserver_cpu: apiserver_after.cpu_seconds - apiserver_before.cpu_seconds,
+        apiserver_cpu: machine.cpu_of("kube-apiserver"),
         requests,
         jobs_with_progress,
     })
