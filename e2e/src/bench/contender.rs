@@ -1,7 +1,7 @@
 //! The operators bench-operator measures, side by side: how each is started, what job it is
 //! given (the same gang shape for both: WORKERS sshd workers and one launcher running the
 //! trainer under mpirun, launcher created once the workers are ready), and when a job counts
-//! as Running.
+//! as Running. Beside them, the floor: the same pods with no operator at all.
 
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -22,6 +22,11 @@ pub enum Operator {
     MpiOperatorDefaults,
     /// Kubeflow MPI Operator v2 with every limit raised out of the way.
     MpiOperatorRaised,
+    /// No operator: each job is a ReplicaSet of WORKERS + 1 pods, which the controller
+    /// manager's ReplicaSet controller makes. What the cluster itself spends on the same
+    /// pods (scheduling, binding, the kubelets' status, events): the floor under any
+    /// operator's time and API-server CPU on this machine.
+    ReplicaSetFloor,
 }
 
 /// MPI Operator's limits, raised: client QPS and burst, reconcile workers, work-queue rate
@@ -50,6 +55,9 @@ pub struct Contender {
     pub launcher_priority_class: Option<String>,
 }
 
+/// The floor's label in the tables.
+pub const FLOOR_LABEL: &str = "floor-replicasets";
+
 /// The PriorityClass bench-operator makes for Ringmaster's launchers, as the Helm chart's.
 pub const LAUNCHER_PRIORITY_CLASS: &str = "bench-ringmaster-launcher";
 
@@ -67,7 +75,16 @@ impl Contender {
                     "mpijobs",
                 )
             }
+            Operator::ReplicaSetFloor => ApiResource::from_gvk_with_plural(
+                &GroupVersionKind::gvk("apps", "v1", "ReplicaSet"),
+                "replicasets",
+            ),
         }
+    }
+
+    /// Whether an operator process runs for this contender (not for the floor).
+    pub fn has_operator(&self) -> bool {
+        self.operator != Operator::ReplicaSetFloor
     }
 
     /// Job `name` of `workers` workers, as this operator takes it.
@@ -101,6 +118,24 @@ impl Contender {
                     },
                 },
             }),
+            // MPI Operator's worker pod, once per worker and once for the launcher.
+            Operator::ReplicaSetFloor => json!({
+                "apiVersion": "apps/v1", "kind": "ReplicaSet",
+                "metadata": {"name": name},
+                "spec": {
+                    "replicas": workers + 1,
+                    "selector": {"matchLabels": {"bench-job": name}},
+                    "template": {
+                        "metadata": {"labels": {"bench-job": name}},
+                        "spec": {"containers": [{
+                            "name": "worker", "image": IMAGE,
+                            "command": ["/usr/sbin/sshd", "-De"],
+                            "ports": [{"name": "ssh", "containerPort": 22}],
+                            "readinessProbe": {"tcpSocket": {"port": 22}},
+                        }]},
+                    },
+                },
+            }),
         }
     }
 
@@ -115,13 +150,18 @@ impl Contender {
                         .any(|c| c["type"] == "Running" && c["status"] == "True")
                 })
             }
+            // Every pod ready, as Ringmaster's Running needs every worker ready and the
+            // launcher running.
+            Operator::ReplicaSetFloor => job.data["spec"]["replicas"]
+                .as_u64()
+                .is_some_and(|wanted| status["readyReplicas"].as_u64() >= Some(wanted)),
         }
     }
 
-    /// The command that starts the operator on `namespace` as the identity in `kubeconfig`.
-    /// Ringmaster serves its metrics and readiness on `metrics_port`; MPI Operator takes its
-    /// leader-election lock in `namespace` (fresh for each run, so no earlier run's lock
-    /// is waited out).
+    /// The command that starts the operator on `namespace` as the identity in `kubeconfig`
+    /// (none for the floor). Ringmaster serves its metrics and readiness on `metrics_port`;
+    /// MPI Operator takes its leader-election lock in `namespace` (fresh for each run, so no
+    /// earlier run's lock is waited out).
     pub fn command(
         &self,
         kubeconfig: &std::path::Path,
@@ -129,7 +169,7 @@ impl Contender {
         metrics_port: u16,
         progress_port: Option<u16>,
         log: std::fs::File,
-    ) -> tokio::process::Command {
+    ) -> Option<tokio::process::Command> {
         let mut command = tokio::process::Command::new(&self.binary);
         match self.operator {
             Operator::Ringmaster => {
@@ -154,13 +194,14 @@ impl Contender {
                     command.args(MPI_OPERATOR_RAISED);
                 }
             }
+            Operator::ReplicaSetFloor => return None,
         }
         command
             .env("KUBECONFIG", kubeconfig)
             .stdout(Stdio::null())
             .stderr(log)
             .kill_on_drop(true);
-        command
+        Some(command)
     }
 }
 
@@ -213,6 +254,27 @@ mod tests {
     }
 
     #[test]
+    fn the_floor_is_a_replica_set_of_every_pod_of_the_gang_running_without_an_operator() {
+        let floor = contender(Operator::ReplicaSetFloor);
+        let job = floor.job("j", 8);
+        assert_eq!(job["spec"]["replicas"], 9);
+        assert_eq!(
+            job["spec"]["selector"]["matchLabels"],
+            job["spec"]["template"]["metadata"]["labels"]
+        );
+        assert!(floor.is_running(&object(&floor, json!({"readyReplicas": 9}))));
+        assert!(!floor.is_running(&object(&floor, json!({"readyReplicas": 8}))));
+        assert!(!floor.is_running(&object(&floor, json!({"replicas": 9}))));
+        let log = tempfile_for_log();
+        assert!(
+            floor
+                .command(std::path::Path::new("/k"), "ns", 1, None, log)
+                .is_none()
+        );
+        assert!(!floor.has_operator());
+    }
+
+    #[test]
     fn only_the_raised_mpi_operator_gets_raised_limits() {
         let args = |operator| {
             let command = contender(operator).command(
@@ -223,6 +285,7 @@ mod tests {
                 tempfile_for_log(),
             );
             command
+                .unwrap()
                 .as_std()
                 .get_args()
                 .map(|a| a.to_string_lossy().into_owned())

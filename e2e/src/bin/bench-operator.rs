@@ -28,7 +28,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use ringmaster::controller::training_job::names;
 use ringmaster_e2e::bench::audit::{AuditLog, RequestCounts};
-use ringmaster_e2e::bench::contender::{Contender, LAUNCHER_PRIORITY_CLASS, Operator};
+use ringmaster_e2e::bench::contender::{Contender, FLOOR_LABEL, LAUNCHER_PRIORITY_CLASS, Operator};
 use ringmaster_e2e::bench::machine::{self, MachineFigures, MachineWatch, Settled};
 use ringmaster_e2e::bench::process::Usage;
 use ringmaster_e2e::bench::{counter_delta, delta, identity, percentile};
@@ -57,6 +57,12 @@ struct Args {
     /// a second).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     mpi_operator_defaults: bool,
+    /// Measure the floor too: the same pods with no operator, each job a ReplicaSet of
+    /// WORKERS + 1 pods made by the controller manager. What the cluster itself spends on
+    /// them is the least any operator's run can take on this machine; the summary shows each
+    /// contender above it.
+    #[arg(long)]
+    floor: bool,
     /// Jobs to apply at once.
     #[arg(long, default_value_t = 100)]
     jobs: u32,
@@ -245,6 +251,14 @@ async fn run(args: Args) -> Result<(), String> {
                 launcher_priority_class: None,
             });
         }
+    }
+    if args.floor {
+        contenders.push(Contender {
+            label: FLOOR_LABEL.into(),
+            operator: Operator::ReplicaSetFloor,
+            binary: PathBuf::new(),
+            launcher_priority_class: None,
+        });
     }
     let pods = args.jobs * (args.workers + 1);
     let node_count = pods.div_ceil(100);
@@ -488,6 +502,7 @@ async fn wait_ready(
                 .and_then(|l| l.spec)
                 .and_then(|s| s.holder_identity)
                 .is_some_and(|h| !h.is_empty()),
+            Operator::ReplicaSetFloor => true,
         };
         if ready {
             if contender.operator != Operator::Ringmaster {
@@ -529,7 +544,12 @@ async fn measure(
     let namespace = format!("bench-{}", contender.label);
     fresh_namespace(client, &namespace).await?;
     let mut operator = start_operator(client, kubeconfig, contender, args, &namespace).await?;
-    let pid = operator.pid;
+    let usage = |operator: &Option<RunningOperator>| {
+        operator
+            .as_ref()
+            .and_then(|o| Usage::of(o.pid))
+            .unwrap_or_default()
+    };
 
     let resource = contender.job_resource();
     let jobs: Api<DynamicObject> = Api::namespaced_with(client.clone(), &namespace, &resource);
@@ -550,18 +570,21 @@ async fn measure(
         .map_err(|e| e.to_string())?;
     let (apiserver_time_before, by_client_before, closed_before) = apiserver_time(client).await;
     let mark = audit.mark();
-    let operator_before = Usage::of(pid).unwrap_or_default();
+    let operator_before = usage(&operator);
     let start = Instant::now();
     apply_jobs(&jobs, contender, args).await?;
     let progress = wait_for_running(&job_store, contender, args, start).await;
     let machine = machine.finish();
     let (apiserver_time_after, by_client_after, closed_after) = apiserver_time(client).await;
-    let operator_after = Usage::of(pid).unwrap_or_default();
+    let operator_after = usage(&operator);
     // The audit log is appended as each response completes: give the last ones a moment.
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let requests = audit
-        .requests_since(mark, &operator.identity.username)
-        .map_err(|e| format!("reading {}: {e}", audit.path().display()))?;
+    let requests = match &operator {
+        Some(operator) => audit
+            .requests_since(mark, &operator.identity.username)
+            .map_err(|e| format!("reading {}: {e}", audit.path().display()))?,
+        None => RequestCounts::default(),
+    };
 
     let failure_to_restarting = if contender.operator == Operator::Ringmaster
         && progress.all_running.is_some()
@@ -571,14 +594,23 @@ async fn measure(
     } else {
         Vec::new()
     };
-    let reporting = if reports_wanted(args, contender) && progress.all_running.is_some() {
-        let identity = &operator.identity.username;
-        Some(measure_reports(client, audit, pid, &namespace, &job_store, identity, args).await?)
-    } else {
-        None
+    let reporting = match &operator {
+        Some(operator) if reports_wanted(args, contender) && progress.all_running.is_some() => {
+            let (pid, identity) = (operator.pid, &operator.identity.username);
+            let measured =
+                measure_reports(client, audit, pid, &namespace, &job_store, identity, args);
+            Some(measured.await?)
+        }
+        _ => None,
     };
-    let peak = Usage::of(pid).unwrap_or(operator_after).peak_rss_mib;
-    let _ = operator.child.kill().await;
+    let peak = operator
+        .as_ref()
+        .and_then(|o| Usage::of(o.pid))
+        .unwrap_or(operator_after)
+        .peak_rss_mib;
+    if let Some(operator) = &mut operator {
+        let _ = operator.child.kill().await;
+    }
     watch.abort();
     delete_namespace(client, &namespace).await?;
     Ok(Figures {
@@ -625,14 +657,21 @@ struct RunningOperator {
 }
 
 /// Starts the contender's operator on `namespace` with its own identity and log, and waits
-/// until it can take jobs.
+/// until it can take jobs; none for the floor.
 async fn start_operator(
     client: &Client,
     kubeconfig: &std::path::Path,
     contender: &Contender,
     args: &Args,
     namespace: &str,
-) -> Result<RunningOperator, String> {
+) -> Result<Option<RunningOperator>, String> {
+    if !contender.has_operator() {
+        println!(
+            "\n== {} (no operator: the controller manager's ReplicaSet controller makes the pods) in namespace {namespace}",
+            contender.label
+        );
+        return Ok(None);
+    }
     let progress_port = reports_wanted(args, contender).then_some(args.progress_port);
     let identity = identity::for_operator(client, kubeconfig, &contender.label, 4)
         .await
@@ -648,6 +687,7 @@ async fn start_operator(
             progress_port,
             log,
         )
+        .ok_or_else(|| format!("{} has no operator to start", contender.label))?
         .spawn()
         .map_err(|e| format!("starting {}: {e}", contender.binary.display()))?;
     let pid = child.id().ok_or("the operator exited at once")?;
@@ -658,11 +698,11 @@ async fn start_operator(
         contender.binary.display(),
         log_path.display()
     );
-    Ok(RunningOperator {
+    Ok(Some(RunningOperator {
         child,
         pid,
         identity,
-    })
+    }))
 }
 
 /// Applies every job at once (64 requests in flight), as a user's `kubectl apply` of a
@@ -951,6 +991,7 @@ fn print_summary(runs: &[Figures], contenders: &[Contender], args: &Args) {
         })
         .collect();
     println!("| max/min of every job Running |{ratios}");
+    print_above_floor(runs, contenders);
     for c in contenders {
         let mut timed: Vec<&Figures> = of(&c.label)
             .into_iter()
@@ -967,6 +1008,41 @@ fn print_summary(runs: &[Figures], contenders: &[Contender], args: &Args) {
                 print_client_profile(&c.label, which, f);
             }
         }
+    }
+}
+
+/// One figure of a run, where the run has it.
+type FigureOf = dyn Fn(&Figures) -> Option<f64>;
+
+/// With the floor measured: each contender's median time to every job Running and API-server
+/// CPU above the floor's median, the part an operator adds and can change.
+fn print_above_floor(runs: &[Figures], contenders: &[Contender]) {
+    let median = |label: &str, value: &FigureOf| {
+        let values: Vec<f64> = runs
+            .iter()
+            .filter(|f| f.label == label)
+            .filter_map(value)
+            .collect();
+        ringmaster_e2e::bench::spread(&values).map(|(m, _, _)| m)
+    };
+    let measures: [(&str, &FigureOf); 2] = [
+        ("every job Running, above the floor (s)", &|f| f.all_running),
+        ("API server CPU, above the floor (s)", &|f| {
+            Some(f.apiserver_cpu())
+        }),
+    ];
+    for (name, value) in measures {
+        let Some(floor) = median(FLOOR_LABEL, value) else {
+            continue;
+        };
+        let cells: String = contenders
+            .iter()
+            .map(|c| match median(&c.label, value) {
+                Some(m) => format!(" {:.1} |", m - floor),
+                None => " – |".into(),
+            })
+            .collect();
+        println!("| {name} |{cells}");
     }
 }
 
