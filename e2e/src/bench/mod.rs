@@ -156,11 +156,18 @@ pub fn delta(
         .collect()
 }
 
-/// Median, least and most of `values` (none when empty).
+/// Median, least and most of `values` (none when empty). The median of an even count is the
+/// mean of the two middle values: of two repeats, not the faster one.
 pub fn spread(values: &[f64]) -> Option<(f64, f64, f64)> {
-    let median = percentile(values, 50.0)?;
-    let min = values.iter().copied().fold(f64::INFINITY, f64::min);
-    let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let (min, max) = (*sorted.first()?, *sorted.last()?);
+    let middle = sorted.len() / 2;
+    let median = if sorted.len().is_multiple_of(2) {
+        (sorted[middle - 1] + sorted[middle]) / 2.0
+    } else {
+        sorted[middle]
+    };
     Some((median, min, max))
 }
 
@@ -215,6 +222,7 @@ apiserver_flowcontrol_request_execution_seconds_count{flow_schema="service-accou
         assert_eq!(grown["kube-scheduler"], (3.0, 600.0));
         assert_eq!(grown["service-accounts"], (2.0, 100.0));
         assert_eq!(spread(&[3.0, 1.0, 2.0]), Some((2.0, 1.0, 3.0)));
+        assert_eq!(spread(&[148.8, 144.2]), Some((146.5, 144.2, 148.8)));
         assert_eq!(spread(&[]), None);
     }
 

@@ -202,18 +202,9 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
-async fn run(args: Args) -> Result<(), String> {
-    let client = ringmaster_e2e::cluster::client()
-        .await
-        .map_err(|e| e.to_string())?;
-    let kubeconfig = ringmaster_e2e::cluster::kubeconfig_path();
-    let audit = AuditLog::beside(&kubeconfig);
-    if !audit.path().exists() {
-        return Err(format!(
-            "no audit log at {}: restart the cluster (e2e/cluster.sh down; e2e/cluster.sh up) so the API server records the operators' requests",
-            audit.path().display()
-        ));
-    }
+/// The contenders, in the order of the first repeat: each `--ringmaster`, then MPI Operator
+/// (raised, then with its defaults) and the floor when asked for.
+fn contenders_of(args: &Args) -> Result<Vec<Contender>, String> {
     let mut contenders: Vec<Contender> = args
         .ringmasters
         .iter()
@@ -260,6 +251,22 @@ async fn run(args: Args) -> Result<(), String> {
             launcher_priority_class: None,
         });
     }
+    Ok(contenders)
+}
+
+async fn run(args: Args) -> Result<(), String> {
+    let client = ringmaster_e2e::cluster::client()
+        .await
+        .map_err(|e| e.to_string())?;
+    let kubeconfig = ringmaster_e2e::cluster::kubeconfig_path();
+    let audit = AuditLog::beside(&kubeconfig);
+    if !audit.path().exists() {
+        return Err(format!(
+            "no audit log at {}: restart the cluster (e2e/cluster.sh down; e2e/cluster.sh up) so the API server records the operators' requests",
+            audit.path().display()
+        ));
+    }
+    let contenders = contenders_of(&args)?;
     let pods = args.jobs * (args.workers + 1);
     let node_count = pods.div_ceil(100);
     println!(
