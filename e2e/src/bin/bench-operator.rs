@@ -551,12 +551,9 @@ async fn measure(
     let namespace = format!("bench-{}", contender.label);
     fresh_namespace(client, &namespace).await?;
     let mut operator = start_operator(client, kubeconfig, contender, args, &namespace).await?;
-    let usage = |operator: &Option<RunningOperator>| {
-        operator
-            .as_ref()
-            .and_then(|o| Usage::of(o.pid))
-            .unwrap_or_default()
-    };
+    // None for the floor, which has no operator process.
+    let usage =
+        |operator: &Option<RunningOperator>| operator.as_ref().and_then(|o| Usage::of(o.pid));
 
     let resource = contender.job_resource();
     let jobs: Api<DynamicObject> = Api::namespaced_with(client.clone(), &namespace, &resource);
@@ -577,13 +574,13 @@ async fn measure(
         .map_err(|e| e.to_string())?;
     let (apiserver_time_before, by_client_before, closed_before) = apiserver_time(client).await;
     let mark = audit.mark();
-    let operator_before = usage(&operator);
+    let operator_before = usage(&operator).unwrap_or_default();
     let start = Instant::now();
     apply_jobs(&jobs, contender, args).await?;
     let progress = wait_for_running(&job_store, contender, args, start).await;
     let machine = machine.finish();
     let (apiserver_time_after, by_client_after, closed_after) = apiserver_time(client).await;
-    let operator_after = usage(&operator);
+    let operator_after = usage(&operator).unwrap_or_default();
     // The audit log is appended as each response completes: give the last ones a moment.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let requests = match &operator {
@@ -610,11 +607,7 @@ async fn measure(
         }
         _ => None,
     };
-    let peak = operator
-        .as_ref()
-        .and_then(|o| Usage::of(o.pid))
-        .unwrap_or(operator_after)
-        .peak_rss_mib;
+    let peak = usage(&operator).unwrap_or(operator_after).peak_rss_mib;
     if let Some(operator) = &mut operator {
         let _ = operator.child.kill().await;
     }
