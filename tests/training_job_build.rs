@@ -12,6 +12,7 @@ use ringmaster::controller::training_job::names::ChildNaming;
 use ringmaster::controller::training_job::validate::{
     Program, ValidatedTrainingJob, validate_value,
 };
+use ringmaster::controller::training_job::worker_dns::{Published, WorkerAddress};
 use ringmaster::gang::{GangApi, GangScheduler};
 use ringmaster_contract::trainer::{Capabilities, TrainArgs};
 use serde_json::{Value, json};
@@ -233,10 +234,11 @@ fn a_gang_names_its_secret_and_service_by_the_job_uid_unless_older_workers_use_p
     );
     let service = value(&build::worker_service(&job, ChildNaming::Untagged));
     assert_eq!(service["metadata"]["name"], "resnet50-imagenet-workers");
-    assert!(
-        service["spec"]["selector"].get(JOB_UID_LABEL).is_none(),
-        "older workers have no job-uid label: {}",
-        service["spec"]["selector"]
+    let slice = value(&build::worker_endpoints(&job, ChildNaming::Untagged, &[]));
+    assert_eq!(slice["metadata"]["name"], "resnet50-imagenet-workers");
+    assert_eq!(
+        slice["metadata"]["labels"]["kubernetes.io/service-name"],
+        "resnet50-imagenet-workers"
     );
     let keys = SshKeys::from_seed(&[7u8; 32], "x");
     assert_eq!(
@@ -1157,26 +1159,87 @@ fn the_ssh_secret_holds_a_working_key_pair_that_is_never_printed() {
     assert_eq!(key, rendezvous.0);
 }
 
+/// The Service has no selector: the operator writes its EndpointSlice (`worker_dns`), so the
+/// cluster's endpoints controllers leave it alone.
 #[test]
-fn the_worker_service_is_headless_and_publishes_unready_workers() {
+fn the_worker_service_is_headless_without_a_selector() {
     let service = value(&build::worker_service(&gpu_job(), ChildNaming::UidTagged));
     assert_eq!(
         service["metadata"]["name"],
         "resnet50-imagenet-workers-6f1c2"
     );
     assert_eq!(service["spec"]["clusterIP"], "None");
-    assert_eq!(service["spec"]["publishNotReadyAddresses"], true);
-    // This job's workers, not those of an earlier job of the same name still being deleted.
-    assert_eq!(
-        service["spec"]["selector"],
-        json!({
-            "ringmaster.dev/job-name": "resnet50-imagenet",
-            "ringmaster.dev/job-uid": "6f1c2d3e-0000-4000-8000-00000000abcd",
-            "ringmaster.dev/role": "worker",
-            "app.kubernetes.io/managed-by": "ringmaster",
-        })
+    assert!(
+        service["spec"].get("selector").is_none(),
+        "{}",
+        service["spec"]
     );
     assert_eq!(service["spec"]["ports"][0]["port"], 2222);
+}
+
+/// What CoreDNS serves `<pod>.<service>.<namespace>.svc` from: a slice tied to the Service by
+/// its label, of a manager of its own (the cluster's EndpointSlice controllers leave it
+/// alone), with each worker's pod name as hostname, every record ready (its name resolves
+/// while its readiness probe is checked), owned by the job.
+#[test]
+fn the_workers_dns_records_are_an_endpoint_slice_of_the_service() {
+    let address = |hostname: &str, ip: &str| WorkerAddress {
+        hostname: hostname.into(),
+        ip: ip.into(),
+    };
+    let addresses = [
+        address("resnet50-imagenet-worker-0", "10.244.1.7"),
+        address("resnet50-imagenet-worker-1", "10.244.2.9"),
+    ];
+    let slice = value(&build::worker_endpoints(
+        &gpu_job(),
+        ChildNaming::UidTagged,
+        &addresses,
+    ));
+    let metadata = &slice["metadata"];
+    assert_eq!(metadata["name"], "resnet50-imagenet-workers-6f1c2");
+    assert_eq!(
+        metadata["labels"]["kubernetes.io/service-name"],
+        "resnet50-imagenet-workers-6f1c2"
+    );
+    assert_eq!(
+        metadata["labels"]["endpointslice.kubernetes.io/managed-by"],
+        "ringmaster.dev"
+    );
+    assert_eq!(
+        metadata["ownerReferences"][0]["uid"],
+        "6f1c2d3e-0000-4000-8000-00000000abcd"
+    );
+    assert_eq!(slice["addressType"], "IPv4");
+    assert_eq!(
+        slice["endpoints"][1],
+        json!({
+            "addresses": ["10.244.2.9"],
+            "hostname": "resnet50-imagenet-worker-1",
+            "conditions": {"ready": true, "serving": true, "terminating": false},
+            "targetRef": {"kind": "Pod", "namespace": "ml", "name": "resnet50-imagenet-worker-1"},
+        })
+    );
+    assert_eq!(
+        slice["ports"],
+        json!([
+            {"name": "ssh", "port": 2222, "protocol": "TCP"},
+            {"name": "rendezvous", "port": 29500, "protocol": "TCP"},
+        ])
+    );
+    let v6 = [address("resnet50-imagenet-worker-0", "fd00::7")];
+    let slice = value(&build::worker_endpoints(
+        &gpu_job(),
+        ChildNaming::UidTagged,
+        &v6,
+    ));
+    assert_eq!(slice["addressType"], "IPv6");
+    // Whatever the records, the job's Published reads back what was written.
+    let typed = build::worker_endpoints(&gpu_job(), ChildNaming::UidTagged, &addresses);
+    let read = Published::of(&typed, "6f1c2d3e-0000-4000-8000-00000000abcd").unwrap();
+    assert_eq!(read.service, "resnet50-imagenet-workers-6f1c2");
+    assert_eq!(read.addresses, addresses);
+    assert_eq!(Published::of(&typed, "another-job's-uid"), None);
 }
 
 /// sshd, the rendezvous and the ranks' MPI and NCCL ports are open to the job's own pods only

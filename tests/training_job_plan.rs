@@ -20,6 +20,7 @@ use ringmaster::controller::training_job::state::{
 };
 use ringmaster::controller::training_job::status;
 use ringmaster::controller::training_job::validate::{ValidatedTrainingJob, validate_value};
+use ringmaster::controller::training_job::worker_dns::{Published, WorkerAddress};
 use serde_json::{Value, json};
 
 fn job(edit: impl FnOnce(&mut Value)) -> ValidatedTrainingJob {
@@ -103,6 +104,8 @@ struct Scenario {
     now: Time,
     names_in_use: BTreeMap<String, state::NameHolder>,
     recent: RecentJob,
+    /// What the job's EndpointSlice holds.
+    published: Option<Published>,
 }
 
 impl Scenario {
@@ -117,6 +120,7 @@ impl Scenario {
             now: at(0),
             names_in_use: BTreeMap::new(),
             recent: RecentJob::default(),
+            published: None,
         }
     }
 
@@ -127,7 +131,8 @@ impl Scenario {
 
     fn plan(&self) -> Plan {
         let refs: Vec<&Pod> = self.pods.iter().collect();
-        let observed = Observed::sort(&refs, self.job.workers, self.status.restarts);
+        let mut observed = Observed::sort(&refs, self.job.workers, self.status.restarts);
+        observed.published = self.published.clone();
         plan::plan(&PlanInputs {
             job: &self.job,
             generation: Some(1),
@@ -161,6 +166,60 @@ impl Scenario {
             .unwrap_or_else(|| panic!("no {type_}"));
         (c.status.clone(), c.reason.clone(), c.message.clone())
     }
+}
+
+/// Worker pod `pod` with IP `ip`.
+fn with_ip(mut pod: Pod, ip: &str) -> Pod {
+    pod.status.as_mut().unwrap().pod_ip = Some(ip.into());
+    pod
+}
+
+/// The workers' DNS records are written once per gang: when every worker has its IP (before
+/// they are ready: readiness is ssh to the worker's own name), not at each worker's change;
+/// again only when a record is no longer a worker's; never for a finished job.
+#[test]
+fn the_workers_names_are_published_once_every_worker_has_its_ip() {
+    let mut s = Scenario::new(job(|_| {}));
+    s.pods = vec![
+        with_ip(pod("worker", 0, 0, "running"), "10.0.0.1"),
+        pod("worker", 1, 0, "pending"),
+    ];
+    assert_eq!(s.plan().publish, None, "worker 1 has no IP yet");
+    s.pods[1] = with_ip(pod("worker", 1, 0, "running"), "10.0.0.2");
+    let records = vec![
+        WorkerAddress {
+            hostname: "resnet18-cpu-worker-0".into(),
+            ip: "10.0.0.1".into(),
+        },
+        WorkerAddress {
+            hostname: "resnet18-cpu-worker-1".into(),
+            ip: "10.0.0.2".into(),
+        },
+    ];
+    let p = s.plan();
+    assert_eq!(p.publish.as_ref(), Some(&records));
+    assert!(!p.create_launcher, "not ready yet: the launcher waits");
+
+    let service = names::worker_service(&s.job, p.naming);
+    s.published = Some(Published {
+        service,
+        addresses: records.clone(),
+    });
+    s.pods = vec![
+        with_ip(pod("worker", 0, 0, "ready"), "10.0.0.1"),
+        with_ip(pod("worker", 1, 0, "ready"), "10.0.0.2"),
+    ];
+    let p = s.plan();
+    assert_eq!((p.publish, p.create_launcher), (None, true));
+
+    // Worker 1 deleted: its record goes at once (its IP may soon be another pod's).
+    s.pods[1] = with_ip(pod("worker", 1, 0, "deleting"), "10.0.0.2");
+    assert_eq!(s.plan().publish, Some(records[..1].to_vec()));
+
+    // A finished job writes nothing, whatever its slice holds.
+    s.pods = vec![pod("launcher", 0, 0, "succeeded:{}")];
+    s.status.phase = Phase::Succeeded;
+    assert_eq!(s.plan().publish, None);
 }
 
 #[test]

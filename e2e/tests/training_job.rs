@@ -12,6 +12,7 @@ use common::{
     phase_is, pods, ready_since, wait_phase,
 };
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Api, ResourceExt};
 use ringmaster::api::{TrainingJob, TrainingJobPhase};
@@ -432,10 +433,85 @@ async fn deleting_a_job_leaves_no_child() {
         let pods: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
         let services: Api<Service> = Api::namespaced(client.clone(), &ns.name);
         let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns.name);
+        let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), &ns.name);
         pods.list(&selector).await.unwrap().items.is_empty()
             && services.list(&selector).await.unwrap().items.is_empty()
             && secrets.list(&selector).await.unwrap().items.is_empty()
+            && slices.list(&selector).await.unwrap().items.is_empty()
     })
+    .await;
+}
+
+/// The workers' DNS records are the operator's own EndpointSlice of the job's Service (which
+/// has no selector, so the controller manager writes neither Endpoints nor a slice for it):
+/// one record per worker, with its pod name and IP, written once and left alone while the job
+/// runs; deleted by someone, it is written again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_workers_dns_records_are_the_operators_one_slice_written_again_when_deleted() {
+    let client = client().await;
+    ensure_crds(&client).await;
+    let ns = TestNamespace::new(&client, "tj-dns").await;
+    let _operator = Operator::start(&client, &ns.name).await;
+    apply(&client, &cpu_job("dns", 2, |_| {}), &ns.name, false)
+        .await
+        .unwrap();
+    wait_phase(&client, &ns.name, "dns", TrainingJobPhase::Running, 60).await;
+    let jobs: Api<TrainingJob> = Api::namespaced(client.clone(), &ns.name);
+    let service = format!("dns-workers-{}", uid_tag(&jobs.get("dns").await.unwrap()));
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), &ns.name);
+    let of_service = ListParams::default().labels(&format!("kubernetes.io/service-name={service}"));
+    let records = |slice: &EndpointSlice| -> Vec<(String, Vec<String>)> {
+        let endpoints = slice.endpoints.clone().unwrap_or_default();
+        endpoints
+            .into_iter()
+            .map(|e| (e.hostname.unwrap_or_default(), e.addresses))
+            .collect()
+    };
+    let listed = slices.list(&of_service).await.unwrap().items;
+    assert_eq!(listed.len(), 1, "one slice, the operator's: {listed:?}");
+    let slice = &listed[0];
+    assert_eq!(
+        slice.labels()["endpointslice.kubernetes.io/managed-by"],
+        "ringmaster.dev"
+    );
+    let worker_ips: Vec<(String, Vec<String>)> = pods(&client, &ns.name, "dns")
+        .await
+        .into_iter()
+        .filter(|p| p.labels()["ringmaster.dev/role"] == "worker")
+        .map(|p| {
+            let ip = p
+                .status
+                .and_then(|s| s.pod_ip)
+                .expect("a running worker has an IP");
+            (p.metadata.name.unwrap(), vec![ip])
+        })
+        .collect();
+    let mut expected = worker_ips;
+    expected.sort();
+    assert_eq!(records(slice), expected);
+    // Written once: not again while the job runs.
+    let version = slice.resource_version();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        slices.get(&service).await.unwrap().resource_version(),
+        version
+    );
+
+    slices
+        .delete(&service, &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(30),
+        "the slice written again",
+        || async {
+            slices
+                .get_opt(&service)
+                .await
+                .unwrap()
+                .is_some_and(|again| records(&again) == expected)
+        },
+    )
     .await;
 }
 

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
@@ -240,6 +241,11 @@ pub struct Context {
     pods_writer: Mutex<Option<Writer<Pod>>>,
     /// Which of `pods` belong to which job, kept from the same watch.
     pub pod_index: training_job::pod_index::PodIndex,
+    /// The EndpointSlices of the jobs' Services, which this operator writes (label
+    /// endpointslice.kubernetes.io/managed-by=ringmaster.dev): the workers' DNS records.
+    pub endpoint_slices: Store<EndpointSlice>,
+    /// The writer of `endpoint_slices`, taken by [`run`].
+    endpoint_slices_writer: Mutex<Option<Writer<EndpointSlice>>>,
     /// Every DataStage in scope, cached: a TrainingJob reads its DataStage from here, not
     /// from the API server on each reconcile.
     pub data_stages: Store<DataStage>,
@@ -288,6 +294,7 @@ impl Context {
             instance,
         };
         let (pods, pods_writer) = reflector::store();
+        let (endpoint_slices, endpoint_slices_writer) = reflector::store();
         let (data_stages, data_stages_writer) = reflector::store();
         let (workloads, workloads_writer) = reflector::store();
         let (flavors, flavors_writer) = reflector::store();
@@ -299,6 +306,8 @@ impl Context {
             pods,
             pods_writer: Mutex::new(Some(pods_writer)),
             pod_index: Default::default(),
+            endpoint_slices,
+            endpoint_slices_writer: Mutex::new(Some(endpoint_slices_writer)),
             data_stages,
             data_stages_writer: Mutex::new(Some(data_stages_writer)),
             workloads,
@@ -733,6 +742,7 @@ pub async fn run(
     let jobs_by_stage = job_store.clone();
     let jobs = jobs
         .owns_stream(pod_events(&ctx, &scope))
+        .owns_stream(endpoint_slice_events(&ctx, &scope))
         .watches_stream(stage_events, move |stage: DataStage| {
             jobs_reading(&jobs_by_stage, &stage)
         })
@@ -850,6 +860,30 @@ fn pod_events(
     )
 }
 
+/// The jobs' EndpointSlices (the workers' DNS records this operator writes) fill the cache a
+/// job's reconcile reads; a change wakes the owning job, so that a slice deleted or changed by
+/// someone else is written again. Stored without their managed fields.
+fn endpoint_slice_events(
+    ctx: &Context,
+    scope: &Scope,
+) -> impl futures::Stream<Item = Result<EndpointSlice, watcher::Error>> + Send + 'static {
+    let writer = take_writer(&ctx.endpoint_slices_writer);
+    let ours = format!(
+        "{}={}",
+        training_job::names::SLICE_MANAGED_BY_LABEL,
+        training_job::names::SLICE_MANAGER
+    );
+    let slice_watch = watcher::Config::default().labels(&ours).any_semantic();
+    watcher(scope.api::<EndpointSlice>(&ctx.client), slice_watch)
+        .default_backoff()
+        .modify(|slice| {
+            slice.metadata.managed_fields = None;
+            slice.metadata.annotations = None;
+        })
+        .reflect(writer)
+        .touched_objects()
+}
+
 /// The jobs in `stage`'s namespace that read it: its change wakes them.
 fn jobs_reading(
     jobs: &Store<DeserializeGuard<TrainingJob>>,
@@ -931,6 +965,7 @@ fn spawn_readiness(
     ready: Arc<AtomicBool>,
 ) {
     let (pods, staged) = (ctx.pods.clone(), ctx.data_stages.clone());
+    let slices = ctx.endpoint_slices.clone();
     let (workloads, flavors) = (ctx.workloads.clone(), ctx.flavors.clone());
     let kueue = ctx.config.kueue;
     let synced = ctx.clone();
@@ -939,6 +974,7 @@ fn spawn_readiness(
             && wait_until_ready(&stages).await
             && wait_until_ready(&pods).await
             && wait_until_ready(&staged).await
+            && wait_until_ready(&slices).await
             && (!kueue || (wait_until_ready(&workloads).await && wait_until_ready(&flavors).await))
         {
             synced.caches_synced.store(true, Ordering::Release);

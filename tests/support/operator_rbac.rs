@@ -157,6 +157,20 @@ pub const CLUSTER_CALLS: &[Calls] = &[
         "training_job::apply: the workers' Service, applied server-side",
     ),
     calls(
+        "discovery.k8s.io",
+        "endpointslices",
+        &["list", "watch"],
+        When::Always,
+        "controller::run: the cache of the slices it writes (label endpointslice.kubernetes.io/managed-by=ringmaster.dev)",
+    ),
+    calls(
+        "discovery.k8s.io",
+        "endpointslices",
+        &["create", "patch"],
+        When::Always,
+        "training_job::apply: the workers' DNS records (the Service's EndpointSlice), applied server-side",
+    ),
+    calls(
         "networking.k8s.io",
         "networkpolicies",
         &["create", "patch"],
@@ -395,6 +409,7 @@ pub const KINDS: &[(&str, &str)] = &[
     // A launcher's progress token (report::auth).
     ("TokenReview", "tokenreviews"),
     ("Service", "services"),
+    ("EndpointSlice", "endpointslices"),
     ("NetworkPolicy", "networkpolicies"),
     ("Node", "nodes"),
     ("PersistentVolumeClaim", "persistentvolumeclaims"),

@@ -1,11 +1,13 @@
 //! Apply step of the TrainingJob controller: carries a plan out against the API server, in a
 //! fixed order — deletions, the SSH Secret (created once, never rewritten), the Service, the
-//! PodGroup of a gang-scheduled job, workers, then the launcher (which carries its
+//! PodGroup of a gang-scheduled job, the workers' DNS records (the Service's EndpointSlice),
+//! workers, then the launcher (which carries its
 //! hostfile). Everything is owned by the job.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Pod, Secret, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
@@ -16,6 +18,7 @@ use super::names::{self, ChildNaming};
 use super::plan::{Children, Plan};
 use super::spec::ValidatedTrainingJob;
 use super::state::NameHolder;
+use super::worker_dns::WorkerAddress;
 use crate::controller::{is_conflict, is_not_found, server_side_apply};
 use crate::gang::GangApi;
 
@@ -264,6 +267,8 @@ where
 pub struct Written {
     /// The Secret and Service were applied.
     pub children: bool,
+    /// The workers' DNS records were written to the job's EndpointSlice.
+    pub published: bool,
     /// The pods this call made (not those that existed already), by name.
     pub pods: Vec<String>,
     /// Pods it could not make, their names held by pods the job does not control (pods
@@ -364,6 +369,22 @@ async fn ensure_network_policy(
     result.map_err(kube_error("applying", "NetworkPolicy", &policy.name_any()))
 }
 
+/// Writes the workers' DNS records: the job's EndpointSlice, applied whole (its endpoints
+/// are replaced, not merged).
+async fn publish_addresses(
+    client: &Client,
+    job: &ValidatedTrainingJob,
+    naming: ChildNaming,
+    addresses: &[WorkerAddress],
+) -> Result<(), ApplyError> {
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), &job.namespace);
+    let slice = build::worker_endpoints(job, naming, addresses);
+    server_side_apply(&slices, &slice)
+        .await
+        .map(|_| ())
+        .map_err(kube_error("applying", "EndpointSlice", &slice.name_any()))
+}
+
 /// Carries out `plan`, writing the Secret, Service and PodGroup first as `plan.children`
 /// says. `written` collects what succeeded.
 pub async fn execute(
@@ -393,6 +414,10 @@ pub async fn execute(
             ensure_pod_group(client, job, scheduler.api, children == Children::Update).await?;
         }
         written.children = true;
+    }
+    if let Some(addresses) = &plan.publish {
+        publish_addresses(client, job, inputs.naming, addresses).await?;
+        written.published = true;
     }
     let pods: Api<Pod> = Api::namespaced(client.clone(), &job.namespace);
     // Workers are independent of each other: create them concurrently.

@@ -19,6 +19,7 @@ pub mod state;
 pub mod status;
 pub mod sweep;
 pub mod validate;
+pub mod worker_dns;
 
 use std::sync::Arc;
 
@@ -332,6 +333,11 @@ async fn carry_out(
     }
     ctx.recent
         .pods_made(uid, plan.restarts, written.pods.clone(), clock);
+    if let Some(addresses) = plan.publish.clone().filter(|_| written.published) {
+        let service = names::worker_service(validated, plan.naming);
+        let published = worker_dns::Published { service, addresses };
+        ctx.recent.published(uid, published, clock);
+    }
     (applied, written)
 }
 

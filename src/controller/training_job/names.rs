@@ -24,6 +24,15 @@ pub const WORKER_ROLE: &str = "worker";
 /// The value of [`ROLE_LABEL`] on the launcher.
 pub const LAUNCHER_ROLE: &str = "launcher";
 
+/// The label that ties an EndpointSlice to its Service (DNS servers read the slices by it).
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+/// The label that names who manages an EndpointSlice: the cluster's EndpointSlice
+/// controllers leave alone the slices of another manager.
+pub const SLICE_MANAGED_BY_LABEL: &str = "endpointslice.kubernetes.io/managed-by";
+/// The value of [`SLICE_MANAGED_BY_LABEL`] on the slices this operator writes (the workers'
+/// DNS records: see `worker_dns`).
+pub const SLICE_MANAGER: &str = "ringmaster.dev";
+
 /// Port of the trainer's rendezvous on rank 0.
 pub const RENDEZVOUS_PORT: u16 = 29500;
 /// Where every pod keeps its private copies of the SSH key and `authorized_keys`, and the

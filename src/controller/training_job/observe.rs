@@ -128,6 +128,8 @@ pub struct PodState {
     pub created: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
     /// When the scheduler placed it on a node (its PodScheduled condition turned True).
     pub scheduled: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    /// Its IP, once it has one: a worker's DNS record (see `worker_dns`).
+    pub address: Option<String>,
 }
 
 impl PodState {
@@ -189,6 +191,7 @@ impl PodState {
             node: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
             created: pod.metadata.creation_timestamp.clone(),
             scheduled,
+            address: status.pod_ip.clone().filter(|ip| !ip.is_empty()),
         }
     }
 
@@ -234,7 +237,7 @@ fn main_container(
 
 /// Drops from a pod what the controller never reads, before it reaches the shared cache: the
 /// spec but its node, annotations, managed fields, and every part of the status but the phase, the
-/// pod-level reason, the Ready and PodScheduled conditions and the own container's
+/// pod-level reason, the pod's IP, the Ready and PodScheduled conditions and the own container's
 /// termination or why it waits. What is kept is what [`PodState::of`] and the job's pod lookup read
 /// (namespace, name, labels, owners, UID, resourceVersion, timestamps); a cached pod gives
 /// the same [`PodState`] as the whole pod. Thousands of pods are cached: most of a pod's
@@ -254,6 +257,7 @@ pub fn strip_for_cache(pod: &mut Pod) {
     if let Some(status) = pod.status.as_mut() {
         let phase = status.phase.take();
         let reason = status.reason.take();
+        let pod_ip = status.pod_ip.take();
         let conditions = status.conditions.take().map(|cs| {
             cs.into_iter()
                 .filter(|c| c.type_ == "Ready" || c.type_ == "PodScheduled")
@@ -282,6 +286,7 @@ pub fn strip_for_cache(pod: &mut Pod) {
             reason,
             conditions,
             container_statuses: main.map(|c| vec![c]),
+            pod_ip,
             ..Default::default()
         };
     }
@@ -399,6 +404,9 @@ pub struct Observed {
     pub stale: Vec<PodState>,
     /// How the current gang's pods name the job's Secret and Service.
     pub naming: ChildNaming,
+    /// The workers' DNS records as the job's EndpointSlice holds them (or as they were
+    /// written moments ago); `None` without one. Set by the snapshot, not by [`Observed::sort`].
+    pub published: Option<super::worker_dns::Published>,
 }
 
 impl Observed {

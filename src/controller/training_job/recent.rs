@@ -1,6 +1,7 @@
 //! What this operator wrote for each job moments ago, until its caches show it. Under load
 //! the watch that feeds a cache lags behind the writes, and a reconcile that reads a stale
-//! cache would make the same pods, Secret and Service again and write the same status again:
+//! cache would make the same pods, Secret and Service again and write the same status (or DNS
+//! records) again:
 //! requests that change nothing but cost the API server as much as the first. Remembering
 //! the recent writes (the "expectations" of Kubernetes' own controllers) skips them.
 //!
@@ -16,6 +17,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 
 use super::names::{ATTEMPT_LABEL, ChildNaming};
+use super::worker_dns::Published;
 use crate::api::TrainingJobStatus;
 
 /// The (generation, gang attempt, naming) a job's Secret and Service were applied for.
@@ -35,6 +37,8 @@ struct JobWrites {
     children: Option<(ChildrenFor, Instant)>,
     /// Pods made and not yet seen in the cache: name → (gang attempt, when).
     pods: HashMap<String, (i32, Instant)>,
+    /// The workers' DNS records last written, and when.
+    published: Option<(Published, Instant)>,
 }
 
 impl JobWrites {
@@ -43,6 +47,7 @@ impl JobWrites {
         self.status.as_ref().is_some_and(|(_, at)| young(at))
             || self.children.as_ref().is_some_and(|(_, at)| young(at))
             || self.pods.values().any(|(_, at)| young(at))
+            || self.published.as_ref().is_some_and(|(_, at)| young(at))
     }
 }
 
@@ -170,6 +175,33 @@ impl RecentWrites {
         self.with(uid, now, |job| {
             job.children = Some(((generation, attempt, naming), now));
         });
+    }
+
+    /// The workers' DNS records of job `uid` were written.
+    pub fn published(&self, uid: &str, published: Published, now: Instant) {
+        self.with(uid, now, |job| job.published = Some((published, now)));
+    }
+
+    /// The workers' DNS records to plan job `uid` from: those written in the last
+    /// [`FRESH_FOR`] when the cache does not show them yet (planning from the older slice
+    /// would write them again), else `cached`.
+    pub fn latest_published(
+        &self,
+        uid: &str,
+        cached: Option<Published>,
+        now: Instant,
+    ) -> Option<Published> {
+        self.with(uid, now, |job| match &job.published {
+            Some((written, at))
+                if Some(written) != cached.as_ref() && now.duration_since(*at) < FRESH_FOR =>
+            {
+                Some(written.clone())
+            }
+            _ => {
+                job.published = None;
+                cached
+            }
+        })
     }
 
     /// The status to reconcile job `uid` from: the one written in the last [`FRESH_FOR`]

@@ -1,6 +1,7 @@
 //! The observe step of the TrainingJob controller: what a reconcile reads before it plans,
 //! all from the operator's caches and its memory of recent writes (no request to the API
-//! server): the status to plan from, the DataStage, the job's pods sorted into its gang,
+//! server): the status to plan from, the DataStage, the job's pods sorted into its gang and
+//! the workers' DNS records its EndpointSlice holds,
 //! the pods of others that hold names the job would use, and the writes the caches do not
 //! show yet.
 
@@ -9,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
@@ -19,6 +21,7 @@ use super::plan::PlanInputs;
 use super::recent::RecentJob;
 use super::spec::ValidatedTrainingJob;
 use super::state::{DataState, NameHolder, PoolState, QueueState};
+use super::worker_dns::Published;
 use crate::api::{DataStage, DataStagePhase, TrainingJob, TrainingJobStatus};
 use crate::controller::{Context, conditions, now};
 
@@ -54,7 +57,9 @@ impl Snapshot {
         let now = now();
         let (pods, names_in_use) = pods_of(ctx, job, &now);
         let pod_refs: Vec<&Pod> = pods.iter().map(AsRef::as_ref).collect();
-        let observed = Observed::sort(&pod_refs, validated.workers, old.restarts);
+        let mut observed = Observed::sort(&pod_refs, validated.workers, old.restarts);
+        let cached = published_of(ctx, validated, observed.naming);
+        observed.published = ctx.recent.latest_published(&uid, cached, clock);
         let recent = ctx.recent.recall(&uid, &pod_refs, clock);
         Self {
             generation: job.meta().generation,
@@ -99,6 +104,20 @@ impl Snapshot {
             recent: &self.recent,
         }
     }
+}
+
+/// The workers' DNS records in the cached EndpointSlice of the job's Service (named for the
+/// gang's `naming`), when the job controls it.
+fn published_of(
+    ctx: &Context,
+    job: &ValidatedTrainingJob,
+    naming: names::ChildNaming,
+) -> Option<Published> {
+    let name = names::worker_service(job, naming);
+    let key = ObjectRef::<EndpointSlice>::new(&name).within(&job.namespace);
+    ctx.endpoint_slices
+        .get(&key)
+        .and_then(|slice| Published::of(&slice, &job.uid))
 }
 
 /// The referenced DataStage's state, from the cache.

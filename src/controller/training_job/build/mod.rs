@@ -3,10 +3,12 @@
 //! outside.
 //!
 //! One file per kind of child: `pods` (workers and launcher, with the volumes Ringmaster
-//! reserves in them from `volumes`: [`reserved_volumes`]), `service`, `secret`,
+//! reserves in them from `volumes`: [`reserved_volumes`]), `service` and its
+//! `endpoint_slice`, `secret`,
 //! `network_policy` and `pod_group`, and the pods' security contexts in `security`. All that
 //! differs between MPI implementations is in `mpi`.
 
+mod endpoint_slice;
 mod mpi;
 mod network_policy;
 mod pod_group;
@@ -23,6 +25,7 @@ use k8s_openapi::api::core::v1::EnvVar;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use ringmaster_contract::trainer as trainer_contract;
 
+pub use self::endpoint_slice::worker_endpoints;
 pub use self::mpi::{hostfile, launcher_command};
 pub use self::network_policy::network_policy;
 pub use self::pod_group::{pod_group, volcano_pod_group};

@@ -20,6 +20,7 @@ use super::observe::{Exit, Observed, PodRef};
 use super::recent::{FRESH_FOR, RecentJob};
 use super::spec::ValidatedTrainingJob;
 use super::state::{DataState, NameHolder, PoolState, QueueState, seconds_between};
+use super::worker_dns::{self, WorkerAddress};
 use crate::api::{LastFailure, TrainingJobPhase, TrainingJobStatus, TrainingResult};
 use crate::controller::conditions::DesiredCondition;
 use blocks::cleanup;
@@ -95,6 +96,8 @@ pub struct Plan {
     pub naming: ChildNaming,
     /// Pods of this gang made moments ago that the cache does not show yet.
     pub unseen_pods: bool,
+    /// The workers' DNS records to write to the job's EndpointSlice ([`worker_dns`]).
+    pub publish: Option<Vec<WorkerAddress>>,
 }
 
 /// Which of the job's Secret, Service and PodGroup to write before its pods.
@@ -154,6 +157,7 @@ impl Plan {
             children: Children::Keep,
             naming: ChildNaming::default(),
             unseen_pods: false,
+            publish: None,
         }
     }
 
@@ -206,7 +210,27 @@ pub fn plan(inputs: &PlanInputs<'_>) -> Plan {
     );
     hold_back_unseen(&mut plan, inputs);
     choose_children(&mut plan, inputs);
+    choose_addresses(&mut plan, inputs);
     plan
+}
+
+/// The workers' DNS records to write, if any ([`worker_dns::to_publish`]); none for a
+/// finished job (its workers go, and so does its slice, with the job).
+fn choose_addresses(plan: &mut Plan, inputs: &PlanInputs<'_>) {
+    if matches!(
+        plan.phase,
+        TrainingJobPhase::Succeeded | TrainingJobPhase::Failed
+    ) {
+        return;
+    }
+    let service = super::names::worker_service(inputs.job, plan.naming);
+    let (wanted, complete) = worker_dns::wanted(inputs.observed);
+    plan.publish = worker_dns::to_publish(
+        &service,
+        wanted,
+        complete,
+        inputs.observed.published.as_ref(),
+    );
 }
 
 /// Pods of this gang made moments ago that the cache does not show yet are not made again;
