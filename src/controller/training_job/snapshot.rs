@@ -1,9 +1,8 @@
 //! The observe step of the TrainingJob controller: what a reconcile reads before it plans,
 //! all from the operator's caches and its memory of recent writes (no request to the API
-//! server): the status to plan from, the DataStage, the job's pods sorted into its gang and
-//! the workers' DNS records its EndpointSlice holds,
-//! the pods of others that hold names the job would use, and the writes the caches do not
-//! show yet.
+//! server): the status to plan from, the DataStage, the job's pods sorted into its gang, the
+//! workers' DNS records its EndpointSlice holds, the pods of others that hold names the job
+//! would use, and the writes the caches do not show yet.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
