@@ -415,8 +415,8 @@ pub async fn execute(
         }
         written.children = true;
     }
-    if let Some(addresses) = &plan.publish {
-        publish_addresses(client, job, inputs.naming, addresses).await?;
+    if let Some(published) = &plan.publish {
+        publish_addresses(client, job, inputs.naming, &published.addresses).await?;
         written.published = true;
     }
     let pods: Api<Pod> = Api::namespaced(client.clone(), &job.namespace);

@@ -333,9 +333,7 @@ async fn carry_out(
     }
     ctx.recent
         .pods_made(uid, plan.restarts, written.pods.clone(), clock);
-    if let Some(addresses) = plan.publish.clone().filter(|_| written.published) {
-        let service = names::worker_service(validated, plan.naming);
-        let published = worker_dns::Published { service, addresses };
+    if let Some(published) = plan.publish.clone().filter(|_| written.published) {
         ctx.recent.published(uid, published, clock);
     }
     (applied, written)

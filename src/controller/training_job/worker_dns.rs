@@ -16,7 +16,7 @@
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::ResourceExt;
 
-use super::names::{SERVICE_NAME_LABEL, SLICE_MANAGED_BY_LABEL, SLICE_MANAGER};
+use super::names::SERVICE_NAME_LABEL;
 use super::observe::Observed;
 
 /// One worker's DNS record: `<hostname>.<service>.<namespace>.svc` resolves to `ip`.
@@ -39,15 +39,15 @@ pub struct Published {
 }
 
 impl Published {
-    /// Reads a slice this operator wrote for job `uid`; `None` for a slice another controls
-    /// or manages (an earlier job's of the same name, until the garbage collector takes it).
+    /// Reads a slice this operator wrote for job `uid` (the cache holds only slices of its
+    /// manager label); `None` for one another job controls (an earlier job's of the same
+    /// name, until the garbage collector takes it).
     pub fn of(slice: &EndpointSlice, uid: &str) -> Option<Self> {
         let ours = slice
             .owner_references()
             .iter()
             .any(|o| o.controller == Some(true) && o.uid == uid);
-        let labels = slice.labels();
-        if !ours || labels.get(SLICE_MANAGED_BY_LABEL).map(String::as_str) != Some(SLICE_MANAGER) {
+        if !ours {
             return None;
         }
         let addresses = slice
@@ -63,7 +63,11 @@ impl Published {
             })
             .collect();
         Some(Self {
-            service: labels.get(SERVICE_NAME_LABEL).cloned().unwrap_or_default(),
+            service: slice
+                .labels()
+                .get(SERVICE_NAME_LABEL)
+                .cloned()
+                .unwrap_or_default(),
             addresses,
         })
     }

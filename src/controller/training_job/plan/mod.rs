@@ -20,7 +20,7 @@ use super::observe::{Exit, Observed, PodRef};
 use super::recent::{FRESH_FOR, RecentJob};
 use super::spec::ValidatedTrainingJob;
 use super::state::{DataState, NameHolder, PoolState, QueueState, seconds_between};
-use super::worker_dns::{self, WorkerAddress};
+use super::worker_dns::{self, Published};
 use crate::api::{LastFailure, TrainingJobPhase, TrainingJobStatus, TrainingResult};
 use crate::controller::conditions::DesiredCondition;
 use blocks::cleanup;
@@ -97,7 +97,7 @@ pub struct Plan {
     /// Pods of this gang made moments ago that the cache does not show yet.
     pub unseen_pods: bool,
     /// The workers' DNS records to write to the job's EndpointSlice ([`worker_dns`]).
-    pub publish: Option<Vec<WorkerAddress>>,
+    pub publish: Option<Published>,
 }
 
 /// Which of the job's Secret, Service and PodGroup to write before its pods.
@@ -225,12 +225,9 @@ fn choose_addresses(plan: &mut Plan, inputs: &PlanInputs<'_>) {
     }
     let service = super::names::worker_service(inputs.job, plan.naming);
     let (wanted, complete) = worker_dns::wanted(inputs.observed);
-    plan.publish = worker_dns::to_publish(
-        &service,
-        wanted,
-        complete,
-        inputs.observed.published.as_ref(),
-    );
+    let published = inputs.observed.published.as_ref();
+    plan.publish = worker_dns::to_publish(&service, wanted, complete, published)
+        .map(|addresses| Published { service, addresses });
 }
 
 /// Pods of this gang made moments ago that the cache does not show yet are not made again;
