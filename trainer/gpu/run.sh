@@ -173,24 +173,30 @@ bench_engines() {
 }
 
 # The image-folder loader alone, on ImageNet-sized JPEGs (2,560, `make-dataset
-# --imagenet-sizes`): on all of this machine's CPUs and on 4, then with nvJPEG on the GPU,
-# its file reading on 4 threads and on all; each a JSON line with images/s and the CPU cores
-# it kept busy.
+# --imagenet-sizes`): on 4 of this machine's CPUs and on all; then with nvJPEG on the GPU,
+# its file reading on 4 threads, its CUDA decoder on 1, 2, 4 and 8 decoding threads
+# (LOADER_DECODE_THREADS); each a JSON line with images/s and the CPU cores it kept busy.
 bench_loader() {
-  local seconds data threads decoder
+  local seconds data threads
   seconds=$(limit 240)
   if [ "$seconds" -eq 0 ]; then skip "the loader"; return; fi
   data=$(mktemp -d)
   timeout "$seconds" "$bundle/ringmaster-trainer" make-dataset --out "$data" --classes 10 \
     --per-class 256 --imagenet-sizes || echo "make-dataset: exit $?" >&2
-  for decoder in cpu nvjpeg; do
-    for threads in 4 "$(nproc)"; do
-      seconds=$(limit 60)
-      if [ "$seconds" -eq 0 ]; then skip "the loader ($decoder, $threads threads)"; continue; fi
-      RAYON_NUM_THREADS=$threads timeout "$seconds" "$bundle/ringmaster-trainer" bench-loader \
-        --data-dir "$data" --batch-size 256 --batches 9 --decoder "$decoder" \
-        || echo "the loader ($decoder, $threads threads): exit $?" >&2
-    done
+  for threads in 4 "$(nproc)"; do
+    seconds=$(limit 60)
+    if [ "$seconds" -eq 0 ]; then skip "the loader (cpu, $threads threads)"; continue; fi
+    RAYON_NUM_THREADS=$threads timeout "$seconds" "$bundle/ringmaster-trainer" bench-loader \
+      --data-dir "$data" --batch-size 256 --batches 9 --decoder cpu \
+      || echo "the loader (cpu, $threads threads): exit $?" >&2
+  done
+  for threads in ${LOADER_DECODE_THREADS:-1 2 4 8}; do
+    seconds=$(limit 60)
+    if [ "$seconds" -eq 0 ]; then skip "the loader (nvjpeg, $threads decoding threads)"; continue; fi
+    RAYON_NUM_THREADS=4 timeout --kill-after=10 "$seconds" "$bundle/ringmaster-trainer" \
+      bench-loader --data-dir "$data" --batch-size 256 --batches 9 --decoder nvjpeg \
+      --decode-threads "$threads" \
+      || echo "the loader (nvjpeg, $threads decoding threads): exit $?" >&2
   done
   # Training from the folder, each decoder feeding ResNet-50 bf16 at batch 256: the last
   # lines (the summary's images/s is the whole run's, warm-up and cuDNN's search included;

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use crate::engine::image_folder::ImageFolder;
-use crate::engine::image_folder::gpu::GpuLoader;
+use crate::engine::image_folder::gpu::{DEFAULT_DECODE_THREADS, GpuLoader, parse_decode_threads};
 
 /// Where the loader decodes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -40,6 +40,16 @@ pub struct LoaderBenchArgs {
     /// The GPU, for `--decoder nvjpeg`.
     #[arg(long, default_value_t = 0)]
     pub gpu: usize,
+    /// Threads running nvJPEG's CUDA decoder (its Huffman stage is on the CPU), for
+    /// `--decoder nvjpeg`; training reads RINGMASTER_NVJPEG_THREADS the same way.
+    #[arg(long, env = "RINGMASTER_NVJPEG_THREADS", default_value_t = DEFAULT_DECODE_THREADS,
+          value_parser = decode_threads)]
+    pub decode_threads: usize,
+}
+
+/// `--decode-threads`, checked as `RINGMASTER_NVJPEG_THREADS` is for training.
+fn decode_threads(value: &str) -> Result<usize, String> {
+    parse_decode_threads(value).map_err(|e| e.to_string())
 }
 
 /// The process's CPU time so far (user and system, all threads), in seconds.
@@ -80,7 +90,9 @@ pub fn run(args: &LoaderBenchArgs) -> Result<serde_json::Value, String> {
         Decoder::Nvjpeg => {
             let program = std::env::current_exe().map_err(|e| e.to_string())?;
             let mut loader =
-                GpuLoader::probed(folder.clone(), args.gpu, &program).map_err(|e| e.to_string())?;
+                GpuLoader::probed(folder.clone(), args.gpu, &program, args.decode_threads)
+                    .map_err(|e| e.to_string())?;
+            line["decodeThreads"] = args.decode_threads.into();
             let timed = time_gpu(&folder, &mut loader, args)?;
             line["nvjpeg"] = loader.describe().into();
             let c = loader.counts;

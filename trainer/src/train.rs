@@ -21,7 +21,9 @@ use crate::engine::backend::{CudaBackend, CudaError};
 use crate::engine::buckets::{BUCKET_ELEMENTS, GradientBuckets};
 use crate::engine::checkpoint::{self, CheckpointError};
 use crate::engine::data::{LearnableData, SyntheticData, shard};
-use crate::engine::image_folder::gpu::{DeviceImages, GpuLoader, GpuLoaderError};
+use crate::engine::image_folder::gpu::{
+    DeviceImages, GpuLoader, GpuLoaderError, decode_threads_from_env,
+};
 use crate::engine::image_folder::{ImageFolder, ImageFolderError};
 use crate::engine::step::{self, RecordedStep};
 use crate::engine::tensor::DType;
@@ -178,19 +180,24 @@ impl Dataset {
                 "--decoder nvjpeg decodes on the GPU, and this run trains on the CPU".into(),
             )),
             (None, Decoder::Auto) => Ok(None),
-            (Some(ordinal), decoder) => match this_program()
-                .and_then(|program| GpuLoader::probed(folder.clone(), ordinal, &program))
-            {
-                Ok(loader) => {
-                    say(format!("on the GPU ({})", loader.describe()));
-                    Ok(Some(loader))
+            (Some(ordinal), decoder) => {
+                // A wrong setting is an error even where `auto` would fall back.
+                let decode_threads =
+                    decode_threads_from_env().map_err(|e| TrainError::Settings(e.to_string()))?;
+                match this_program().and_then(|program| {
+                    GpuLoader::probed(folder.clone(), ordinal, &program, decode_threads)
+                }) {
+                    Ok(loader) => {
+                        say(format!("on the GPU ({})", loader.describe()));
+                        Ok(Some(loader))
+                    }
+                    Err(e) if decoder == Decoder::Auto => {
+                        say(format!("on the CPUs: {e}"));
+                        Ok(None)
+                    }
+                    Err(e) => Err(e.into()),
                 }
-                Err(e) if decoder == Decoder::Auto => {
-                    say(format!("on the CPUs: {e}"));
-                    Ok(None)
-                }
-                Err(e) => Err(e.into()),
-            },
+            }
         }
     }
 }

@@ -45,8 +45,9 @@ fn the_gpu_loader_decodes_with_nvjpeg_and_crops_as_the_cpu_loader_does() {
     let indices: Vec<usize> = (0..folder.len()).collect();
     // The probe runs the trainer (run.sh sets RINGMASTER_TRAINER_BIN).
     let trainer = std::env::var("RINGMASTER_TRAINER_BIN").expect("RINGMASTER_TRAINER_BIN");
+    // Three decoding threads: the JPEGs the CUDA decoder takes are shared out over them.
     let mut loader =
-        GpuLoader::probed(folder.clone(), 0, trainer.as_ref()).expect("the GPU loader starts");
+        GpuLoader::probed(folder.clone(), 0, trainer.as_ref(), 3).expect("the GPU loader starts");
     eprintln!("{}", loader.describe());
     let files = folder.read_files(&indices).unwrap();
     let planned = loader.plan(&indices, 1, files).unwrap();

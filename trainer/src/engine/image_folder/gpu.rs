@@ -7,8 +7,10 @@
 //! by the decoders' rounding and the CPU's reduced-size IDCT).
 //!
 //! The CPU's part is reading the files ([`ImageFolder::read_files`], which can run on
-//! another thread while the GPU decodes the batch before) and their headers
-//! ([`GpuLoader::plan`]).
+//! another thread while the GPU decodes the batch before), their headers
+//! ([`GpuLoader::plan`]), and the CUDA decoder's Huffman stage. That stage runs on the
+//! loader's decoding threads ([`DEFAULT_DECODE_THREADS`], `RINGMASTER_NVJPEG_THREADS`),
+//! each with its own nvJPEG state and CUDA stream, the images shared out by their bytes.
 
 use std::sync::Arc;
 
@@ -45,6 +47,60 @@ pub enum GpuLoaderError {
     /// This program's own path, which nvJPEG's probe runs, could not be found.
     #[error("finding this program for nvJPEG's probe: {0}")]
     ThisProgram(#[source] std::io::Error),
+    /// `RINGMASTER_NVJPEG_THREADS` (or `--decode-threads`) is not a number of threads.
+    #[error(
+        "{0:?} is not a number of nvJPEG decoding threads (RINGMASTER_NVJPEG_THREADS): give a whole number from 1 to {MAX_DECODE_THREADS}"
+    )]
+    DecodeThreads(String),
+    /// The decoding threads could not be started.
+    #[error("starting nvJPEG's decoding threads: {0}")]
+    Threads(#[from] rayon::ThreadPoolBuildError),
+}
+
+/// Threads decoding with nvJPEG's CUDA decoder unless `RINGMASTER_NVJPEG_THREADS` says
+/// otherwise: the budget of CPU cores for the loader (an ND96asr_v4 has 12 vCPUs
+/// per GPU, and each of its 8 ranks runs a loader).
+pub const DEFAULT_DECODE_THREADS: usize = 4;
+
+/// The most decoding threads a loader takes (each holds an nvJPEG state and its buffers).
+pub const MAX_DECODE_THREADS: usize = 64;
+
+/// The decoding threads `RINGMASTER_NVJPEG_THREADS` asks for, else the default.
+pub fn decode_threads_from_env() -> Result<usize, GpuLoaderError> {
+    match std::env::var("RINGMASTER_NVJPEG_THREADS") {
+        Err(_) => Ok(DEFAULT_DECODE_THREADS),
+        Ok(value) => parse_decode_threads(&value),
+    }
+}
+
+/// A number of decoding threads, from 1 to [`MAX_DECODE_THREADS`].
+pub fn parse_decode_threads(value: &str) -> Result<usize, GpuLoaderError> {
+    value
+        .trim()
+        .parse()
+        .ok()
+        .filter(|n| (1..=MAX_DECODE_THREADS).contains(n))
+        .ok_or_else(|| GpuLoaderError::DecodeThreads(value.to_string()))
+}
+
+/// The images of `bytes` (each image's file size) shared out over `lanes` lanes so that
+/// their bytes, which the Huffman stage's time follows, are as even as they can be: the
+/// largest first, each to the lane with the fewest bytes so far. Each lane lists positions
+/// in `bytes`, in order.
+pub fn share_by_bytes(bytes: &[usize], lanes: usize) -> Vec<Vec<usize>> {
+    let mut shares = vec![Vec::new(); lanes.max(1)];
+    let mut loads = vec![0usize; shares.len()];
+    let mut largest_first: Vec<usize> = (0..bytes.len()).collect();
+    largest_first.sort_by_key(|&i| std::cmp::Reverse(bytes[i]));
+    for i in largest_first {
+        let lightest = (0..loads.len())
+            .min_by_key(|&lane| loads[lane])
+            .expect("at least one lane");
+        loads[lightest] += bytes[i];
+        shares[lightest].push(i);
+    }
+    shares.iter_mut().for_each(|share| share.sort_unstable());
+    shares
 }
 
 fn cuda<T, E: std::fmt::Display>(
@@ -85,6 +141,9 @@ pub struct DecodeCounts {
     /// On the CPU.
     pub cpu: usize,
 }
+
+/// Image `i` of a batch, and where its decoded pixels go.
+type Job = (usize, Image);
 
 /// Where image `i` of a batch is decoded.
 enum Route {
@@ -147,6 +206,10 @@ pub struct GpuLoader {
     folder: ImageFolder,
     nvjpeg: NvJpeg,
     stream: Arc<CudaStream>,
+    /// One stream per decoding thread, for its images' GPU stages.
+    lane_streams: Vec<Arc<CudaStream>>,
+    /// The decoding threads.
+    threads: rayon::ThreadPool,
     kernel: CudaFunction,
     /// The decoded images of the batch, one after another (grown to the largest batch).
     decoded: CudaSlice<u8>,
@@ -163,11 +226,13 @@ const ALIGN: usize = 256;
 
 impl GpuLoader {
     /// Opens nvJPEG and compiles the crop kernel for GPU `ordinal`; with its hardware
-    /// decoder only when `hardware` (see [`super::hardware_probe`]).
+    /// decoder only when `hardware` (see [`super::hardware_probe`]), and `decode_threads`
+    /// threads for its CUDA decoder.
     pub fn new(
         folder: ImageFolder,
         ordinal: usize,
         hardware: bool,
+        decode_threads: usize,
     ) -> Result<Self, GpuLoaderError> {
         // SAFETY: a dlopen probe; cudarc panics on a library it cannot load.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
@@ -188,12 +253,22 @@ impl GpuLoader {
             "crop_resize_normalize",
             module.load_function("crop_resize_normalize"),
         )?;
-        let nvjpeg = NvJpeg::open(hardware)?;
+        let decode_threads = decode_threads.clamp(1, MAX_DECODE_THREADS);
+        let nvjpeg = NvJpeg::open(hardware, decode_threads)?;
+        let lane_streams = (0..decode_threads)
+            .map(|_| cuda("creating a decoding stream", ctx.new_stream()))
+            .collect::<Result<_, _>>()?;
+        let threads = rayon::ThreadPoolBuilder::new()
+            .num_threads(decode_threads)
+            .thread_name(|i| format!("nvjpeg-{i}"))
+            .build()?;
         let decoded = cuda("allocating", stream.alloc_zeros::<u8>(ALIGN))?;
         Ok(Self {
             folder,
             nvjpeg,
             stream,
+            lane_streams,
+            threads,
             kernel,
             decoded,
             counts: DecodeCounts::default(),
@@ -208,9 +283,10 @@ impl GpuLoader {
         folder: ImageFolder,
         ordinal: usize,
         program: &std::path::Path,
+        decode_threads: usize,
     ) -> Result<Self, GpuLoaderError> {
         let left_out = super::hardware_probe::hardware_works(program, ordinal).err();
-        let mut loader = Self::new(folder, ordinal, left_out.is_none())?;
+        let mut loader = Self::new(folder, ordinal, left_out.is_none(), decode_threads)?;
         loader.hardware_left_out = left_out;
         Ok(loader)
     }
@@ -223,8 +299,9 @@ impl GpuLoader {
             (None, false) => "absent".to_string(),
         };
         format!(
-            "nvJPEG {}, hardware decoder {hardware}",
-            self.nvjpeg.version()
+            "nvJPEG {}, hardware decoder {hardware}, CUDA decoder on {} threads",
+            self.nvjpeg.version(),
+            self.lane_streams.len()
         )
     }
 
@@ -301,7 +378,7 @@ impl GpuLoader {
             })?;
         }
         // What nvJPEG refused goes to the CPU, which reads it or names the broken file.
-        for i in self.decode_jpegs(&batch) {
+        for i in self.decode_jpegs(&batch)? {
             batch.routes[i] = Route::Cpu;
             batch.crops[i].width = 0;
         }
@@ -343,10 +420,15 @@ impl GpuLoader {
         })
     }
 
-    /// The hardware decoder's JPEGs as one batch, then the others one by one; returns the
-    /// images nvJPEG refused. A batch the hardware fails is decoded again one by one.
-    fn decode_jpegs(&mut self, batch: &ReadBatch) -> Vec<usize> {
-        let (base, _sync) = self.decoded.device_ptr(&self.stream);
+    /// The hardware decoder's JPEGs as one batch, then the others on the decoding threads;
+    /// returns, once every decode is complete, the images nvJPEG refused. A batch the
+    /// hardware fails goes to the CUDA decoder.
+    fn decode_jpegs(&mut self, batch: &ReadBatch) -> Result<Vec<usize>, GpuLoaderError> {
+        // The decoders write through raw addresses; `decode` orders every stream by hand.
+        let base = {
+            let (ptr, _sync) = self.decoded.device_ptr(&self.stream);
+            ptr
+        };
         let image = |c: &Crop| Image {
             channel: [
                 (base + c.offset) as *mut u8,
@@ -356,28 +438,13 @@ impl GpuLoader {
             ],
             pitch: [c.pitch as u32, 0, 0, 0],
         };
-        let stream = self.stream.cu_stream();
-        let mut refused = Vec::new();
-        let mut one_by_one = |i: usize, counts: &mut DecodeCounts| {
-            // SAFETY: `decoded` holds `pitch × height` bytes at the image's offset (sized
-            // by `decode`) and lives until the stream is synchronised.
-            match unsafe {
-                self.nvjpeg
-                    .decode_one(&batch.files[i], &mut image(&batch.crops[i]), stream)
-            } {
-                Ok(()) => counts.cuda += 1,
-                Err(_) => refused.push(i),
-            }
+        let on_route = |wanted: fn(&Route) -> bool| {
+            (0..batch.routes.len())
+                .filter(|&i| wanted(&batch.routes[i]))
+                .collect::<Vec<_>>()
         };
-        let mut counts = DecodeCounts::default();
-        let mut on_hardware = Vec::new();
-        for (i, route) in batch.routes.iter().enumerate() {
-            match route {
-                Route::Hardware => on_hardware.push(i),
-                Route::Cuda => one_by_one(i, &mut counts),
-                Route::Cpu => {}
-            }
-        }
+        let on_hardware = on_route(|r| matches!(r, Route::Hardware));
+        let mut on_cuda = on_route(|r| matches!(r, Route::Cuda));
         let jpegs: Vec<&[u8]> = on_hardware
             .iter()
             .map(|&i| batch.files[i].as_slice())
@@ -386,9 +453,13 @@ impl GpuLoader {
             .iter()
             .map(|&i| image(&batch.crops[i]))
             .collect();
-        // SAFETY: as above, for each image of the hardware's batch.
-        match unsafe { self.nvjpeg.decode_on_hardware(&jpegs, &mut outs, stream) } {
-            Ok(()) => counts.hardware += jpegs.len(),
+        // SAFETY: `decoded` holds `pitch × height` bytes at each image's offset (sized by
+        // `decode`) and lives until the stream is synchronised, after the crop kernel.
+        match unsafe {
+            self.nvjpeg
+                .decode_on_hardware(&jpegs, &mut outs, self.stream.cu_stream())
+        } {
+            Ok(()) => self.counts.hardware += jpegs.len(),
             Err(e) => {
                 if !self.hardware_failed {
                     eprintln!(
@@ -396,12 +467,60 @@ impl GpuLoader {
                     );
                 }
                 self.hardware_failed = true;
-                on_hardware.iter().for_each(|&i| one_by_one(i, &mut counts));
+                on_cuda.extend(on_hardware);
             }
         }
-        self.counts.hardware += counts.hardware;
-        self.counts.cuda += counts.cuda;
-        refused
+        let jobs: Vec<Job> = on_cuda
+            .iter()
+            .map(|&i| (i, image(&batch.crops[i])))
+            .collect();
+        let refused = self.decode_on_lanes(&batch.files, jobs)?;
+        self.counts.cuda += on_cuda.len() - refused.len();
+        Ok(refused)
+    }
+
+    /// Decodes each `(image, into)` of `jobs` with the CUDA decoder, the images shared out
+    /// over the decoding threads by their bytes; returns, once every lane's stream is done,
+    /// the images nvJPEG refused.
+    fn decode_on_lanes(
+        &mut self,
+        files: &[Vec<u8>],
+        jobs: Vec<Job>,
+    ) -> Result<Vec<usize>, GpuLoaderError> {
+        let bytes: Vec<usize> = jobs.iter().map(|&(i, _)| files[i].len()).collect();
+        let shares: Vec<Vec<Job>> = share_by_bytes(&bytes, self.lane_streams.len())
+            .into_iter()
+            .map(|share| share.into_iter().map(|j| jobs[j]).collect())
+            .collect();
+        let context = self.stream.context().clone();
+        let lanes: Vec<_> = self
+            .nvjpeg
+            .lanes()
+            .into_iter()
+            .zip(&self.lane_streams)
+            .zip(shares)
+            .collect();
+        let refused = self.threads.install(|| {
+            lanes
+                .into_par_iter()
+                .map(|((mut lane, stream), share)| {
+                    cuda("making the GPU current", context.bind_to_thread())?;
+                    let refused: Vec<usize> = share
+                        .into_iter()
+                        .filter_map(|(i, mut into)| {
+                            // SAFETY: `into` points inside `decoded` (see `decode_jpegs`),
+                            // which outlives this call; the context is current (above).
+                            unsafe { lane.decode(&files[i], &mut into, stream.cu_stream()) }
+                                .err()
+                                .map(|_| i)
+                        })
+                        .collect();
+                    cuda("waiting for a decoding stream", stream.synchronize())?;
+                    Ok(refused)
+                })
+                .collect::<Result<Vec<Vec<usize>>, GpuLoaderError>>()
+        })?;
+        Ok(refused.concat())
     }
 
     /// The images nvJPEG does not read, decoded on the CPU into their place in `images`.
@@ -434,5 +553,60 @@ impl GpuLoader {
         }
         self.counts.cpu += on_cpu.len();
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every image goes to exactly one lane, each lane lists its images in order, and no
+    /// lane carries more bytes than the lightest one plus the largest image (what a greedy
+    /// share guarantees).
+    #[test]
+    fn images_are_shared_out_over_the_lanes_by_their_bytes() {
+        let bytes = [
+            90_000, 12_000, 400_000, 88_000, 91_000, 35_000, 150_000, 89_000, 7_000,
+        ];
+        for lanes in 1..=5 {
+            let shares = share_by_bytes(&bytes, lanes);
+            assert_eq!(shares.len(), lanes);
+            let mut all: Vec<usize> = shares.concat();
+            all.sort_unstable();
+            assert_eq!(all, (0..bytes.len()).collect::<Vec<_>>(), "{lanes} lanes");
+            for share in &shares {
+                assert!(share.is_sorted(), "{share:?}");
+            }
+            let loads: Vec<usize> = shares
+                .iter()
+                .map(|share| share.iter().map(|&i| bytes[i]).sum())
+                .collect();
+            let (heaviest, lightest) = (loads.iter().max().unwrap(), loads.iter().min().unwrap());
+            assert!(heaviest - lightest <= 400_000, "{lanes} lanes: {loads:?}");
+        }
+        // An image that outweighs the rest together has a lane to itself.
+        assert_eq!(
+            share_by_bytes(&[50_000, 400_000, 60_000, 70_000], 2),
+            vec![vec![1], vec![0, 2, 3]]
+        );
+        assert_eq!(share_by_bytes(&[], 3), vec![Vec::<usize>::new(); 3]);
+        assert_eq!(
+            share_by_bytes(&[5, 5], 0),
+            vec![vec![0, 1]],
+            "at least one lane"
+        );
+    }
+
+    #[test]
+    fn the_number_of_decoding_threads_is_checked() {
+        assert_eq!(parse_decode_threads("4").unwrap(), 4);
+        assert_eq!(parse_decode_threads(" 64 ").unwrap(), 64);
+        for wrong in ["0", "65", "-1", "four", ""] {
+            let e = parse_decode_threads(wrong).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("{wrong:?}")) && e.contains("from 1 to 64"),
+                "{e}"
+            );
+        }
     }
 }

@@ -72,7 +72,7 @@ pub fn run(ordinal: usize) -> Result<(), String> {
     }
     let ctx = CudaContext::new(ordinal).map_err(|e| format!("opening GPU {ordinal}: {e}"))?;
     let stream = ctx.new_stream().map_err(|e| e.to_string())?;
-    let nvjpeg = NvJpeg::open(true).map_err(|e| e.to_string())?;
+    let nvjpeg = NvJpeg::open(true, 1).map_err(|e| e.to_string())?;
     if !nvjpeg.hardware() {
         return Err("nvJPEG has no hardware decoder on this GPU".into());
     }

@@ -3,6 +3,11 @@
 //! the GPU's hardware JPEG engines (A100, H100, H200: `NVJPEG_BACKEND_HARDWARE`, batched,
 //! baseline JPEGs only), and nvJPEG's default one (Huffman on the CPU, the rest in CUDA)
 //! for what the hardware refuses. Both write interleaved RGB into device memory.
+//!
+//! The default decoder's Huffman stage runs on the calling thread, so one thread decodes
+//! one image at a time. nvJPEG's handle may be shared between threads, its decoding states
+//! may not: [`NvJpeg::lanes`] hands out one state per thread ([`Lane`]), so several threads
+//! decode at once.
 
 use std::ffi::c_void;
 
@@ -46,6 +51,10 @@ pub struct Image {
     /// Bytes per row of each plane.
     pub pitch: [u32; 4],
 }
+
+// SAFETY: device addresses and sizes, plain data that no host code reads through; the
+// unsafe decode calls say what must hold of them.
+unsafe impl Send for Image {}
 
 /// What a JPEG's header says, read by nvJPEG.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -168,20 +177,63 @@ pub struct NvJpeg {
     hardware: Option<Hardware>,
     /// The default backend, for JPEGs the hardware refuses.
     handle: Handle,
-    state: State,
+    /// One decoding state of the default backend per lane (at least one).
+    states: Vec<State>,
     // Last: the functions above point into it.
     _library: Library,
 }
 
 // SAFETY: nvJPEG's handles and states may be used from any thread, one thread at a time,
-// which `&mut`/`&` on the loader that owns this ensures (it is not Sync).
+// which `&mut`/`&` on the loader that owns this ensures (it is not Sync); `lanes` lends
+// each state to one thread alone.
 unsafe impl Send for NvJpeg {}
 
+/// One thread's share of nvJPEG's default decoder: the shared handle and a decoding state
+/// of its own, lent by [`NvJpeg::lanes`].
+pub struct Lane<'a> {
+    api: &'a Api,
+    handle: Handle,
+    state: State,
+}
+
+// SAFETY: nvJPEG's library handle may be used by several threads at once (its guide's
+// "Thread Safety"); the state is this lane's alone while the `&mut NvJpeg` it came from is
+// borrowed.
+unsafe impl Send for Lane<'_> {}
+
+impl Lane<'_> {
+    /// Decodes one JPEG with the default backend into `out`, queued on `stream`; the
+    /// Huffman stage runs on this thread.
+    ///
+    /// # Safety
+    /// As [`NvJpeg::decode_on_hardware`], for one image; the CUDA context of `stream` must
+    /// be current on this thread.
+    pub unsafe fn decode(
+        &mut self,
+        jpeg: &[u8],
+        out: &mut Image,
+        stream: CUstream,
+    ) -> Result<(), NvJpegError> {
+        // SAFETY: the caller vouches for `out` and the context; `jpeg` outlives the call.
+        check("nvjpegDecode", unsafe {
+            (self.api.decode)(
+                self.handle,
+                self.state,
+                jpeg.as_ptr(),
+                jpeg.len(),
+                OUTPUT_RGBI,
+                out,
+                stream,
+            )
+        })
+    }
+}
+
 impl NvJpeg {
-    /// Loads nvJPEG and opens its CUDA decoder, and the hardware one when `hardware` and the
-    /// GPU has it ([`NvJpeg::hardware`] says). Needs the CUDA runtime's primary context,
-    /// which cudarc's `CudaContext` is.
-    pub fn open(hardware: bool) -> Result<Self, NvJpegError> {
+    /// Loads nvJPEG and opens its CUDA decoder with `lanes` decoding states (at least one),
+    /// and the hardware one when `hardware` and the GPU has it ([`NvJpeg::hardware`] says).
+    /// Needs the CUDA runtime's primary context, which cudarc's `CudaContext` is.
+    pub fn open(hardware: bool, lanes: usize) -> Result<Self, NvJpegError> {
         let mut tried = Vec::new();
         let library = LIBRARY_NAMES
             .iter()
@@ -198,6 +250,17 @@ impl NvJpeg {
             })?;
         let api = Api::resolve(&library)?;
         let (handle, state) = open_backend(&api, BACKEND_DEFAULT)?;
+        let mut states = vec![state];
+        while states.len() < lanes {
+            match new_state(&api, handle) {
+                Ok(state) => states.push(state),
+                Err(e) => {
+                    // SAFETY: each created above, destroyed once, states before the handle.
+                    unsafe { destroy(&api, handle, &states) };
+                    return Err(e);
+                }
+            }
+        }
         let hardware = hardware
             .then(|| open_backend(&api, BACKEND_HARDWARE).ok())
             .flatten()
@@ -226,9 +289,21 @@ impl NvJpeg {
             api,
             hardware,
             handle,
-            state,
+            states,
             _library: library,
         })
+    }
+
+    /// Each decoding state of the default backend as a lane, for a thread of its own.
+    pub fn lanes(&mut self) -> Vec<Lane<'_>> {
+        self.states
+            .iter()
+            .map(|&state| Lane {
+                api: &self.api,
+                handle: self.handle,
+                state,
+            })
+            .collect()
     }
 
     /// Whether the GPU's hardware JPEG decoder is in use.
@@ -334,30 +409,6 @@ impl NvJpeg {
             )
         }
     }
-
-    /// Decodes one JPEG with the default backend into `out`, queued on `stream`.
-    ///
-    /// # Safety
-    /// As [`NvJpeg::decode_on_hardware`], for one image.
-    pub unsafe fn decode_one(
-        &self,
-        jpeg: &[u8],
-        out: &mut Image,
-        stream: CUstream,
-    ) -> Result<(), NvJpegError> {
-        // SAFETY: the caller vouches for `out`; `jpeg` outlives the call.
-        check("nvjpegDecode", unsafe {
-            (self.api.decode)(
-                self.handle,
-                self.state,
-                jpeg.as_ptr(),
-                jpeg.len(),
-                OUTPUT_RGBI,
-                out,
-                stream,
-            )
-        })
-    }
 }
 
 /// A handle and a decoding state of `backend`.
@@ -373,16 +424,38 @@ fn open_backend(api: &Api, backend: i32) -> Result<(Handle, State), NvJpegError>
             &mut handle,
         )
     })?;
-    let mut state = std::ptr::null_mut();
-    // SAFETY: `handle` was just created.
-    if let Err(e) = check("nvjpegJpegStateCreate", unsafe {
-        (api.state_create)(handle, &mut state)
-    }) {
-        // SAFETY: created above, destroyed once.
-        unsafe { (api.destroy)(handle) };
-        return Err(e);
+    match new_state(api, handle) {
+        Ok(state) => Ok((handle, state)),
+        Err(e) => {
+            // SAFETY: created above, destroyed once.
+            unsafe { (api.destroy)(handle) };
+            Err(e)
+        }
     }
-    Ok((handle, state))
+}
+
+/// A new decoding state of `handle`'s backend.
+fn new_state(api: &Api, handle: Handle) -> Result<State, NvJpegError> {
+    let mut state = std::ptr::null_mut();
+    // SAFETY: `handle` is live; the out-pointer is a local.
+    check("nvjpegJpegStateCreate", unsafe {
+        (api.state_create)(handle, &mut state)
+    })?;
+    Ok(state)
+}
+
+/// Destroys `states`, then `handle`.
+///
+/// # Safety
+/// Each was created once and is not used again.
+unsafe fn destroy(api: &Api, handle: Handle, states: &[State]) {
+    // SAFETY: the caller's promise.
+    unsafe {
+        for &state in states {
+            (api.state_destroy)(state);
+        }
+        (api.destroy)(handle);
+    }
 }
 
 impl Drop for NvJpeg {
@@ -395,8 +468,7 @@ impl Drop for NvJpeg {
                 (self.api.state_destroy)(hw.state);
                 (self.api.destroy)(hw.handle);
             }
-            (self.api.state_destroy)(self.state);
-            (self.api.destroy)(self.handle);
+            destroy(&self.api, self.handle, &self.states);
         }
     }
 }
@@ -419,13 +491,16 @@ mod tests {
     /// instead of crashing; where it is but no GPU is, the failing call is named.
     #[test]
     fn opening_says_what_is_missing_or_opens() {
-        match NvJpeg::open(false) {
+        match NvJpeg::open(false, 2) {
             Err(NvJpegError::Missing { tried }) => {
                 assert!(tried.contains("libnvjpeg.so.13"), "{tried}")
             }
             Err(NvJpegError::Call { call, .. }) => assert_eq!(call, "nvjpegCreateEx"),
             Err(e) => panic!("{e}"),
-            Ok(n) => assert!(!n.version().starts_with('-')),
+            Ok(mut n) => {
+                assert!(!n.version().starts_with('-'));
+                assert_eq!(n.lanes().len(), 2);
+            }
         }
     }
 }
