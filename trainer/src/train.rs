@@ -143,17 +143,14 @@ impl Dataset {
         })
     }
 
-    fn batch(&self, indices: &[usize], epoch: usize, gpu: Option<&mut GpuLoader>) -> ReadBatch {
+    /// The images of `indices` in `epoch`, made on the CPU (the GPU loader's batches are
+    /// [`read_ahead_into_gpu`]'s).
+    fn batch(&self, indices: &[usize], epoch: usize) -> ReadBatch {
         let host = |batch: (Tensor, Vec<usize>)| (Images::Host(batch.0), batch.1);
-        match (&self.images, gpu) {
-            (Source::Synthetic(d), _) => Ok(host(d.batch(indices))),
-            (Source::Learnable(d), _) => Ok(host(d.batch(indices))),
-            (Source::Folder(d), None) => Ok(host(d.batch(indices, epoch)?)),
-            (Source::Folder(d), Some(loader)) => {
-                let files = d.read_files(indices)?;
-                let batch = loader.decode(loader.plan(indices, epoch, files)?)?;
-                Ok((Images::Device(batch.images), batch.labels))
-            }
+        match &self.images {
+            Source::Synthetic(d) => Ok(host(d.batch(indices))),
+            Source::Learnable(d) => Ok(host(d.batch(indices))),
+            Source::Folder(d) => Ok(host(d.batch(indices, epoch)?)),
         }
     }
 
@@ -407,29 +404,80 @@ fn read_batches(
     layout: Layout,
     start_step: usize,
     batches: SyncSender<ReadBatch>,
-    mut gpu: Option<GpuLoader>,
+    gpu: Option<GpuLoader>,
 ) {
-    for step in start_step..layout.total_steps {
+    let order = micro_batches(layout, args.seed, start_step);
+    let send = |batch: ReadBatch| {
+        let failed = batch.is_err();
+        batches.send(batch).is_ok() && !failed
+    };
+    match (&dataset.images, gpu) {
+        (Source::Folder(folder), Some(mut loader)) => {
+            read_ahead_into_gpu(folder, &mut loader, order, send)
+        }
+        _ => {
+            for (indices, epoch) in order {
+                if !send(dataset.batch(&indices, epoch)) {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// The indices and epoch of this rank's micro-batches, step by step from `start_step`.
+fn micro_batches(
+    layout: Layout,
+    seed: u64,
+    start_step: usize,
+) -> impl Iterator<Item = (Vec<usize>, usize)> {
+    (start_step..layout.total_steps).flat_map(move |step| {
         let epoch = step / layout.steps_per_epoch;
         let in_epoch = step % layout.steps_per_epoch;
-        for m in 0..layout.micro_batches {
+        (0..layout.micro_batches).map(move |m| {
             let indices = shard(
                 layout.dataset_size,
                 layout.rank * layout.micro_batches + m,
                 layout.shards,
                 epoch,
-                args.seed,
+                seed,
             );
             let micro = layout.micro;
-            let batch = dataset.batch(
-                &indices[in_epoch * micro..(in_epoch + 1) * micro],
+            (
+                indices[in_epoch * micro..(in_epoch + 1) * micro].to_vec(),
                 epoch,
-                gpu.as_mut(),
-            );
-            let failed = batch.is_err();
-            if batches.send(batch).is_err() || failed {
-                return;
-            }
+            )
+        })
+    })
+}
+
+/// The GPU loader's batches of `order` into `send` (which says whether to go on), each
+/// batch's files read while the GPU decodes the one before: reading is the CPU's part
+/// that the decoding threads do not do.
+fn read_ahead_into_gpu(
+    folder: &ImageFolder,
+    loader: &mut GpuLoader,
+    order: impl Iterator<Item = (Vec<usize>, usize)>,
+    send: impl Fn(ReadBatch) -> bool,
+) {
+    let mut order = order.peekable();
+    let mut files = order.peek().map(|(indices, _)| folder.read_files(indices));
+    while let Some((indices, epoch)) = order.next() {
+        let these = files.take().expect("each batch's files are read ahead");
+        let next = order.peek().map(|(indices, _)| indices);
+        let (batch, next_files) = std::thread::scope(|scope| {
+            let reading = next.map(|indices| scope.spawn(|| folder.read_files(indices)));
+            let batch = these
+                .map_err(TrainError::from)
+                .and_then(|these| Ok(loader.decode(loader.plan(&indices, epoch, these)?)?))
+                .map(|batch| (Images::Device(batch.images), batch.labels));
+            let next_files =
+                reading.map(|r| r.join().expect("reading a batch's files does not panic"));
+            (batch, next_files)
+        });
+        files = next_files;
+        if !send(batch) {
+            return;
         }
     }
 }
@@ -1022,4 +1070,64 @@ pub fn warmup_steps(
         None => 0,
     };
     steps.min(total_steps)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(rank: usize, world: usize, micro_batches: usize) -> Layout {
+        let (micro, dataset_size) = (3, 100);
+        let shards = world * micro_batches;
+        let steps_per_epoch = dataset_size / shards / micro;
+        Layout {
+            rank,
+            world,
+            micro_batches,
+            micro,
+            shards,
+            dataset_size,
+            steps_per_epoch,
+            total_steps: 2 * steps_per_epoch + 1,
+            global_batch: micro * micro_batches * world,
+        }
+    }
+
+    /// Within an epoch no image is read twice by any rank or micro-batch; each epoch is
+    /// ordered anew; a run resumed at a step reads what the whole run read from that step.
+    #[test]
+    fn each_rank_reads_its_micro_batches_in_order_and_an_epoch_reads_no_image_twice() {
+        let (world, per_rank) = (2, 2);
+        let whole: Vec<Vec<(Vec<usize>, usize)>> = (0..world)
+            .map(|rank| micro_batches(layout(rank, world, per_rank), 7, 0).collect())
+            .collect();
+        let l = layout(0, world, per_rank);
+        for rank_batches in &whole {
+            assert_eq!(rank_batches.len(), l.total_steps * per_rank);
+            assert!(
+                rank_batches
+                    .iter()
+                    .all(|(indices, _)| indices.len() == l.micro)
+            );
+        }
+        let epoch_images = |epoch: usize| -> Vec<usize> {
+            whole
+                .iter()
+                .flatten()
+                .filter(|(_, e)| *e == epoch)
+                .flat_map(|(indices, _)| indices.clone())
+                .collect()
+        };
+        for epoch in 0..2 {
+            let mut images = epoch_images(epoch);
+            let read = images.len();
+            assert_eq!(read, l.steps_per_epoch * l.global_batch);
+            images.sort_unstable();
+            images.dedup();
+            assert_eq!(images.len(), read, "epoch {epoch} reads an image twice");
+        }
+        assert_ne!(whole[0][0].0, whole[0][l.steps_per_epoch * per_rank].0);
+        let resumed: Vec<_> = micro_batches(layout(1, world, per_rank), 7, 5).collect();
+        assert_eq!(resumed, whole[1][5 * per_rank..]);
+    }
 }
