@@ -111,9 +111,10 @@ pub fn run(args: &LoaderBenchArgs) -> Result<serde_json::Value, String> {
 /// Wall and CPU seconds of the CPU loader's timed batches.
 fn time_cpu(folder: &ImageFolder, args: &LoaderBenchArgs) -> Result<(f64, f64), String> {
     let batch = |b| {
+        // Handed back as training does once a batch is uploaded.
         folder
             .batch(&indices(b, args.batch_size, folder.len()), b)
-            .map(drop)
+            .map(|(images, _)| folder.buffers().give_back(images))
     };
     batch(0).map_err(|e| e.to_string())?;
     let (started, cpu) = (Instant::now(), cpu_seconds());

@@ -24,7 +24,7 @@ use crate::engine::data::{LearnableData, SyntheticData, shard};
 use crate::engine::image_folder::gpu::{
     DeviceImages, GpuLoader, GpuLoaderError, decode_threads_from_env,
 };
-use crate::engine::image_folder::{ImageFolder, ImageFolderError};
+use crate::engine::image_folder::{BatchBuffers, ImageFolder, ImageFolderError};
 use crate::engine::step::{self, RecordedStep};
 use crate::engine::tensor::DType;
 use crate::engine::{
@@ -146,11 +146,14 @@ impl Dataset {
     /// The images of `indices` in `epoch`, made on the CPU (the GPU loader's batches are
     /// [`read_ahead_into_gpu`]'s).
     fn batch(&self, indices: &[usize], epoch: usize) -> ReadBatch {
-        let host = |batch: (Tensor, Vec<usize>)| (Images::Host(batch.0), batch.1);
+        let host = |batch: (Tensor, Vec<usize>)| (Images::Host(batch.0, None), batch.1);
         match &self.images {
             Source::Synthetic(d) => Ok(host(d.batch(indices))),
             Source::Learnable(d) => Ok(host(d.batch(indices))),
-            Source::Folder(d) => Ok(host(d.batch(indices, epoch)?)),
+            Source::Folder(d) => {
+                let (images, labels) = d.batch(indices, epoch)?;
+                Ok((Images::Host(images, Some(d.buffers())), labels))
+            }
         }
     }
 
@@ -204,18 +207,29 @@ fn this_program() -> Result<PathBuf, GpuLoaderError> {
     std::env::current_exe().map_err(GpuLoaderError::ThisProgram)
 }
 
-/// A batch's images, as the reader thread makes them: NCHW on the host, or on the GPU
-/// (decoded there by nvJPEG).
+/// A batch's images, as the reader thread makes them: NCHW on the host (with where its
+/// memory goes back once uploaded), or on the GPU (decoded there by nvJPEG).
 enum Images {
-    Host(Tensor),
+    Host(Tensor, Option<BatchBuffers>),
     Device(DeviceImages),
+}
+
+/// Hands `images` back to `buffers`, if they came from there, once uploaded.
+fn uploaded(images: Tensor, buffers: Option<BatchBuffers>) {
+    if let Some(buffers) = buffers {
+        buffers.give_back(images);
+    }
 }
 
 impl Images {
     /// On `be`'s device as `dtype`.
     fn upload<B: Backend>(self, be: &B, dtype: DType) -> Tensor<B> {
         match self {
-            Images::Host(images) => Tensor::upload(be, &images, dtype),
+            Images::Host(images, buffers) => {
+                let on_device = Tensor::upload(be, &images, dtype);
+                uploaded(images, buffers);
+                on_device
+            }
             Images::Device(mut images) => {
                 let mut data = be.zeros(images.shape.iter().product(), dtype);
                 be.upload_device_images_into(&mut images, &mut data);
@@ -558,7 +572,10 @@ fn load<B: Backend>(
     labels: &[usize],
 ) {
     match images {
-        Images::Host(images) => recorded.load(model, &images, labels),
+        Images::Host(images, buffers) => {
+            recorded.load(model, &images, labels);
+            uploaded(images, buffers);
+        }
         Images::Device(mut images) => recorded.load_device(model, &mut images, labels),
     }
 }

@@ -13,6 +13,7 @@ pub mod nvjpeg;
 pub mod resample;
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -61,6 +62,46 @@ pub struct ImageFolder {
     samples: Vec<(PathBuf, usize)>,
     image_size: usize,
     seed: u64,
+    /// Shared by the folder's clones.
+    buffers: BatchBuffers,
+}
+
+/// The pixel buffers of batches already used, for the next batches to write into. A new
+/// batch's memory (154 MB at 256 × 224 px) comes fresh from the kernel, which faults in and
+/// zeroes each of its pages at the first write: a sixth of a loader thread's time.
+#[derive(Clone, Debug, Default)]
+pub struct BatchBuffers(Arc<Mutex<Vec<Vec<f32>>>>);
+
+impl BatchBuffers {
+    /// Buffers kept at most: the reader's queue of batches and the one in use.
+    const KEPT: usize = 4;
+
+    /// A buffer of `len` values, reused when one was given back; what it holds is stale.
+    fn take(&self, len: usize) -> Vec<f32> {
+        match self.kept().pop() {
+            Some(mut reused) => {
+                reused.resize(len, 0.0);
+                reused
+            }
+            None => vec![0.0; len],
+        }
+    }
+
+    /// Hands a batch's images back once they are used (uploaded), for a later batch of
+    /// the folder to write into.
+    pub fn give_back(&self, images: Tensor) {
+        let mut kept = self.kept();
+        if kept.len() < Self::KEPT {
+            kept.push(images.data);
+        }
+    }
+
+    fn kept(&self) -> std::sync::MutexGuard<'_, Vec<Vec<f32>>> {
+        // A panic while holding the lock leaves a list of whole buffers: still usable.
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
 }
 
 fn list(dir: &Path) -> Result<Vec<PathBuf>, ImageFolderError> {
@@ -119,6 +160,7 @@ impl ImageFolder {
             samples,
             image_size,
             seed,
+            buffers: BatchBuffers::default(),
         })
     }
 
@@ -133,7 +175,7 @@ impl ImageFolder {
     }
 
     /// Decoded, augmented and normalized images `[n, 3, size, size]` and their labels,
-    /// decoded in parallel.
+    /// decoded in parallel. Give the images back once used ([`ImageFolder::buffers`]).
     pub fn batch(
         &self,
         indices: &[usize],
@@ -141,13 +183,21 @@ impl ImageFolder {
     ) -> Result<(Tensor, Vec<usize>), ImageFolderError> {
         let s = self.image_size;
         let per = 3 * s * s;
-        let mut images = Tensor::zeros(&[indices.len(), 3, s, s]);
+        let shape = [indices.len(), 3, s, s];
+        // Every value is written below (each image whole), so a stale buffer will do.
+        let mut images = Tensor::from_vec(&shape, self.buffers.take(indices.len() * per));
         images
             .data
             .par_chunks_mut(per)
             .zip(indices.par_iter())
             .try_for_each(|(out, &index)| self.sample(index, epoch, out))?;
         Ok((images, indices.iter().map(|&i| self.samples[i].1).collect()))
+    }
+
+    /// Where a batch's images go back once used ([`BatchBuffers::give_back`]), for a later
+    /// batch to write into.
+    pub fn buffers(&self) -> BatchBuffers {
+        self.buffers.clone()
     }
 
     /// Image `index` as the model sees it in `epoch`: the crop is chosen on the full-size
@@ -330,6 +380,34 @@ pub fn write_learnable(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A batch written into a used buffer is the batch a fresh folder makes: nothing of the
+    /// batch before shows through. Buffers are reused, and only so many are kept.
+    #[test]
+    fn a_batch_in_a_used_buffer_is_the_same_batch_and_few_buffers_are_kept() {
+        let dir = std::env::temp_dir().join(format!("batch-buffers-{}", std::process::id()));
+        std::fs::remove_dir_all(&dir).ok();
+        imagenet_sized::write(&dir, 2, 4, 5).unwrap();
+        let folder = ImageFolder::open(&dir, 32, 3).unwrap();
+        let (first, _) = folder.batch(&[0, 1, 2, 3], 0).unwrap();
+        let used = first.data.as_ptr();
+        folder.buffers().give_back(first);
+        let (second, labels) = folder.batch(&[7, 6, 5, 4], 1).unwrap();
+        assert_eq!(second.data.as_ptr(), used, "the used buffer was taken");
+        let fresh = ImageFolder::open(&dir, 32, 3).unwrap();
+        let (expected, expected_labels) = fresh.batch(&[7, 6, 5, 4], 1).unwrap();
+        assert_eq!(second.data, expected.data);
+        assert_eq!(labels, expected_labels);
+        let (smaller, _) = folder.batch(&[1, 2], 0).unwrap();
+        assert_eq!(smaller.data.len(), 2 * 3 * 32 * 32);
+        folder.buffers().give_back(second);
+        folder.buffers().give_back(smaller);
+        for _ in 0..BatchBuffers::KEPT + 2 {
+            folder.buffers().give_back(Tensor::zeros(&[1, 3, 32, 32]));
+        }
+        assert_eq!(folder.buffers.kept().len(), BatchBuffers::KEPT);
+        std::fs::remove_dir_all(&dir).ok();
+    }
 
     /// Where the red plane of row `y` (of `size`) crosses half way from black to white,
     /// in output pixels, interpolated.
