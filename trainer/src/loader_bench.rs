@@ -131,23 +131,25 @@ fn time_gpu(
     loader: &mut GpuLoader,
     args: &LoaderBenchArgs,
 ) -> Result<(f64, f64), String> {
-    let read = |b| folder.read_files(&indices(b, args.batch_size, folder.len()));
-    let mut files = read(0).map_err(|e| e.to_string())?;
+    let mut files = folder
+        .read_files(&indices(0, args.batch_size, folder.len()))
+        .map_err(|e| e.to_string())?;
     let mut timing = None;
     for b in 0..=args.batches {
         if b == 1 {
             timing = Some((Instant::now(), cpu_seconds()));
         }
-        let planned = loader
-            .plan(&indices(b, args.batch_size, folder.len()), b, files)
-            .map_err(|e| e.to_string())?;
-        let (next, decoded) = std::thread::scope(|s| {
-            let next = s.spawn(|| read(b + 1));
-            let decoded = loader.decode(planned);
-            (next.join().expect("reading files does not panic"), decoded)
-        });
+        let next = indices(b + 1, args.batch_size, folder.len());
+        let (decoded, next_files) = loader.decode_reading_next(
+            &indices(b, args.batch_size, folder.len()),
+            b,
+            files,
+            Some(&next),
+        );
         decoded.map_err(|e| e.to_string())?;
-        files = next.map_err(|e| e.to_string())?;
+        files = next_files
+            .expect("the next files were asked for")
+            .map_err(|e| e.to_string())?;
     }
     let (started, cpu) = timing.expect("at least one timed batch");
     Ok((started.elapsed().as_secs_f64(), cpu_seconds() - cpu))

@@ -466,8 +466,7 @@ fn micro_batches(
 }
 
 /// The GPU loader's batches of `order` into `send` (which says whether to go on), each
-/// batch's files read while the GPU decodes the one before: reading is the CPU's part
-/// that the decoding threads do not do.
+/// batch's files read while the GPU decodes the one before.
 fn read_ahead_into_gpu(
     folder: &ImageFolder,
     loader: &mut GpuLoader,
@@ -477,19 +476,16 @@ fn read_ahead_into_gpu(
     let mut order = order.peekable();
     let mut files = order.peek().map(|(indices, _)| folder.read_files(indices));
     while let Some((indices, epoch)) = order.next() {
-        let these = files.take().expect("each batch's files are read ahead");
-        let next = order.peek().map(|(indices, _)| indices);
-        let (batch, next_files) = std::thread::scope(|scope| {
-            let reading = next.map(|indices| scope.spawn(|| folder.read_files(indices)));
-            let batch = these
-                .map_err(TrainError::from)
-                .and_then(|these| Ok(loader.decode(loader.plan(&indices, epoch, these)?)?))
-                .map(|batch| (Images::Device(batch.images), batch.labels));
-            let next_files =
-                reading.map(|r| r.join().expect("reading a batch's files does not panic"));
-            (batch, next_files)
-        });
+        let (batch, next_files) = match files.take().expect("each batch's files are read ahead") {
+            Ok(these) => {
+                let next = order.peek().map(|(indices, _)| indices.as_slice());
+                let (batch, next_files) = loader.decode_reading_next(&indices, epoch, these, next);
+                (batch.map_err(TrainError::from), next_files)
+            }
+            Err(e) => (Err(e.into()), None),
+        };
         files = next_files;
+        let batch = batch.map(|batch| (Images::Device(batch.images), batch.labels));
         if !send(batch) {
             return;
         }

@@ -142,6 +142,9 @@ pub struct DecodeCounts {
     pub cpu: usize,
 }
 
+/// The next batch's files, or why one could not be read.
+pub type NextFiles = Result<Vec<Vec<u8>>, ImageFolderError>;
+
 /// Image `i` of a batch, and where its decoded pixels go.
 type Job = (usize, Image);
 
@@ -203,7 +206,8 @@ impl Drop for DeviceImages {
 
 /// An image folder whose JPEGs are decoded on GPU `ordinal`.
 pub struct GpuLoader {
-    folder: ImageFolder,
+    /// Shared with the thread that reads the next batch's files.
+    folder: Arc<ImageFolder>,
     nvjpeg: NvJpeg,
     stream: Arc<CudaStream>,
     /// One stream per decoding thread, for its images' GPU stages.
@@ -264,7 +268,7 @@ impl GpuLoader {
             .build()?;
         let decoded = cuda("allocating", stream.alloc_zeros::<u8>(ALIGN))?;
         Ok(Self {
-            folder,
+            folder: Arc::new(folder),
             nvjpeg,
             stream,
             lane_streams,
@@ -357,6 +361,28 @@ impl GpuLoader {
             files,
             routes,
             crops,
+        })
+    }
+
+    /// The batch of `indices` in `epoch` from its `files`, planned and decoded, while the
+    /// files of `next` (the batch after it) are read on another thread: reading is the CPU's
+    /// part that the decoding threads do not do. Returns the batch and the next files.
+    pub fn decode_reading_next(
+        &mut self,
+        indices: &[usize],
+        epoch: usize,
+        files: Vec<Vec<u8>>,
+        next: Option<&[usize]>,
+    ) -> (Result<GpuBatch, GpuLoaderError>, Option<NextFiles>) {
+        let folder = Arc::clone(&self.folder);
+        std::thread::scope(|scope| {
+            let reading = next.map(|indices| scope.spawn(|| folder.read_files(indices)));
+            let batch = self
+                .plan(indices, epoch, files)
+                .and_then(|planned| self.decode(planned));
+            let next_files =
+                reading.map(|r| r.join().expect("reading a batch's files does not panic"));
+            (batch, next_files)
         })
     }
 
@@ -487,6 +513,9 @@ impl GpuLoader {
         files: &[Vec<u8>],
         jobs: Vec<Job>,
     ) -> Result<Vec<usize>, GpuLoaderError> {
+        if jobs.is_empty() {
+            return Ok(Vec::new());
+        }
         let bytes: Vec<usize> = jobs.iter().map(|&(i, _)| files[i].len()).collect();
         let shares: Vec<Vec<Job>> = share_by_bytes(&bytes, self.lane_streams.len())
             .into_iter()

@@ -277,10 +277,7 @@ impl NvJpeg {
                     }),
                     Err(_) => {
                         // SAFETY: created above, destroyed once.
-                        unsafe {
-                            (api.state_destroy)(state);
-                            (api.destroy)(handle);
-                        }
+                        unsafe { destroy(&api, handle, &[state]) };
                         None
                     }
                 }
@@ -465,8 +462,7 @@ impl Drop for NvJpeg {
         unsafe {
             if let Some(hw) = self.hardware.take() {
                 (self.api.stream_destroy)(hw.stream);
-                (self.api.state_destroy)(hw.state);
-                (self.api.destroy)(hw.handle);
+                destroy(&self.api, hw.handle, &[hw.state]);
             }
             destroy(&self.api, self.handle, &self.states);
         }
